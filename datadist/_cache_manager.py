@@ -1,0 +1,431 @@
+"""``CacheManager``: the public cache calls.  Each call validates at the edge (the
+contract's exceptions, nothing changed on failure), builds one coalesced plan with
+:mod:`datadist.engine.layout`, and hands it to the link's transport or the local copier.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ._objects import BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, as_tensor_addrs
+from ._status import LLMStatusCode, raise_error
+from ._tensors import tensor_at
+from ._types import LLMRole, Placement
+from .engine.core import Engine
+from .engine.layout import Plan, block_offsets, layer_tensor_indices, plan_units
+from .engine.memory import PoolExhausted
+from .transports.base import RemoteCache
+from .transports.local import LocalTransport
+
+__all__ = ["CacheManager"]
+
+_PUSH_ROLES = (LLMRole.PROMPT, LLMRole.MIX)
+_PULL_ROLES = (LLMRole.DECODER, LLMRole.MIX)
+
+
+class _Side:
+    """Geometry of one side of a transfer: tensor addresses and row stride."""
+
+    __slots__ = ("addrs", "num_tensors", "tensor_size", "batch_size")
+
+    def __init__(self, addrs: np.ndarray, num_tensors: int, tensor_size: int, batch_size: int) -> None:
+        self.addrs, self.num_tensors, self.tensor_size, self.batch_size = addrs, num_tensors, tensor_size, batch_size
+
+    @property
+    def stride(self) -> int:
+        return self.tensor_size // self.batch_size
+
+    @classmethod
+    def of_cache(cls, cache: Cache) -> "_Side":
+        d = cache.cache_desc
+        return cls(np.asarray(cache.tensor_addrs, dtype=np.uint64), d.num_tensors, d.size, d.batch_size)
+
+    @classmethod
+    def of_remote(cls, r: RemoteCache) -> "_Side":
+        return cls(r.addrs, r.num_tensors, r.tensor_size, r.batch_size)
+
+
+# ------------------------------------------------------------------------- validation
+
+def _int_arg(name: str, value) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return operator.index(value)
+
+
+def _tnpl(value, num_tensors: int) -> int:
+    n = _int_arg("tensor_num_per_layer", value)
+    if n < 0:
+        raise ValueError(f"tensor_num_per_layer = {n} must not be negative")
+    if n == 0 or n > num_tensors or num_tensors % n:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                    f"tensor_num_per_layer = {n} is invalid: it must be in [1, {num_tensors}] and divide the "
+                    f"cache's {num_tensors} tensors")
+    return n
+
+
+def _layers(name: str, value, num_layers: int) -> range:
+    if value is None:
+        return range(0, num_layers)
+    if not isinstance(value, range):
+        raise TypeError(f"{name} must be a range or None, got {type(value).__name__}")
+    if value.step != 1 or not 0 <= value.start < value.stop <= num_layers:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                    f"{name} = {value} is invalid: step must be 1 and 0 <= start < stop <= {num_layers} layers")
+    return value
+
+
+def _blocks(name: str, value, num_blocks: int) -> np.ndarray:
+    if not isinstance(value, (list, tuple, range, np.ndarray)):
+        raise TypeError(f"{name} must be a list of block indices, got {type(value).__name__}")
+    try:
+        arr = np.asarray(value, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise TypeError(f"{name} must hold ints, got {list(value)[:8]!r}") from None
+    if arr.ndim != 1 or (len(value) and not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                                                 for v in (value[0], value[-1]))):
+        raise TypeError(f"{name} must be a flat list of ints")
+    bad = (arr < 0) | (arr >= num_blocks)
+    if bad.any():
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                    f"{name} holds index {int(arr[bad][0])}, outside [0, {num_blocks}) blocks")
+    return arr
+
+
+def _selection(src: _Side, dst: _Side, tnpl, src_range, dst_range, same_range: bool = False):
+    """Tensor indices of both sides for the layer ranges (validated)."""
+    n = _tnpl(tnpl, src.num_tensors)
+    if dst.num_tensors % n:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                    f"tensor_num_per_layer = {n} does not divide the destination's {dst.num_tensors} tensors")
+    sr = _layers("src_layer_range", src_range, src.num_tensors // n)
+    dr = _layers("dst_layer_range", dst_range, dst.num_tensors // n)
+    if src_range is None and dst_range is None and src.num_tensors != dst.num_tensors:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                    f"source has {src.num_tensors} tensors, destination {dst.num_tensors}; give layer ranges")
+    if len(sr) != len(dr):
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                    f"src_layer_range {sr} and dst_layer_range {dr} differ in length")
+    if same_range and src_range != dst_range and None not in (src_range, dst_range):
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                    f"push needs the same layer range on both sides, got {src_range} and {dst_range}")
+    return layer_tensor_indices(sr, n), layer_tensor_indices(dr, n)
+
+
+def _same_stride(src: _Side, dst: _Side, what: str) -> int:
+    if src.stride != dst.stride:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                    f"{what}: source {what} is {src.stride} bytes per tensor, destination {dst.stride}")
+    return src.stride
+
+
+def _blocks_plan(src: _Side, dst: _Side, src_blocks, dst_blocks, tnpl, src_range, dst_range) -> Plan:
+    sb = _blocks("src_blocks", src_blocks, src.batch_size)
+    db = _blocks("dst_blocks", dst_blocks, dst.batch_size)
+    if sb.shape != db.shape:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                    f"src_blocks has {sb.shape[0]} entries, dst_blocks {db.shape[0]}; they must be equal")
+    ts, td = _selection(src, dst, tnpl, src_range, dst_range)
+    stride = _same_stride(src, dst, "block size")
+    return plan_units(src.addrs[ts], block_offsets(sb, stride), dst.addrs[td], block_offsets(db, stride), stride)
+
+
+def _row_plan(src: _Side, src_row: int, dst: _Side, dst_row: int, size: int, offset: int, tnpl,
+              src_range, dst_range) -> Plan:
+    ts, td = _selection(src, dst, tnpl, src_range, dst_range)
+    return plan_units(src.addrs[ts], [src_row * src.stride + offset], dst.addrs[td],
+                      [dst_row * dst.stride + offset], size)
+
+
+def _row_size(size, src: _Side, dst: _Side, offset: int = 0) -> int:
+    size = _int_arg("size", size)
+    limit = min(src.stride, dst.stride) - offset
+    if size == -1:
+        if src.stride != dst.stride:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                        f"rows differ in size ({src.stride} vs {dst.stride} bytes per tensor); pass size")
+        return limit
+    if not 0 < size <= limit:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"size = {size} is invalid: must be -1 or in (0, {limit}] bytes")
+    return size
+
+
+class CacheManager:
+    """Allocates, registers and moves caches for one engine (``LLMDataDist.cache_manager``)."""
+
+    def __init__(self, owner) -> None:
+        self._owner = owner  # the LLMDataDist, for its engine and role
+
+    @property
+    def _engine(self) -> Engine:
+        return self._owner._engine_or_raise()
+
+    # -- allocation ----------------------------------------------------------------------
+    def _new_cache(self, desc: CacheDesc, addrs: List[int], *, blocks: bool, release, keys=(),
+                   blocks_key=None, registered: bool, handle=None) -> Cache:
+        eng = self._engine
+        rec = eng.registry.add(dict(num_tensors=desc.num_tensors, tensor_size=desc.size, batch_size=desc.batch_size,
+                                    is_blocks=blocks, dtype=desc.data_type.name,
+                                    addrs=np.asarray(addrs, dtype=np.uint64), release=release),
+                               keys=keys, blocks_key=blocks_key)
+        return Cache(cache_id=rec.cache_id, cache_desc=desc, tensor_addrs=addrs, is_blocks_cache=blocks,
+                     is_registered=registered, handle=handle)
+
+    def _allocate(self, desc: CacheDesc, *, blocks: bool, keys=(), blocks_key=None) -> Cache:
+        if not isinstance(desc, CacheDesc):
+            raise TypeError(f"cache_desc must be a CacheDesc, got {type(desc).__name__}")
+        eng = self._engine
+        host = desc.placement == Placement.HOST
+        pool = eng.pools.get("host" if host else "device")
+        if pool is None:
+            opt = "host_mem_pool_cfg" if host else "mem_pool_cfg"
+            raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                        f"allocating a {desc.placement.name} cache needs a pool: set LLMConfig.{opt}")
+        try:
+            base = pool.alloc(desc.size * desc.num_tensors)
+        except PoolExhausted as exc:
+            code = LLMStatusCode.LLM_OUT_OF_MEMORY if host else LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
+            raise_error(code, f"cannot allocate {desc.num_tensors} x {desc.size} bytes: {exc}")
+        addrs = [base + i * desc.size for i in range(desc.num_tensors)]
+        try:
+            return self._new_cache(desc, addrs, blocks=blocks, release=lambda: pool.free(base), keys=keys,
+                                   blocks_key=blocks_key, registered=False)
+        except BaseException:
+            pool.free(base)
+            raise
+
+    def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> Cache:
+        """Allocate pool memory for a cache; row i is named by ``cache_keys[i]``."""
+        keys = self._check_keys(cache_keys, cache_desc)
+        return self._allocate(cache_desc, blocks=False, keys=keys)
+
+    def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: Optional[BlocksCacheKey] = None) -> Cache:
+        """Allocate a blocks (paged) cache; ``batch_size`` counts blocks."""
+        self._check_blocks_key(blocks_cache_key)
+        return self._allocate(cache_desc, blocks=True, blocks_key=blocks_cache_key)
+
+    def register_cache(self, cache_desc: CacheDesc, addrs, cache_keys: Sequence[CacheKey] = (),
+                       remote_accessible: Optional[bool] = None) -> Cache:
+        """Register caller-owned memory (int addresses or tensors) as a cache."""
+        keys = self._check_keys(cache_keys, cache_desc)
+        ints, tensors = as_tensor_addrs(addrs, cache_desc)
+        return self._new_cache(cache_desc, ints, blocks=False, release=None, keys=keys, registered=True,
+                               handle=tensors or None)
+
+    def register_blocks_cache(self, cache_desc: CacheDesc, addrs, blocks_cache_key: Optional[BlocksCacheKey] = None,
+                              remote_accessible: Optional[bool] = None) -> Cache:
+        """Register caller-owned memory as a blocks cache."""
+        self._check_blocks_key(blocks_cache_key)
+        ints, tensors = as_tensor_addrs(addrs, cache_desc)
+        return self._new_cache(cache_desc, ints, blocks=True, release=None, blocks_key=blocks_cache_key,
+                               registered=True, handle=tensors or None)
+
+    @staticmethod
+    def _check_keys(keys, desc: CacheDesc) -> list:
+        if not isinstance(desc, CacheDesc):
+            raise TypeError(f"cache_desc must be a CacheDesc, got {type(desc).__name__}")
+        if not isinstance(keys, (list, tuple)):
+            raise TypeError(f"cache_keys must be a list of CacheKey, got {type(keys).__name__}")
+        for i, k in enumerate(keys):
+            if not isinstance(k, CacheKey):
+                raise TypeError(f"cache_keys[{i}] must be a CacheKey, got {type(k).__name__}")
+        if len(keys) > desc.batch_size:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                        f"{len(keys)} cache_keys for a cache of batch size {desc.batch_size}")
+        return list(keys)
+
+    @staticmethod
+    def _check_blocks_key(key) -> None:
+        if key is not None and not isinstance(key, BlocksCacheKey):
+            raise TypeError(f"blocks_cache_key must be a BlocksCacheKey, got {type(key).__name__}")
+
+    def _free(self, cache: Cache) -> None:
+        if not isinstance(cache, Cache):
+            raise TypeError(f"cache must be a Cache, got {type(cache).__name__}")
+        rec = self._engine.registry.remove(cache.cache_id)
+        if rec is not None and rec.release is not None:
+            rec.release()
+
+    def deallocate_cache(self, cache: Cache) -> None:
+        """Free a cache from ``allocate_cache``; no-op if already freed."""
+        self._free(cache)
+
+    def deallocate_blocks_cache(self, cache: Cache) -> None:
+        """Free a cache from ``allocate_blocks_cache``; no-op if already freed."""
+        self._free(cache)
+
+    def unregister_cache(self, cache_id: int) -> None:
+        """Forget a registered cache (the memory stays the caller's)."""
+        self._engine.registry.remove(_int_arg("cache_id", cache_id))
+
+    def remove_cache_key(self, cache_key: CacheKey) -> None:
+        """Drop a key (no-op if absent)."""
+        if not isinstance(cache_key, CacheKey):
+            raise TypeError(f"cache_key must be a CacheKey, got {type(cache_key).__name__}")
+        self._engine.registry.remove_key(cache_key)
+
+    def get_cache_tensors(self, cache: Cache) -> list:
+        """Torch tensors viewing the cache memory, one per tensor."""
+        self._local(cache)
+        d = cache.cache_desc
+        return [tensor_at(a, d.shape, d.data_type) for a in cache.tensor_addrs]
+
+    # -- local side of transfers --------------------------------------------------------
+    def _local(self, cache: Cache) -> _Side:
+        if not isinstance(cache, Cache):
+            raise TypeError(f"cache must be a Cache, got {type(cache).__name__}")
+        if cache.cache_id >= 0 and self._engine.registry.get(cache.cache_id) is None:
+            raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                        f"cache {cache.cache_id} is not (or no longer) known to this engine")
+        return _Side.of_cache(cache)
+
+    def _role(self, allowed, call: str) -> None:
+        role = self._owner.role
+        if role not in allowed:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                        f"{call} needs role {' or '.join(r.name for r in allowed)}, this engine is {LLMRole(role).name}; "
+                        "use switch_role to change it")
+
+    @staticmethod
+    def _key_cluster(key, what: str, kinds) -> int:
+        if not isinstance(key, kinds):
+            raise TypeError(f"{what} must be one of {', '.join(k.__name__ for k in kinds)}, got {type(key).__name__}")
+        return key.cluster_id if isinstance(key, CacheKeyByIdAndIndex) else key.prompt_cluster_id
+
+    # -- pulls ---------------------------------------------------------------------------
+    def pull_cache(self, cache_key, cache: Cache, batch_index: int = 0, size: int = -1, *,
+                   src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
+                   tensor_num_per_layer: int = 2) -> None:
+        """Pull one remote row (by ``CacheKey`` or ``CacheKeyByIdAndIndex``) into row
+        ``batch_index`` of ``cache``; ``size`` bytes per tensor (-1: the whole row)."""
+        self._role(_PULL_ROLES, "pull_cache")
+        cluster = self._key_cluster(cache_key, "cache_key", (CacheKey, CacheKeyByIdAndIndex))
+        dst = self._local(cache)
+        row = _int_arg("batch_index", batch_index)
+        if not 0 <= row < dst.batch_size:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"batch_index = {row} outside [0, {dst.batch_size})")
+        _int_arg("size", size)
+        link = self._engine.get_link(cluster)
+
+        def planner(remote: RemoteCache) -> Plan:
+            src = _Side.of_remote(remote)
+            n = _row_size(size, src, dst)
+            return _row_plan(src, remote.row, dst, row, n, 0, tensor_num_per_layer, src_layer_range, dst_layer_range)
+
+        link.transfer(cache_key, planner, push=False)
+        if isinstance(cache_key, CacheKey):
+            link.release_key(cache_key)
+
+    def pull_blocks(self, src_cache_key, dst_cache: Cache, src_blocks: Sequence[int] = (),
+                    dst_blocks: Sequence[int] = (), *, src_layer_range: Optional[range] = None,
+                    dst_layer_range: Optional[range] = None, tensor_num_per_layer: int = 2) -> None:
+        """Pull remote blocks ``src_blocks[i] -> dst_blocks[i]``; with a row key and
+        ``src_blocks=()`` chunk i of the remote row goes to ``dst_blocks[i]``."""
+        self._role(_PULL_ROLES, "pull_blocks")
+        cluster = self._key_cluster(src_cache_key, "src_cache_key", (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
+        dst = self._local(dst_cache)
+        row_mode = not isinstance(src_cache_key, BlocksCacheKey) and len(src_blocks) == 0
+        link = self._engine.get_link(cluster)
+
+        def planner(remote: RemoteCache) -> Plan:
+            src = _Side.of_remote(remote)
+            if not row_mode:
+                if not remote.is_blocks:
+                    raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                                "pull_blocks from a contiguous cache needs src_blocks=() (row -> blocks)")
+                return _blocks_plan(src, dst, src_blocks, dst_blocks, tensor_num_per_layer, src_layer_range,
+                                    dst_layer_range)
+            db = _blocks("dst_blocks", dst_blocks, dst.batch_size)
+            chunk = dst.stride
+            if db.shape[0] * chunk > src.stride:
+                raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                            f"{db.shape[0]} blocks of {chunk} bytes exceed the source row of {src.stride} bytes")
+            ts, td = _selection(src, dst, tensor_num_per_layer, src_layer_range, dst_layer_range)
+            src_offs = block_offsets(np.arange(db.shape[0]), chunk, remote.row * src.stride)
+            return plan_units(src.addrs[ts], src_offs, dst.addrs[td], block_offsets(db, chunk), chunk)
+
+        link.transfer(src_cache_key, planner, push=False)
+
+    # -- pushes --------------------------------------------------------------------------
+    def push_cache(self, dst_cache_key, src_cache: Cache, src_batch_index: int = 0,
+                   src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
+                   size: int = -1, tensor_num_per_layer: int = 2) -> None:
+        """Push row ``src_batch_index`` of ``src_cache`` into the remote row the key names."""
+        self._role(_PUSH_ROLES, "push_cache")
+        cluster = self._key_cluster(dst_cache_key, "dst_cache_key", (CacheKeyByIdAndIndex, CacheKey))
+        src = self._local(src_cache)
+        row = _int_arg("src_batch_index", src_batch_index)
+        if not 0 <= row < src.batch_size:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"src_batch_index = {row} outside [0, {src.batch_size})")
+        if _int_arg("size", size) != -1:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"push_cache supports only size=-1, got {size}")
+        link = self._engine.get_link(cluster)
+
+        def planner(remote: RemoteCache) -> Plan:
+            dst = _Side.of_remote(remote)
+            n = _row_size(-1, src, dst)
+            return _row_plan(src, row, dst, remote.row, n, 0, tensor_num_per_layer, src_layer_range, dst_layer_range)
+
+        link.transfer(dst_cache_key, planner, push=True)
+
+    def push_blocks(self, dst_cache_key, src_cache: Cache, src_blocks: Sequence[int] = (),
+                    dst_blocks: Sequence[int] = (), src_layer_range: Optional[range] = None,
+                    dst_layer_range: Optional[range] = None, tensor_num_per_layer: int = 2) -> None:
+        """Push local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
+        self._role(_PUSH_ROLES, "push_blocks")
+        cluster = self._key_cluster(dst_cache_key, "dst_cache_key", (BlocksCacheKey, CacheKeyByIdAndIndex))
+        src = self._local(src_cache)
+        _blocks("src_blocks", src_blocks, src.batch_size)
+        link = self._engine.get_link(cluster)
+
+        def planner(remote: RemoteCache) -> Plan:
+            return _blocks_plan(src, _Side.of_remote(remote), src_blocks, dst_blocks, tensor_num_per_layer,
+                                src_layer_range, dst_layer_range)
+
+        link.transfer(dst_cache_key, planner, push=True)
+
+    # -- local copies --------------------------------------------------------------------
+    def copy_cache(self, dst: Cache, src: Cache, dst_batch_index: int = 0, src_batch_index: int = 0,
+                   offset: int = 0, size: int = -1, req_id: Optional[int] = None) -> None:
+        """Copy ``size`` bytes per tensor from ``offset`` of row ``src_batch_index`` of
+        ``src`` to the same place of row ``dst_batch_index`` of ``dst`` (same process)."""
+        d, s = self._local(dst), self._local(src)
+        di, si = _int_arg("dst_batch_index", dst_batch_index), _int_arg("src_batch_index", src_batch_index)
+        off = _int_arg("offset", offset)
+        if not 0 <= di < d.batch_size or not 0 <= si < s.batch_size:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                        f"dst_batch_index = {di} / src_batch_index = {si} outside [0, {d.batch_size}) / [0, {s.batch_size})")
+        if not 0 <= off < min(d.stride, s.stride):
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"offset = {off} outside [0, {min(d.stride, s.stride)})")
+        if s.num_tensors != d.num_tensors:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                        f"source has {s.num_tensors} tensors, destination {d.num_tensors}")
+        n = _row_size(size, s, d, off)
+        LocalTransport.copy(plan_units(s.addrs, [si * s.stride + off], d.addrs, [di * d.stride + off], n))
+
+    def copy_blocks(self, cache: Cache, copy_block_info: Dict[int, List[int]]) -> None:
+        """Copy block ``src`` to every block in ``copy_block_info[src]``, in every tensor."""
+        side = self._local(cache)
+        if not isinstance(copy_block_info, dict):
+            raise TypeError(f"copy_block_info must be a dict, got {type(copy_block_info).__name__}")
+        srcs, dsts = [], []
+        for s, targets in copy_block_info.items():
+            if not isinstance(targets, (list, tuple)):
+                raise TypeError(f"copy_block_info[{s}] must be a list of block indices")
+            srcs.extend([s] * len(targets))
+            dsts.extend(targets)
+        plan = _blocks_plan(side, side, srcs, dsts, 1, None, None)
+        LocalTransport.copy(plan)
+
+    def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: Dict[int, int]) -> None:
+        """Copy blocks between two local blocks caches (e.g. HOST <-> DEVICE)."""
+        s, d = self._local(src_cache), self._local(dst_cache)
+        if not isinstance(src_to_dst, dict):
+            raise TypeError(f"src_to_dst must be a dict, got {type(src_to_dst).__name__}")
+        if s.num_tensors != d.num_tensors:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                        f"source has {s.num_tensors} tensors, destination {d.num_tensors}")
+        LocalTransport.copy(_blocks_plan(s, d, list(src_to_dst.keys()), list(src_to_dst.values()), 1, None, None))
+

@@ -1,0 +1,157 @@
+"""Status codes and the one exception type of the public API (SPEC-datadist section 1).
+
+Every failure of a library call is an :class:`LLMException` carrying an
+:class:`LLMStatusCode`; argument *type* errors are plain ``TypeError``. Out-of-domain values
+raise :class:`ParamInvalidError`, which is both an ``LLMException(LLM_PARAM_INVALID)`` and a
+``ValueError``, so code written against either ``llm_datadist`` (``ValueError``) or the
+SPEC (``LLMException``) catches it.
+
+Library code raises through :func:`raise_error`; :func:`status_of` maps any exception back
+to a status code (per-cluster results, async task results).
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Any, NoReturn, Union
+
+__all__ = [
+    "LLMStatusCode",
+    "LLMException",
+    "ParamInvalidError",
+    "Status",
+    "raise_error",
+    "status_of",
+    "to_status_code",
+]
+
+_BASE = 0x5010B000
+
+
+class LLMStatusCode(IntEnum):
+    """Status codes, with the values of CANN's ``llm_datadist``."""
+
+    LLM_SUCCESS = 0
+    LLM_FAILED = 0xFFFFFFFF
+    LLM_UNKNOWN_ERROR = -1
+    LLM_WAIT_PROCESS_TIMEOUT = _BASE + 1
+    LLM_KV_CACHE_NOT_EXIST = _BASE + 2
+    LLM_REPEAT_REQUEST = _BASE + 3
+    LLM_REQUEST_ALREADY_COMPLETED = _BASE + 4
+    LLM_PARAM_INVALID = _BASE + 5
+    LLM_ENGINE_FINALIZED = _BASE + 6
+    LLM_NOT_YET_LINK = _BASE + 7
+    LLM_ALREADY_LINK = _BASE + 8
+    LLM_LINK_FAILED = _BASE + 9
+    LLM_UNLINK_FAILED = _BASE + 10
+    LLM_NOTIFY_PROMPT_UNLINK_FAILED = _BASE + 11
+    LLM_CLUSTER_NUM_EXCEED_LIMIT = _BASE + 12
+    LLM_PROCESSING_LINK = _BASE + 13
+    LLM_DEVICE_OUT_OF_MEMORY = _BASE + 14
+    LLM_PREFIX_ALREADY_EXIST = _BASE + 15
+    LLM_PREFIX_NOT_EXIST = _BASE + 16
+    LLM_SEQ_LENOVERLIMIT = _BASE + 17
+    LLM_NO_FREE_BLOCK = _BASE + 18
+    LLM_BLOCKS_OUT_OF_MEMORY = _BASE + 19
+    LLM_EXIST_LINK = _BASE + 24
+    LLM_FEATURE_NOT_ENABLED = _BASE + 25
+    LLM_TIMEOUT = _BASE + 26
+    LLM_LINK_BUSY = _BASE + 27
+    LLM_OUT_OF_MEMORY = _BASE + 28
+
+
+def to_status_code(value: Union[int, LLMStatusCode]) -> LLMStatusCode:
+    """The status code with this integer value; an unknown value is ``LLM_FAILED``
+    (as CANN maps codes it does not know). ``TypeError`` for a non-int."""
+    if isinstance(value, LLMStatusCode):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"status code must be an int or LLMStatusCode, got {type(value).__name__}")
+    try:
+        return LLMStatusCode(value)
+    except ValueError:
+        return LLMStatusCode.LLM_FAILED
+
+
+class LLMException(RuntimeError):
+    """A failed library call. ``status_code`` says why (default ``LLM_FAILED``)."""
+
+    def __init__(self, *args: object, status_code: Union[int, LLMStatusCode] = LLMStatusCode.LLM_FAILED):
+        super().__init__(*args)
+        self._status_code = to_status_code(status_code)
+
+    @property
+    def status_code(self) -> LLMStatusCode:
+        return self._status_code
+
+    def __reduce__(self) -> Any:
+        # The keyword-only status code is not in self.args, so the default exception
+        # pickling (cls(*args)) would lose it; exceptions cross process boundaries in
+        # multiprocess deployments and tests.
+        return (_restore_exception, (type(self), self.args, int(self._status_code)), self.__dict__ or None)
+
+
+class ParamInvalidError(LLMException, ValueError):
+    """An out-of-domain argument or option value: ``LLMException(LLM_PARAM_INVALID)`` that
+    is also a ``ValueError``."""
+
+    def __init__(self, *args: object, status_code: Union[int, LLMStatusCode] = LLMStatusCode.LLM_PARAM_INVALID):
+        super().__init__(*args, status_code=status_code)
+
+
+def _restore_exception(cls: type, args: tuple, code: int) -> LLMException:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc._status_code = to_status_code(code)
+    return exc
+
+
+class Status:
+    """Result of an operation that reports instead of raising."""
+
+    __slots__ = ("_status_code",)
+
+    def __init__(self, status_code: Union[int, LLMStatusCode] = LLMStatusCode.LLM_SUCCESS):
+        self._status_code = to_status_code(status_code)
+
+    def is_ok(self) -> bool:
+        return self._status_code == LLMStatusCode.LLM_SUCCESS
+
+    @property
+    def status_code(self) -> LLMStatusCode:
+        return self._status_code
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Status):
+            return self._status_code == other._status_code
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((Status, self._status_code))
+
+    def __repr__(self) -> str:
+        return f"Status({self._status_code.name})"
+
+
+def raise_error(code: Union[int, LLMStatusCode], message: str) -> NoReturn:
+    """Raise the contract's exception for ``code``: :class:`ParamInvalidError` for
+    ``LLM_PARAM_INVALID``, :class:`LLMException` otherwise. ``message`` should say what was
+    wrong and with which values."""
+    code = to_status_code(code)
+    if code == LLMStatusCode.LLM_PARAM_INVALID:
+        raise ParamInvalidError(message)
+    raise LLMException(message, status_code=code)
+
+
+def status_of(exc: BaseException) -> LLMStatusCode:
+    """The status code that reports ``exc``: its own for an :class:`LLMException`,
+    ``LLM_TIMEOUT`` for a ``TimeoutError``, ``LLM_OUT_OF_MEMORY`` for a ``MemoryError``,
+    ``LLM_PARAM_INVALID`` for ``TypeError``/``ValueError``, else ``LLM_FAILED``."""
+    if isinstance(exc, LLMException):
+        return exc.status_code
+    if isinstance(exc, TimeoutError):
+        return LLMStatusCode.LLM_TIMEOUT
+    if isinstance(exc, MemoryError):
+        return LLMStatusCode.LLM_OUT_OF_MEMORY
+    if isinstance(exc, (TypeError, ValueError)):
+        return LLMStatusCode.LLM_PARAM_INVALID
+    return LLMStatusCode.LLM_FAILED

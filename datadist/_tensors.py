@@ -1,0 +1,57 @@
+"""Torch tensors over raw memory: ``create_tensors`` and the views ``get_cache_tensors`` returns."""
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence, Union
+
+from ._status import LLMStatusCode, raise_error
+from ._types import DataType
+
+__all__ = ["create_tensors", "tensor_at"]
+
+
+def _torch_dtype(dtype):
+    import torch
+
+    if isinstance(dtype, DataType):
+        return dtype.to_torch()
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    raise TypeError(f"dtype must be a DataType or torch.dtype, got {type(dtype).__name__}")
+
+
+def tensor_at(addr: int, shape: Sequence[int], dtype, device: str = "cpu"):
+    """A tensor of ``shape``/``dtype`` viewing the memory at ``addr`` (no copy).
+
+    The memory must outlive the tensor: the caller owns that (as with ``llm_datadist``).
+    """
+    import torch
+
+    tdtype = _torch_dtype(dtype)
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    nbytes = numel * torch.empty((), dtype=tdtype).element_size()
+    if str(device).split(":")[0] != "cpu":
+        raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                    f"create_tensors on device {device!r} needs that device's runtime; this build maps CPU memory only")
+    if nbytes == 0:
+        return torch.empty(tuple(shape), dtype=tdtype)
+    raw = (ctypes.c_uint8 * nbytes).from_address(int(addr))
+    return torch.frombuffer(raw, dtype=torch.uint8).view(tdtype).view(tuple(int(d) for d in shape))
+
+
+def create_tensors(shape: Sequence[int], dtype: Union["DataType", "object"], addrs: Sequence[int],
+                   device: str = "cpu") -> list:
+    """One tensor of ``shape``/``dtype`` over each address in ``addrs`` (module helper of
+    the contract).  ``TypeError`` for a wrong argument type."""
+    if not isinstance(addrs, (list, tuple)):
+        raise TypeError(f"addrs must be a list of int addresses, got {type(addrs).__name__}")
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise TypeError(f"shape must be a list of non-negative ints, got {shape!r}")
+    out = []
+    for i, a in enumerate(addrs):
+        if isinstance(a, bool) or not isinstance(a, int):
+            raise TypeError(f"addrs[{i}] must be an int address, got {type(a).__name__}")
+        out.append(tensor_at(a, shape, dtype, device))
+    return out

@@ -1,0 +1,284 @@
+"""The agent: one thread per engine that accepts links and serves peers' requests.
+
+It owns a selector over the listening socket (servers only), every link's
+``serve_sock`` and a wake-up socket pair (for registration and shutdown from other
+threads).  Requests are served in order on this thread: lookups, key releases, and the
+socket transport's payloads, which stream straight between the socket and cache memory.
+End of stream on a ``serve_sock`` means the peer died or unlinked: the link is marked
+broken and its sockets are shut down, which also wakes any call blocked on them.
+"""
+from __future__ import annotations
+
+import logging
+import selectors
+import socket
+import threading
+from typing import Callable, Optional
+
+import numpy as np
+
+from .._status import LLMException, LLMStatusCode
+from . import native, wire
+from .layout import Plan
+from .link import Link
+from .registry import CacheRecord, Registry
+
+__all__ = ["Agent", "runs_inside"]
+
+log = logging.getLogger("datadist")
+
+_DRAIN_CHUNK = 1 << 20
+
+
+class Agent:
+    """Serves peers of one engine; see the module docstring.  ``engine`` provides
+    ``registry``, ``timeout_ms``, ``accept_hello(msg, sock)``, ``accept_attach(msg, sock)``
+    and ``drop_link(link)``."""
+
+    def __init__(self, engine, listen: Optional[tuple[str, int]]) -> None:
+        self.engine = engine
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._calls: list[Callable[[], None]] = []
+        self._calls_lock = threading.Lock()
+        self._stop = False
+        self.listener: Optional[socket.socket] = None
+        if listen is not None:
+            ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                ls.bind(listen)
+                ls.listen(64)
+                ls.setblocking(False)
+            except OSError:
+                ls.close()
+                self._close_selector()
+                raise
+            self.listener = ls
+            self._sel.register(ls, selectors.EVENT_READ, "listen")
+        self._thread = threading.Thread(target=self._run, name=f"datadist-agent-{engine.cluster_id}", daemon=True)
+        self._thread.start()
+
+    # -- control from other threads -------------------------------------------------------
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the agent thread (selector changes must happen there)."""
+        with self._calls_lock:
+            self._calls.append(fn)
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def watch(self, link: Link) -> None:
+        self.call(lambda: self._register(link))
+
+    def _register(self, link: Link) -> None:
+        sock = link.serve_sock
+        if sock is not None and sock.fileno() >= 0 and link.broken is None:
+            sock.setblocking(False)
+            self._sel.register(sock, selectors.EVENT_READ, link)
+
+    def unwatch(self, link: Link) -> None:
+        self.call(lambda: self._unregister(link))
+
+    def _unregister(self, link: Link) -> None:
+        sock = link.serve_sock
+        if sock is None:
+            return
+        try:
+            self._sel.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread and close the agent's sockets; idempotent."""
+        self._stop = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        self._drain_wake()  # closes of links dropped just before the stop
+        self._close_selector()
+
+    def _close_selector(self) -> None:
+        for sock in (self.listener, self._wake_r, self._wake_w):
+            if sock is not None:
+                sock.close()
+        self.listener = None
+        self._sel.close()
+
+    # -- the loop -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                events = self._sel.select()
+            except (OSError, ValueError):
+                if self._stop:
+                    return
+                raise
+            for key, _ in events:
+                if self._stop:
+                    return
+                if key.data == "wake":
+                    self._drain_wake()
+                elif key.data == "listen":
+                    self._accept()
+                else:
+                    self._serve(key.data)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        with self._calls_lock:
+            calls, self._calls = self._calls, []
+        for fn in calls:
+            fn()
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except (BlockingIOError, OSError):
+            return
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(self.engine.timeout_ms / 1000.0)
+        try:
+            msg = wire.read_message(sock)
+            if isinstance(msg, wire.Hello):
+                reply = self.engine.accept_hello(msg, sock)
+            elif isinstance(msg, wire.Attach):
+                reply = self.engine.accept_attach(msg, sock)
+            else:
+                raise wire.WireError(f"expected HELLO or ATTACH, got {type(msg).__name__}")
+            sock.sendall(wire.encode(reply))
+        except (OSError, wire.WireError, ValueError) as exc:
+            log.warning("rejected an incoming connection: %s", exc)
+            sock.close()
+            return
+        if getattr(reply, "status", 0):
+            sock.close()
+
+    # -- serving --------------------------------------------------------------------------
+    def _serve(self, link: Link) -> None:
+        sock = link.serve_sock
+        try:
+            sock.settimeout(self.engine.timeout_ms / 1000.0)
+            msg = wire.read_message(sock)
+            reply = self._handle(link, msg, sock)
+            if reply is not None:
+                sock.sendall(wire.encode(reply))
+            if isinstance(msg, wire.Pull) and reply is not None and reply.status == 0:
+                native.sock_send(sock.fileno(), self._pending_plan, self.engine.timeout_ms)
+            if isinstance(msg, wire.Unlink):
+                self._unregister(link)
+                self.engine.drop_link(link, notify=False)
+                return
+            sock.setblocking(False)
+        except (OSError, wire.WireError, ValueError) as exc:
+            self._unregister(link)
+            why = "peer closed the connection" if isinstance(exc, ConnectionError) else str(exc)
+            link.mark_broken(why)
+            for s in (link.serve_sock, link.req_sock):
+                if s is not None:
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+        finally:
+            self._pending_plan = None
+
+    _pending_plan: Optional[Plan] = None
+
+    def _handle(self, link: Link, msg: wire.Message, sock: socket.socket) -> Optional[wire.Message]:
+        reg: Registry = self.engine.registry
+        if isinstance(msg, wire.Resolve):
+            try:
+                rec, row = reg.resolve(msg.kind, cluster_id=msg.cluster_id, cache_id=msg.cache_id,
+                                       batch_index=msg.batch_index, req_id=msg.req_id, model_id=msg.model_id,
+                                       prefix_id=msg.prefix_id)
+            except LLMException as exc:
+                return wire.Resolved(status=int(exc.status_code), message=str(exc))
+            return wire.Resolved(cache_id=rec.cache_id, row=row, num_tensors=rec.num_tensors,
+                                 tensor_size=rec.tensor_size, batch_size=rec.batch_size, is_blocks=rec.is_blocks,
+                                 dtype=rec.dtype, epoch=reg.epoch, arrays=[rec.addrs])
+        if isinstance(msg, wire.ReleaseKey):
+            # Only keys of pool-allocated caches are consumed by a pull (as in CANN);
+            # keys of registered memory stay until the owner removes them.
+            try:
+                rec, _ = reg.resolve("key", cluster_id=msg.cluster_id, req_id=msg.req_id,
+                                     model_id=msg.model_id, prefix_id=msg.prefix_id)
+            except LLMException:
+                return wire.Reply()
+            if rec.release is not None:
+                reg.remove_key(msg)
+            return wire.Reply()
+        if isinstance(msg, (wire.Push, wire.Pull)):
+            rec = reg.get(msg.cache_id)
+            status, why = self._check_request(reg, rec, msg)
+            bases, offs, lens = msg.arrays
+            if isinstance(msg, wire.Pull):
+                if status:
+                    return wire.Reply(status=status, message=why)
+                self._pending_plan = Plan(bases, bases, offs, offs, lens)
+                return wire.Reply()
+            if status:
+                _drain(sock, msg.nbytes, self.engine.timeout_ms)
+                return wire.Reply(status=status, message=why)
+            native.sock_recv(sock.fileno(), Plan(bases, bases, offs, offs, lens), self.engine.timeout_ms)
+            return wire.Reply()
+        if isinstance(msg, wire.Unlink):
+            return wire.Reply()
+        raise wire.WireError(f"unexpected request {type(msg).__name__}")
+
+    @staticmethod
+    def _check_request(reg: Registry, rec: Optional[CacheRecord], msg: wire.Push) -> tuple[int, str]:
+        from ..transports.tcp import STALE
+
+        if len(msg.arrays) != 3:
+            return int(LLMStatusCode.LLM_PARAM_INVALID), "malformed plan"
+        if rec is None:
+            return int(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST), f"cache {msg.cache_id} does not exist (freed?)"
+        if msg.epoch != reg.epoch:
+            return STALE, "caches changed since the lookup"
+        bases, offs, lens = msg.arrays
+        if int(lens.sum()) * bases.shape[0] != msg.nbytes or not runs_inside(rec, bases, offs, lens):
+            return int(LLMStatusCode.LLM_PARAM_INVALID), f"plan reaches outside cache {rec.cache_id}"
+        return 0, ""
+
+
+def runs_inside(rec: CacheRecord, bases: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> bool:
+    """True if every run of the plan half lies inside the cache's tensors (tensors that
+    sit back to back count as one span, since coalesced runs may cross them)."""
+    if lens.shape[0] == 0:
+        return True
+    starts = np.add.outer(bases, offs).ravel()
+    ends = starts + np.tile(lens, bases.shape[0])
+    addrs = np.sort(rec.addrs)
+    size = np.uint64(rec.tensor_size)
+    seg_first = np.ones(addrs.shape[0], dtype=bool)
+    seg_first[1:] = addrs[1:] != addrs[:-1] + size
+    seg_start = addrs[seg_first]
+    seg_end = np.append(addrs[np.flatnonzero(seg_first)[1:] - 1], addrs[-1]) + size
+    seg = np.searchsorted(seg_start, starts, side="right") - 1
+    if (seg < 0).any():
+        return False
+    return bool((ends <= seg_end[seg]).all())
+
+
+def _drain(sock: socket.socket, nbytes: int, timeout_ms: int) -> None:
+    """Read and discard a payload that is not wanted, keeping the stream in step."""
+    scratch = np.empty(min(nbytes, _DRAIN_CHUNK) or 1, dtype=np.uint8)
+    addr = scratch.__array_interface__["data"][0]
+    left = nbytes
+    while left > 0:
+        n = min(left, scratch.shape[0])
+        one = np.array([n], dtype=np.uint64)
+        native.sock_recv(sock.fileno(), Plan(np.zeros(1, np.uint64), np.array([addr], np.uint64),
+                                             np.zeros(1, np.uint64), np.zeros(1, np.uint64), one), timeout_ms)
+        left -= n

@@ -1,0 +1,288 @@
+"""The engine behind one ``LLMDataDist``: pools, registry, agent and links.
+
+``Engine`` owns every resource of an initialized ``LLMDataDist`` and releases all of them
+in ``close()``: the agent thread, sockets, peer mappings, the epoch page and the pool
+arenas (memfd, so nothing is left in ``/dev/shm`` even if the process is killed).
+
+Linking (client side, ``link``): connect to the server's listen address, ``HELLO`` (this
+engine's pid, host, epoch page and pool arenas), read ``HELLO_ACK``, then open the second
+connection with ``ATTACH``.  Each side then picks its transport towards the other on its
+own: ``shm`` if the peer is on this host and its arenas map here (the nonce in its epoch
+page proves it is the very process that answered), else ``tcp``; a forced ``shm`` that
+cannot map fails the link.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Optional
+
+from .._config import EngineOptions
+from .._status import LLMStatusCode, raise_error
+from ..transports.shm import ShmTransport
+from ..transports.tcp import TcpTransport
+from . import native, wire
+from .agent import Agent
+from .layout import Plan
+from .link import Link
+from .memory import Arena, PeerArena, PoolAllocator
+from .registry import EPOCH_PAGE_SIZE, Registry
+
+__all__ = ["Engine", "host_identity"]
+
+log = logging.getLogger("datadist")
+
+MAX_LINK_CLUSTERS = 16
+
+
+def host_identity() -> str:
+    """Identifies this host (and boot): same-host peers compare it before mapping memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+class Engine:
+    def __init__(self, cluster_id: int, role: int, options: EngineOptions) -> None:
+        self.cluster_id = cluster_id
+        self.role = role
+        self.options = options
+        self.timeout_ms = options.sync_kv_timeout_ms
+        self.backend = options.transfer_backend
+        self.host = host_identity()
+        self.pid = os.getpid()
+        self.links: dict[int, Link] = {}
+        self._links_lock = threading.Lock()
+        self.pools: dict[str, PoolAllocator] = {}
+        self.arenas: list[Arena] = []
+        self.registry: Optional[Registry] = None
+        self.agent: Optional[Agent] = None
+        try:
+            for name, cfg in (("host", options.host_mem_pool), ("device", options.mem_pool)):
+                if cfg is not None:
+                    arena = Arena(f"datadist-{cluster_id}-{name}", cfg.memory_size)
+                    self.arenas.append(arena)
+                    self.pools[name] = PoolAllocator(arena, cfg.page_shift)
+            self.registry = Registry(cluster_id, secrets.randbits(63))
+            self.agent = Agent(self, options.listen_address)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def listen_port(self) -> Optional[int]:
+        ls = self.agent.listener if self.agent is not None else None
+        return ls.getsockname()[1] if ls is not None else None
+
+    # -- hello ---------------------------------------------------------------------------
+    def _hello_fields(self) -> dict:
+        page = self.registry.page
+        return dict(cluster_id=self.cluster_id, role=int(self.role), host=self.host, pid=self.pid,
+                    ctrl={"fd": page.fd, "size": page.size, "base": page.base, "nonce": self.registry.nonce},
+                    arenas=[{"fd": a.fd, "size": a.size, "base": a.base} for a in self.arenas],
+                    backend=self.backend)
+
+    def _make_transport(self, peer: wire.Hello, link: Link) -> None:
+        """Pick and set up the transport towards ``peer`` (see the module docstring)."""
+        tcp = TcpTransport()
+        if self.backend == "tcp" or peer.backend == "tcp":
+            link.transport = tcp
+            return
+        mapped: list[PeerArena] = []
+        try:
+            if peer.host != self.host:
+                raise OSError(f"peer is on another host ({peer.host})")
+            ctrl = PeerArena.open(peer.pid, peer.ctrl["fd"], EPOCH_PAGE_SIZE, peer.ctrl["base"])
+            mapped.append(ctrl)
+            if Registry.read_epoch(Registry.nonce_address(ctrl.local_base)) != peer.ctrl["nonce"]:
+                raise OSError("mapped epoch page belongs to another process (pid namespaces differ?)")
+            for a in peer.arenas:
+                mapped.append(PeerArena.open(peer.pid, a["fd"], a["size"], a["base"]))
+        except OSError as exc:
+            for m in mapped:
+                m.close()
+            if self.backend == "shm":
+                raise_error(LLMStatusCode.LLM_LINK_FAILED,
+                            f"transfer_backend='shm' but cluster {peer.cluster_id}'s memory cannot be mapped: {exc}")
+            log.info("link to cluster %d uses tcp: %s", peer.cluster_id, exc)
+            link.transport = tcp
+            return
+        link.peer_epoch_addr = mapped[0].local_base
+        link.transport = ShmTransport(peer.pid, mapped, self._probe_cma(peer), fallback=tcp)
+        log.info("link to cluster %d uses shm (cross-memory attach %s)", peer.cluster_id,
+                 "on" if link.transport.cma_ok else "off")
+
+    @staticmethod
+    def _probe_cma(peer: wire.Hello) -> bool:
+        import numpy as np
+
+        got = np.zeros(1, dtype=np.uint64)
+        plan = Plan(np.zeros(1, np.uint64), np.zeros(1, np.uint64),
+                    np.array([Registry.nonce_address(peer.ctrl["base"])], np.uint64),
+                    np.array([got.__array_interface__["data"][0]], np.uint64), np.array([8], np.uint64))
+        try:
+            native.cma_plan(peer.pid, plan, write=False)
+        except OSError as exc:
+            log.info("cross-memory attach to pid %d not permitted (%s); registered caches go over tcp", peer.pid, exc)
+            return False
+        return int(got[0]) == peer.ctrl["nonce"]
+
+    # -- server side (agent thread) ------------------------------------------------------
+    def accept_hello(self, msg: wire.Hello, sock: socket.socket) -> wire.HelloAck:
+        fields = self._hello_fields()
+        if msg.remote_cluster_id != self.cluster_id:
+            return wire.HelloAck(status=int(LLMStatusCode.LLM_LINK_FAILED),
+                                 message=f"this is cluster {self.cluster_id}, not {msg.remote_cluster_id}", **fields)
+        with self._links_lock:
+            old = self.links.get(msg.cluster_id)
+            if old is not None and old.broken is None:
+                return wire.HelloAck(status=int(LLMStatusCode.LLM_ALREADY_LINK),
+                                     message=f"cluster {msg.cluster_id} is already linked", **fields)
+        link = Link(remote_cluster_id=msg.cluster_id, remote_role=msg.role, peer_pid=msg.pid,
+                    timeout_ms=self.timeout_ms, is_client=False)
+        try:
+            self._make_transport(msg, link)
+        except Exception as exc:  # reported to the peer, which raises it there
+            link.close()
+            return wire.HelloAck(status=int(getattr(exc, "status_code", LLMStatusCode.LLM_LINK_FAILED)),
+                                 message=str(exc), **fields)
+        link.serve_sock = sock
+        self._install(link)
+        self.agent.watch(link)
+        return wire.HelloAck(path=link.path, **fields)
+
+    def accept_attach(self, msg: wire.Attach, sock: socket.socket) -> wire.Reply:
+        with self._links_lock:
+            link = self.links.get(msg.cluster_id)
+        if link is None or link.req_sock is not None:
+            return wire.Reply(status=int(LLMStatusCode.LLM_LINK_FAILED), message=f"no pending link from {msg.cluster_id}")
+        link.req_sock = sock
+        link.ready.set()
+        return wire.Reply()
+
+    def _install(self, link: Link) -> None:
+        with self._links_lock:
+            old = self.links.pop(link.remote_cluster_id, None)
+            self.links[link.remote_cluster_id] = link
+        if old is not None:
+            self.agent.unwatch(old)
+            old.close()
+
+    # -- client side ---------------------------------------------------------------------
+    def link(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> LLMStatusCode:
+        """Link to the server at ``ip:port``; returns the per-cluster status."""
+        with self._links_lock:
+            old = self.links.get(remote_cluster_id)
+        if old is not None and old.broken is None:
+            return LLMStatusCode.LLM_ALREADY_LINK
+        socks: list[socket.socket] = []
+        link: Optional[Link] = None
+        try:
+            hello_sock = self._connect(ip, port, deadline)
+            socks.append(hello_sock)
+            hello_sock.sendall(wire.encode(wire.Hello(remote_cluster_id=remote_cluster_id, **self._hello_fields())))
+            ack = wire.read_message(hello_sock)
+            if not isinstance(ack, wire.HelloAck):
+                raise wire.WireError(f"expected HELLO_ACK, got {type(ack).__name__}")
+            if ack.status:
+                log.warning("link to cluster %d at %s:%d refused: %s", remote_cluster_id, ip, port, ack.message)
+                return LLMStatusCode(ack.status)
+            link = Link(remote_cluster_id=remote_cluster_id, remote_role=ack.role, peer_pid=ack.pid,
+                        timeout_ms=self.timeout_ms, is_client=True)
+            self._make_transport(ack, link)
+            attach_sock = self._connect(ip, port, deadline)
+            socks.append(attach_sock)
+            attach_sock.sendall(wire.encode(wire.Attach(cluster_id=self.cluster_id)))
+            reply = wire.read_message(attach_sock)
+            if not isinstance(reply, wire.Reply) or reply.status:
+                raise wire.WireError(getattr(reply, "message", "attach refused"))
+        except (OSError, wire.WireError) as exc:
+            log.warning("link to cluster %d at %s:%d failed: %s", remote_cluster_id, ip, port, exc)
+            for s in socks:
+                s.close()
+            if link is not None:
+                link.close()
+            return LLMStatusCode.LLM_LINK_FAILED
+        except Exception:
+            for s in socks:
+                s.close()
+            if link is not None:
+                link.close()
+            raise
+        link.req_sock, link.serve_sock = hello_sock, attach_sock
+        link.ready.set()
+        self._install(link)
+        self.agent.watch(link)
+        log.info("linked to cluster %d at %s:%d over %s", remote_cluster_id, ip, port, link.path)
+        return LLMStatusCode.LLM_SUCCESS
+
+    @staticmethod
+    def _connect(ip: str, port: int, deadline: float) -> socket.socket:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("link timeout passed")
+        sock = socket.create_connection((ip, port), timeout=left)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        return sock
+
+    def get_link(self, cluster_id: int) -> Link:
+        """The link to ``cluster_id`` ready for transfers; ``LLM_NOT_YET_LINK`` otherwise."""
+        with self._links_lock:
+            link = self.links.get(cluster_id)
+        if link is None or not link.ready.is_set():
+            raise_error(LLMStatusCode.LLM_NOT_YET_LINK,
+                        f"cluster {cluster_id} is not linked with cluster {self.cluster_id}; call link_clusters first")
+        return link
+
+    def unlink(self, cluster_id: int, deadline: float, force: bool) -> LLMStatusCode:
+        with self._links_lock:
+            link = self.links.get(cluster_id)
+        if link is None:
+            return LLMStatusCode.LLM_NOT_YET_LINK
+        if not link.lock.acquire(blocking=False):
+            return LLMStatusCode.LLM_LINK_BUSY
+        try:
+            if not force and link.broken is None:
+                try:
+                    link.rpc(wire.Unlink(cluster_id=self.cluster_id), deadline)
+                except Exception as exc:  # the peer may be gone; the local end goes anyway
+                    log.warning("unlink of cluster %d: peer did not confirm (%s)", cluster_id, exc)
+        finally:
+            link.lock.release()
+        self.drop_link(link, notify=False)
+        return LLMStatusCode.LLM_SUCCESS
+
+    def drop_link(self, link: Link, notify: bool) -> None:
+        """Forget ``link`` and close it (any thread; the agent calls it on UNLINK)."""
+        with self._links_lock:
+            if self.links.get(link.remote_cluster_id) is link:
+                del self.links[link.remote_cluster_id]
+        self.agent.unwatch(link)
+        # Closing must wait until the agent has unregistered the socket.
+        self.agent.call(link.close)
+
+    # -- teardown ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release everything; idempotent, safe to call on a half-built engine."""
+        if self.agent is not None:
+            self.agent.stop()
+            self.agent = None
+        with self._links_lock:
+            links, self.links = list(self.links.values()), {}
+        for link in links:
+            link.close()
+        if self.registry is not None:
+            self.registry.close()
+            self.registry = None
+        for arena in self.arenas:
+            arena.close()
+        self.arenas = []
+        self.pools = {}

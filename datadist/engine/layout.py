@@ -1,0 +1,145 @@
+"""Copy plans: which bytes move where, as few and as long runs as possible.
+
+A :class:`Plan` is a set of runs (source address, destination address, length).  Plans are built with numpy only (no Python loop per block or per tensor) and are
+coalesced: a run whose source and destination both continue where the previous run ended
+is merged into it, across blocks and across tensors.  Addresses are plain integers in
+*some* address space; which one (this process, a peer, a mapped view of a peer) is the
+executor's business, and :meth:`Plan.rebase` moves one side to another space.
+
+Every cache the engine moves is described the same way: ``T`` equally shaped tensors with
+a base address each, and units (blocks, rows, token slots) at byte offsets inside every
+tensor.  :func:`plan_units` crosses tensors with units.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["Plan", "plan_units", "coalesce", "block_offsets", "layer_tensor_indices"]
+
+_U64 = np.uint64
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Runs in factored form: for every tensor pair t and unit run u, ``lens[u]`` bytes
+    move from ``src_bases[t] + src_offs[u]`` to ``dst_bases[t] + dst_offs[u]``.
+
+    The factored form keeps a 4096-block x 64-tensor plan at 4096 + 64 entries instead of
+    262144 runs, so building, shipping and executing it stay cheap.  A flat list of runs is
+    the case ``T == 1`` with zero bases.  Destinations never overlap.
+    """
+
+    src_bases: np.ndarray
+    dst_bases: np.ndarray
+    src_offs: np.ndarray
+    dst_offs: np.ndarray
+    lens: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes the plan moves."""
+        return int(self.lens.sum()) * int(self.src_bases.shape[0])
+
+    @property
+    def nruns(self) -> int:
+        """Number of contiguous copies the plan executes."""
+        return int(self.lens.shape[0]) * int(self.src_bases.shape[0])
+
+    def swapped(self) -> "Plan":
+        """The same runs in the other direction (a pull is a reversed push)."""
+        return Plan(self.dst_bases, self.src_bases, self.dst_offs, self.src_offs, self.lens)
+
+    def rebase(self, *, src_delta: int = 0, dst_delta: int = 0) -> "Plan":
+        """Shift every source (destination) address by a constant, e.g. from a peer's
+        address space to where this process maps the same memory."""
+        sb = self.src_bases + _U64(src_delta % (1 << 64)) if src_delta else self.src_bases
+        db = self.dst_bases + _U64(dst_delta % (1 << 64)) if dst_delta else self.dst_bases
+        return Plan(sb, db, self.src_offs, self.dst_offs, self.lens)
+
+    def src_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Flat (address, length) arrays of the source side, in execution order."""
+        return np.add.outer(self.src_bases, self.src_offs).ravel(), np.tile(self.lens, self.src_bases.shape[0])
+
+    def dst_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Flat (address, length) arrays of the destination side, in execution order."""
+        return np.add.outer(self.dst_bases, self.dst_offs).ravel(), np.tile(self.lens, self.dst_bases.shape[0])
+
+
+_ZERO = np.zeros(1, dtype=_U64)
+
+
+def _u64(values) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.dtype != _U64:
+        arr = arr.astype(np.int64, copy=False).astype(_U64)
+    return np.ascontiguousarray(arr)
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Plan:
+    """A flat plan of the given runs with neighbours that continue each other merged.
+
+    Runs keep their order; only neighbours merge, so callers list runs in the order that
+    makes neighbours adjacent (tensor-major, then ascending offsets).
+    """
+    src, dst, lens = _coalesce(_u64(src), _u64(dst), _u64(lens))
+    return Plan(_ZERO, _ZERO, src, dst, lens)
+
+
+def _coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray):
+    keep = lens != 0
+    if not keep.all():
+        src, dst, lens = src[keep], dst[keep], lens[keep]
+    n = lens.shape[0]
+    if n <= 1:
+        return src, dst, lens
+    starts = np.empty(n, dtype=bool)
+    starts[0] = True
+    np.logical_or(src[:-1] + lens[:-1] != src[1:], dst[:-1] + lens[:-1] != dst[1:], out=starts[1:])
+    first = np.flatnonzero(starts)
+    if first.shape[0] == n:
+        return src, dst, lens
+    return src[first], dst[first], np.add.reduceat(lens, first).astype(_U64, copy=False)
+
+
+def plan_units(
+    src_bases: Sequence[int] | np.ndarray,
+    src_offsets: Sequence[int] | np.ndarray,
+    dst_bases: Sequence[int] | np.ndarray,
+    dst_offsets: Sequence[int] | np.ndarray,
+    unit_bytes: int,
+) -> Plan:
+    """Plan ``unit_bytes`` copies for every (tensor t, unit u) pair.
+
+    ``src_bases[t] + src_offsets[u] -> dst_bases[t] + dst_offsets[u]``; the bases have one
+    entry per tensor pair (T), the offsets one per unit (U).  Units that ascend contiguously
+    on both sides merge; when each tensor's units merge into a single run, tensors that sit
+    back to back on both sides (pool allocations) merge too, so a whole in-order cache can
+    be one run.  Cost is O(T + U), with no Python loop over either.
+    """
+    sb, db = _u64(src_bases), _u64(dst_bases)
+    so, do = _u64(src_offsets), _u64(dst_offsets)
+    if sb.shape != db.shape or so.shape != do.shape:
+        raise ValueError("plan_units: source and destination lists differ in length")
+    if sb.shape[0] == 0 or so.shape[0] == 0 or unit_bytes <= 0:
+        empty = np.empty(0, dtype=_U64)
+        return Plan(empty, empty, empty, empty, empty)
+    so, do, lens = _coalesce(so, do, np.full(so.shape[0], unit_bytes, dtype=_U64))
+    if lens.shape[0] == 1 and sb.shape[0] > 1:
+        src, dst, merged = _coalesce(sb + so[0], db + do[0], np.full(sb.shape[0], lens[0], dtype=_U64))
+        return Plan(_ZERO, _ZERO, src, dst, merged)
+    return Plan(sb, db, so, do, lens)
+
+
+def block_offsets(blocks: Sequence[int] | np.ndarray, stride: int, base_offset: int = 0) -> np.ndarray:
+    """Byte offsets of ``blocks`` (indices of ``stride``-byte units) inside a tensor."""
+    idx = np.asarray(blocks, dtype=np.int64)
+    return (idx * int(stride) + int(base_offset)).astype(_U64)
+
+
+def layer_tensor_indices(layers: range, tensor_num_per_layer: int) -> np.ndarray:
+    """Tensor indices of a layer range in a KV..KV layout: layer i is tensors [i*N, (i+1)*N)."""
+    n = int(tensor_num_per_layer)
+    return np.arange(layers.start * n, layers.stop * n, dtype=np.int64)

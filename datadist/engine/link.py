@@ -1,0 +1,196 @@
+"""One link to a peer engine: its sockets, its transport, and the lookups cached on it.
+
+Each link has two TCP connections, both opened by the client at link time: on
+``req_sock`` this side sends requests and the peer's agent serves them; on ``serve_sock``
+the peer sends requests and this side's agent serves them.  A connection therefore has one
+initiator and one server, and no reply ever has to be matched to a request.  The agent
+watches ``serve_sock``: end of stream there means the peer is gone, and the link is
+marked broken at once, so waiting and later calls fail fast.
+
+Thread rules: public calls hold ``lock`` for the whole transfer (one transfer per link at a
+time; ``unlink`` during a transfer is ``LLM_LINK_BUSY``).  The agent thread touches only
+``serve_sock`` and ``broken``.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Callable, Optional
+
+from .._status import LLMStatusCode, raise_error
+from ..transports.base import RemoteCache, Transport
+from ..transports.tcp import StaleLookup
+from . import native, wire
+from .layout import Plan
+from .registry import Registry
+
+__all__ = ["Link"]
+
+log = logging.getLogger("datadist")
+
+
+class Link:
+    def __init__(self, *, remote_cluster_id: int, remote_role: int, peer_pid: int, timeout_ms: int,
+                 is_client: bool) -> None:
+        self.remote_cluster_id = remote_cluster_id
+        self.remote_role = remote_role
+        self.peer_pid = peer_pid
+        self.timeout_ms = timeout_ms
+        self.is_client = is_client
+        self.req_sock: Optional[socket.socket] = None
+        self.serve_sock: Optional[socket.socket] = None
+        self.transport: Optional[Transport] = None
+        self.peer_epoch_addr: Optional[int] = None   # mapped epoch page of a same-host peer
+        self.lock = threading.Lock()
+        self.broken: Optional[str] = None
+        self.ready = threading.Event()
+        self._lookups: dict[tuple, RemoteCache] = {}
+        self._closed = False
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        return self.transport.name if self.transport is not None else "none"
+
+    def mark_broken(self, reason: str) -> None:
+        if self.broken is None:
+            self.broken = reason
+            log.warning("link to cluster %d broken: %s", self.remote_cluster_id, reason)
+
+    def check_alive(self) -> None:
+        """Raise ``LLM_LINK_FAILED`` if the link is broken (peer gone, stream lost)."""
+        if self.broken is not None:
+            raise_error(LLMStatusCode.LLM_LINK_FAILED,
+                        f"link to cluster {self.remote_cluster_id} is broken ({self.broken}); "
+                        "unlink_clusters and link_clusters again")
+
+    def protocol_error(self, msg: wire.Message) -> None:
+        self.mark_broken(f"unexpected {type(msg).__name__} frame")
+        raise_error(LLMStatusCode.LLM_LINK_FAILED, f"protocol error on link to cluster {self.remote_cluster_id}")
+
+    # -- requests ------------------------------------------------------------------------
+    def rpc(self, msg: wire.Message, deadline: float, send_plan: Optional[Plan] = None) -> wire.Message:
+        """Send ``msg`` (and the source runs of ``send_plan`` right after it) on the request
+        connection and read the answer, all before ``deadline``.  A timeout or socket error
+        breaks the link (the stream can no longer be trusted)."""
+        sock = self.req_sock
+        if sock is None:
+            raise_error(LLMStatusCode.LLM_NOT_YET_LINK, f"link to cluster {self.remote_cluster_id} is not ready yet")
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.sendall(wire.encode(msg))
+            if send_plan is not None:
+                native.sock_send(sock.fileno(), send_plan, max(1, int((deadline - time.monotonic()) * 1000)))
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            return wire.read_message(sock)
+        except (TimeoutError, socket.timeout):
+            self.mark_broken("sync_kv_timeout passed mid-request")
+            raise_error(LLMStatusCode.LLM_TIMEOUT,
+                        f"request to cluster {self.remote_cluster_id} did not finish within sync_kv_timeout "
+                        f"({self.timeout_ms} ms); the link is marked broken")
+        except (OSError, wire.WireError) as exc:
+            self.mark_broken(f"connection failed: {exc}")
+            raise_error(LLMStatusCode.LLM_LINK_FAILED, f"link to cluster {self.remote_cluster_id} is broken: {exc}")
+
+    def _epoch_now(self) -> Optional[int]:
+        if self.peer_epoch_addr is None:
+            return None
+        return Registry.read_epoch(self.peer_epoch_addr)
+
+    def lookup(self, key, deadline: float) -> RemoteCache:
+        """What ``key`` names on the peer; cached until the peer's epoch moves."""
+        kt = _lookup_key(key)
+        hit = self._lookups.get(kt)
+        if hit is not None:
+            epoch = self._epoch_now()
+            # Socket peers check the epoch themselves on each request (StaleLookup).
+            if epoch is None or epoch == hit.epoch:
+                return hit
+            self._lookups.clear()
+        reply = self.rpc(_resolve_message(key), deadline)
+        if not isinstance(reply, wire.Resolved):
+            self.protocol_error(reply)
+        if reply.status:
+            raise_error(reply.status, reply.message)
+        remote = RemoteCache(cache_id=reply.cache_id, row=reply.row, num_tensors=reply.num_tensors,
+                             tensor_size=reply.tensor_size, batch_size=reply.batch_size, is_blocks=reply.is_blocks,
+                             dtype=reply.dtype, addrs=reply.arrays[0], epoch=reply.epoch)
+        if kt[0] != "key":
+            # CacheKey lookups are consumed by pulls; caching them buys little.
+            self._lookups[kt] = remote
+        return remote
+
+    def transfer(self, key, planner: Callable[[RemoteCache], Plan], push: bool) -> RemoteCache:
+        """Resolve ``key``, plan against it and move the bytes, within ``sync_kv_timeout``.
+
+        ``planner`` validates the remote geometry and returns a plan whose peer side is in
+        the peer's address space.  Returns what the key resolved to."""
+        deadline = time.monotonic() + self.timeout_ms / 1000.0
+        if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise_error(LLMStatusCode.LLM_TIMEOUT,
+                        f"link to cluster {self.remote_cluster_id} stayed busy with another transfer "
+                        f"for sync_kv_timeout ({self.timeout_ms} ms)")
+        try:
+            self.check_alive()
+            for attempt in range(2):
+                remote = self.lookup(key, deadline)
+                plan = planner(remote)
+                try:
+                    (self.transport.push if push else self.transport.pull)(self, plan, remote, deadline)
+                    return remote
+                except StaleLookup:
+                    self._lookups.clear()
+                    if attempt:
+                        raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                                    f"cache behind {key} on cluster {self.remote_cluster_id} kept changing during the transfer")
+            raise AssertionError("unreachable")
+        finally:
+            self.lock.release()
+
+    def release_key(self, key) -> None:
+        """Tell the owner that ``key`` was consumed (pull_cache through a CacheKey)."""
+        deadline = time.monotonic() + self.timeout_ms / 1000.0
+        with self.lock:
+            reply = self.rpc(wire.ReleaseKey(cluster_id=key.prompt_cluster_id, req_id=key.req_id,
+                                             model_id=key.model_id, prefix_id=key.prefix_id), deadline)
+        if not isinstance(reply, wire.Reply):
+            self.protocol_error(reply)
+
+    # -- teardown ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close sockets and mappings; idempotent.  Safe from any thread."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.broken is None:
+            self.broken = "link closed"
+        for sock in (self.req_sock, self.serve_sock):
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _lookup_key(key) -> tuple:
+    name = type(key).__name__
+    if name == "CacheKeyByIdAndIndex":
+        return ("id", key.cluster_id, key.cache_id, key.batch_index)
+    if name == "BlocksCacheKey":
+        return ("blocks", key.prompt_cluster_id, key.model_id)
+    return ("key", key.prompt_cluster_id, key.req_id, key.model_id, key.prefix_id)
+
+
+def _resolve_message(key) -> wire.Resolve:
+    kt = _lookup_key(key)
+    if kt[0] == "id":
+        return wire.Resolve(kind="id", cluster_id=kt[1], cache_id=kt[2], batch_index=kt[3])
+    if kt[0] == "blocks":
+        return wire.Resolve(kind="blocks", cluster_id=kt[1], model_id=kt[2])
+    return wire.Resolve(kind="key", cluster_id=kt[1], req_id=kt[2], model_id=kt[3], prefix_id=kt[4])
+

@@ -1,0 +1,168 @@
+"""Shared memory the engine owns: memfd arenas, the page allocator over them, and views
+of a same-host peer's arenas.
+
+Arenas are anonymous (``memfd_create``): they never appear in ``/dev/shm``, so a killed
+process leaves nothing behind, and the kernel frees the memory when the last mapping and
+descriptor are gone.  A same-host peer maps an arena by opening ``/proc/<pid>/fd/<fd>``
+of the owner, which needs the same user (the ptrace read check), and keeps its mapping
+alive even if the owner dies, so a one-sided copy can never fault.
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+
+__all__ = ["Arena", "PeerArena", "PoolAllocator", "PoolExhausted", "bytes_view"]
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munmap.restype = ctypes.c_int
+_PROT_RW = 0x1 | 0x2
+_MAP_SHARED = 0x01
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map(fd: int, size: int) -> int:
+    addr = _libc.mmap(None, size, _PROT_RW, _MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+    return addr
+
+
+def bytes_view(addr: int, size: int) -> memoryview:
+    """A writable memoryview over raw memory (no copy); valid while the memory is."""
+    return memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
+
+
+class Arena:
+    """A memfd-backed shared memory region mapped into this process.
+
+    ``fd`` stays open for the arena's life so that same-host peers can open
+    ``/proc/<pid>/fd/<fd>``.  ``close()`` is idempotent; memory handed out from the arena
+    is invalid afterwards.
+    """
+
+    def __init__(self, name: str, size: int) -> None:
+        if size <= 0:
+            raise ValueError(f"arena size must be > 0, got {size}")
+        self.name = name
+        self.size = int(size)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.size)
+            self.base = _map(self.fd, self.size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._closed = False
+
+    def contains(self, addr: int, nbytes: int = 0) -> bool:
+        return self.base <= addr and addr + nbytes <= self.base + self.size
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _libc.munmap(self.base, self.size)
+        os.close(self.fd)
+
+
+@dataclass
+class PeerArena:
+    """A peer's arena mapped here: ``remote_base`` in the peer, ``local_base`` here."""
+
+    remote_base: int
+    local_base: int
+    size: int
+
+    @classmethod
+    def open(cls, pid: int, fd: int, size: int, remote_base: int) -> "PeerArena":
+        """Map arena ``fd`` of process ``pid``; raises ``OSError`` if it cannot be reached."""
+        local_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if os.fstat(local_fd).st_size < size:
+                raise OSError(f"peer arena /proc/{pid}/fd/{fd} is smaller than announced ({size} bytes)")
+            local = _map(local_fd, size)
+        finally:
+            os.close(local_fd)
+        return cls(remote_base, local, size)
+
+    def translate(self, remote_addr: int, nbytes: int = 0) -> int | None:
+        """The local address of ``remote_addr`` or None if the span is not in this arena."""
+        off = remote_addr - self.remote_base
+        if 0 <= off and off + nbytes <= self.size:
+            return self.local_base + off
+        return None
+
+    def close(self) -> None:
+        if self.local_base:
+            _libc.munmap(self.local_base, self.size)
+            self.local_base = 0
+
+
+class PoolExhausted(Exception):
+    """No free extent is large enough for the request."""
+
+
+class PoolAllocator:
+    """First-fit page allocator over an arena, thread-safe.
+
+    Requests are rounded up to ``2**page_shift`` bytes.  Free extents are kept sorted by
+    offset and merged with their neighbours on free, so fragmentation stays bounded by the
+    allocation pattern, not by history.
+    """
+
+    def __init__(self, arena: Arena, page_shift: int = 16) -> None:
+        self.arena = arena
+        self.page = 1 << page_shift
+        usable = arena.size - arena.size % self.page
+        self._starts: list[int] = [0] if usable else []
+        self._sizes: list[int] = [usable] if usable else []
+        self._used: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(self._sizes)
+
+    def alloc(self, nbytes: int) -> int:
+        """Reserve ``nbytes`` (rounded up to a page); returns the address in this process."""
+        need = max(self.page, -(-int(nbytes) // self.page) * self.page)
+        with self._lock:
+            for i, size in enumerate(self._sizes):
+                if size >= need:
+                    start = self._starts[i]
+                    if size == need:
+                        del self._starts[i], self._sizes[i]
+                    else:
+                        self._starts[i] += need
+                        self._sizes[i] -= need
+                    self._used[start] = need
+                    return self.arena.base + start
+            free, extents = sum(self._sizes), len(self._sizes)
+        raise PoolExhausted(f"no free extent of {need} bytes (free {free} bytes in {extents} "
+                            f"extents of a {self.arena.size}-byte pool)")
+
+    def free(self, addr: int) -> None:
+        """Return an allocation; unknown addresses are ignored (double free is a no-op)."""
+        start = addr - self.arena.base
+        with self._lock:
+            size = self._used.pop(start, None)
+            if size is None:
+                return
+            i = bisect.bisect_left(self._starts, start)
+            self._starts.insert(i, start)
+            self._sizes.insert(i, size)
+            if i + 1 < len(self._starts) and start + size == self._starts[i + 1]:
+                self._sizes[i] += self._sizes.pop(i + 1)
+                self._starts.pop(i + 1)
+            if i > 0 and self._starts[i - 1] + self._sizes[i - 1] == start:
+                self._sizes[i - 1] += self._sizes.pop(i)
+                self._starts.pop(i)

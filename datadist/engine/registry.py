@@ -1,0 +1,187 @@
+"""The caches this engine owns and the keys that name them, plus the epoch that tells
+peers when cached lookups went stale.
+
+Peers cache what a key resolved to (so a repeated transfer costs no round trip).  Any
+change that could make such a lookup wrong (a cache freed, a key removed, consumed or
+re-pointed) bumps the epoch, a ``uint64`` in a shared page that same-host peers map and
+that socket peers send with every request; a peer whose epoch is old resolves again.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .._status import LLMStatusCode, raise_error
+from .memory import Arena
+
+__all__ = ["CacheRecord", "Registry", "EPOCH_PAGE_SIZE"]
+
+log = logging.getLogger("datadist")
+
+EPOCH_PAGE_SIZE = 4096
+# Offset 8 of the page holds a random nonce that a peer reads back to prove the mapping
+# (or cross-memory attach) reaches this very process.
+_NONCE_OFFSET = 8
+
+
+@dataclass
+class CacheRecord:
+    """What the engine knows about one cache: geometry and where its tensors live."""
+
+    cache_id: int
+    num_tensors: int
+    tensor_size: int          # bytes of one tensor
+    batch_size: int           # rows (blocks in a blocks cache)
+    is_blocks: bool
+    dtype: str
+    addrs: np.ndarray         # uint64, one per tensor, in this process
+    release: Optional[callable] = None   # frees pool memory; None for registered memory
+    keys: set = field(default_factory=set)
+
+    @property
+    def stride(self) -> int:
+        """Bytes of one row (one block) of one tensor."""
+        return self.tensor_size // self.batch_size
+
+
+class Registry:
+    """Thread-safe map of cache ids and keys to :class:`CacheRecord` (owner side)."""
+
+    def __init__(self, cluster_id: int, nonce: int) -> None:
+        self.cluster_id = cluster_id
+        self._lock = threading.Lock()
+        self._caches: dict[int, CacheRecord] = {}
+        self._keys: dict[tuple, tuple[int, int]] = {}       # (req_id, model_id, prefix_id) -> (cache_id, row)
+        self._blocks_keys: dict[tuple, int] = {}           # (cluster_id, model_id) -> cache_id
+        self._next_id = 1
+        self.page = Arena(f"datadist-epoch-{cluster_id}", EPOCH_PAGE_SIZE)
+        self._epoch = ctypes.c_uint64.from_address(self.page.base)
+        ctypes.c_uint64.from_address(self.page.base + _NONCE_OFFSET).value = nonce
+        self.nonce = nonce
+
+    # -- epoch -------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self._epoch.value
+
+    def _bump(self) -> None:
+        self._epoch.value += 1
+
+    @staticmethod
+    def read_epoch(page_addr: int) -> int:
+        """The epoch stored in a (mapped) epoch page at ``page_addr``."""
+        return ctypes.c_uint64.from_address(page_addr).value
+
+    @staticmethod
+    def nonce_address(page_addr: int) -> int:
+        return page_addr + _NONCE_OFFSET
+
+    # -- caches ------------------------------------------------------------------------
+    def add(self, record_fields: dict, keys=(), blocks_key=None) -> CacheRecord:
+        """Register a new cache; ``keys[i]`` names row i (``CacheKey``), ``blocks_key`` the
+        whole blocks cache.  A key already in use is re-pointed (the last wins)."""
+        with self._lock:
+            rec = CacheRecord(cache_id=self._next_id, **record_fields)
+            self._next_id += 1
+            self._caches[rec.cache_id] = rec
+            for row, key in enumerate(keys):
+                self._bind_key_locked(_key_tuple(key), rec, row)
+            if blocks_key is not None:
+                bk = (blocks_key.prompt_cluster_id, blocks_key.model_id)
+                old = self._blocks_keys.get(bk)
+                if old is not None and old in self._caches:
+                    log.warning("blocks cache key %s re-registered: cache %d replaces cache %d", blocks_key, rec.cache_id, old)
+                    self._bump()
+                self._blocks_keys[bk] = rec.cache_id
+                rec.keys.add(("blocks",) + bk)
+            return rec
+
+    def _bind_key_locked(self, kt: tuple, rec: CacheRecord, row: int) -> None:
+        if kt[0] == 2**64 - 1:
+            return  # req_id 2**64-1 marks an empty row
+        old = self._keys.get(kt)
+        if old is not None:
+            log.warning("cache key %s re-registered: cache %d row %d replaces cache %d row %d",
+                        kt, rec.cache_id, row, old[0], old[1])
+            prev = self._caches.get(old[0])
+            if prev is not None:
+                prev.keys.discard(("key",) + kt)
+            self._bump()
+        self._keys[kt] = (rec.cache_id, row)
+        rec.keys.add(("key",) + kt)
+
+    def remove(self, cache_id: int) -> Optional[CacheRecord]:
+        """Forget a cache and its keys; returns it, or None if unknown (no-op)."""
+        with self._lock:
+            rec = self._caches.pop(cache_id, None)
+            if rec is None:
+                return None
+            for k in rec.keys:
+                if k[0] == "key":
+                    self._keys.pop(k[1:], None)
+                else:
+                    self._blocks_keys.pop(k[1:], None)
+            self._bump()
+            return rec
+
+    def remove_key(self, key) -> bool:
+        """Drop one ``CacheKey``; False if it was not registered."""
+        kt = _key_tuple(key)
+        with self._lock:
+            hit = self._keys.pop(kt, None)
+            if hit is None:
+                return False
+            rec = self._caches.get(hit[0])
+            if rec is not None:
+                rec.keys.discard(("key",) + kt)
+            self._bump()
+            return True
+
+    def get(self, cache_id: int) -> Optional[CacheRecord]:
+        with self._lock:
+            return self._caches.get(cache_id)
+
+    def all(self) -> list[CacheRecord]:
+        with self._lock:
+            return list(self._caches.values())
+
+    # -- lookups for peers ---------------------------------------------------------------
+    def resolve(self, kind: str, *, cluster_id: int, cache_id: int = 0, batch_index: int = 0,
+                req_id: int = 0, model_id: int = 0, prefix_id: int = 2**64 - 1) -> tuple[CacheRecord, int]:
+        """The cache and row a peer's key names; raises ``LLM_KV_CACHE_NOT_EXIST``."""
+        with self._lock:
+            if cluster_id != self.cluster_id:
+                raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                            f"key names cluster {cluster_id}, but this engine is cluster {self.cluster_id}")
+            if kind == "id":
+                rec = self._caches.get(cache_id)
+                if rec is None:
+                    raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cluster {self.cluster_id} has no cache id {cache_id}")
+                if not 0 <= batch_index < rec.batch_size:
+                    raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                                f"batch_index {batch_index} out of range for cache {cache_id} with {rec.batch_size} rows")
+                return rec, batch_index
+            if kind == "key":
+                hit = self._keys.get((req_id, model_id, prefix_id))
+                if hit is None:
+                    raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                                f"cluster {self.cluster_id} has no cache key (req_id={req_id}, model_id={model_id}, "
+                                f"prefix_id={prefix_id}); it was never registered, or already pulled or removed")
+                return self._caches[hit[0]], hit[1]
+            cid = self._blocks_keys.get((cluster_id, model_id))
+            if cid is None:
+                raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                            f"cluster {self.cluster_id} has no blocks cache for model_id {model_id}")
+            return self._caches[cid], 0
+
+    def close(self) -> None:
+        self.page.close()
+
+
+def _key_tuple(key) -> tuple:
+    return (int(key.req_id), int(key.model_id), int(key.prefix_id))

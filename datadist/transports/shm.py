@@ -1,0 +1,77 @@
+"""Same-host links: one-sided copies straight into or out of the peer's memory.
+
+Pool caches live in the peer's memfd arenas, which this process mapped at link time, so a
+transfer is a local memcpy of the rebased plan.  Caches over user memory that the peer
+registered are reached by cross-memory attach (``process_vm_writev/readv``).  The peer's
+threads take no part in either.  When neither works for a cache (cross-memory attach not
+permitted), the link's socket transport moves it instead.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+from typing import Optional
+
+from .._status import LLMStatusCode, raise_error
+from ..engine import native
+from ..engine.layout import Plan
+from ..engine.memory import PeerArena
+from .base import RemoteCache, Transport
+
+__all__ = ["ShmTransport"]
+
+log = logging.getLogger("datadist")
+
+
+class ShmTransport(Transport):
+    name = "shm"
+
+    def __init__(self, pid: int, arenas: list[PeerArena], cma_ok: bool, fallback: Optional[Transport]) -> None:
+        self.pid = pid
+        self.arenas = arenas
+        self.cma_ok = cma_ok
+        self.fallback = fallback
+
+    def _delta(self, remote: RemoteCache) -> Optional[int]:
+        """Offset from the peer's address of ``remote`` to where it is mapped here."""
+        lo = int(remote.addrs.min())
+        span = int(remote.addrs.max()) + remote.tensor_size - lo
+        for arena in self.arenas:
+            local = arena.translate(lo, span)
+            if local is not None:
+                return local - lo
+        return None
+
+    def _run(self, link, plan: Plan, remote: RemoteCache, deadline: float, write: bool) -> None:
+        delta = self._delta(remote)
+        if delta is not None:
+            native.copy_plan(plan.rebase(dst_delta=delta) if write else plan.rebase(src_delta=delta))
+        elif self.cma_ok:
+            try:
+                native.cma_plan(self.pid, plan, write=write)
+            except OSError as exc:
+                if exc.errno == errno.ESRCH:
+                    link.mark_broken(f"peer process {self.pid} is gone")
+                    raise_error(LLMStatusCode.LLM_LINK_FAILED,
+                                f"link to cluster {link.remote_cluster_id} is broken: peer process {self.pid} exited")
+                raise_error(LLMStatusCode.LLM_FAILED,
+                            f"cross-memory copy with cluster {link.remote_cluster_id} (pid {self.pid}) failed: {exc}")
+        elif self.fallback is not None:
+            (self.fallback.push if write else self.fallback.pull)(link, plan, remote, deadline)
+            return
+        else:
+            raise_error(LLMStatusCode.LLM_FAILED,
+                        f"cache {remote.cache_id} of cluster {link.remote_cluster_id} is registered user memory "
+                        "and cross-memory attach to the peer is not permitted; use transfer_backend='tcp' or 'auto'")
+        link.check_alive()
+
+    def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
+        self._run(link, plan, remote, deadline, True)
+
+    def pull(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
+        self._run(link, plan, remote, deadline, False)
+
+    def close(self) -> None:
+        for arena in self.arenas:
+            arena.close()
+        self.arenas = []

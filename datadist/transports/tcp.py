@@ -1,0 +1,61 @@
+"""Socket links: the peer's agent streams bytes straight into or out of the cache memory.
+
+A push is one ``PUSH`` frame carrying the peer's half of the plan, the payload right
+behind it (``writev`` of the local runs), and one ``REPLY``; a pull is a ``PULL`` frame, a
+``REPLY`` and the payload (``readv`` into the local runs).  One round trip per call; no
+payload byte passes through a Python object.
+"""
+from __future__ import annotations
+
+import time
+
+from .._status import LLMStatusCode, raise_error
+from ..engine import native, wire
+from ..engine.layout import Plan
+from .base import RemoteCache, Transport
+
+__all__ = ["TcpTransport", "StaleLookup", "STALE"]
+
+#: Reply status of a request planned against an outdated lookup (resolve again, retry).
+STALE = -2
+
+
+class StaleLookup(Exception):
+    """The peer's caches changed since the lookup the plan was built on."""
+
+
+def _left_ms(deadline: float) -> int:
+    return max(1, int((deadline - time.monotonic()) * 1000))
+
+
+class TcpTransport(Transport):
+    name = "tcp"
+
+    @staticmethod
+    def _raise_for(link, reply: wire.Message) -> None:
+        if not isinstance(reply, wire.Reply):
+            link.protocol_error(reply)
+        if reply.status == STALE:
+            raise StaleLookup(reply.message)
+        if reply.status:
+            raise_error(reply.status, reply.message)
+
+    def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
+        msg = wire.Push(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes,
+                        arrays=[plan.dst_bases, plan.dst_offs, plan.lens])
+        self._raise_for(link, link.rpc(msg, deadline, send_plan=plan))
+
+    def pull(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
+        msg = wire.Pull(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes,
+                        arrays=[plan.src_bases, plan.src_offs, plan.lens])
+        self._raise_for(link, link.rpc(msg, deadline))
+        try:
+            native.sock_recv(link.req_sock.fileno(), plan, _left_ms(deadline))
+        except TimeoutError:
+            link.mark_broken("deadline passed mid-pull")
+            raise_error(LLMStatusCode.LLM_TIMEOUT,
+                        f"pull from cluster {link.remote_cluster_id} did not finish within sync_kv_timeout "
+                        f"({link.timeout_ms} ms); the link is marked broken")
+        except OSError as exc:
+            link.mark_broken(f"connection failed: {exc}")
+            raise_error(LLMStatusCode.LLM_LINK_FAILED, f"link to cluster {link.remote_cluster_id} is broken: {exc}")

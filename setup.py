@@ -1,0 +1,35 @@
+"""Build script: two pure-Python packages plus one small C helper (datadist.engine._native).
+
+The C helper executes coalesced copy plans (memcpy runs, cross-memory attach, socket
+scatter/gather with deadlines) with the GIL released; it is loaded with ctypes, so it uses
+no Python C API and builds with any C compiler.
+"""
+from setuptools import Extension, find_packages, setup
+
+setup(
+    name="datadist",
+    version="0.1.0",
+    description="llm_datadist-compatible KV-cache transfer and an EMS-compatible context-caching pool",
+    packages=find_packages(include=["datadist", "datadist.*", "ems", "ems.*"]),
+    python_requires=">=3.9",
+    install_requires=["numpy", "torch", "pyzmq"],
+    extras_require={
+        "npu": ["torch_npu"],
+        "redis": ["redis>=5"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "redis>=5"],
+    },
+    ext_modules=[
+        Extension(
+            "datadist.engine._native",
+            sources=["datadist/engine/_native.c"],
+            extra_compile_args=["-O2", "-std=gnu11"],
+            libraries=["pthread"],
+        )
+    ],
+    entry_points={
+        "console_scripts": [
+            "ems-server=ems.server:main",
+            "datadist-bench=datadist.bench:main",
+        ]
+    },
+)
