@@ -1,8 +1,6 @@
-"""Build script: two pure-Python packages plus one small C helper (datadist.engine._native).
-
-The C helper executes coalesced copy plans (memcpy runs, cross-memory attach, socket
-scatter/gather with deadlines) with the GIL released; it is loaded with ctypes, so it uses
-no Python C API and builds with any C compiler.
+"""Build script: two Python packages plus one small C extension (datadist.engine._native)
+that executes coalesced copy plans (memcpy runs, cross-memory attach, socket
+scatter/gather with deadlines) with the GIL released.
 """
 from setuptools import Extension, find_packages, setup
 

@@ -80,17 +80,15 @@ def _layers(name: str, value, num_layers: int) -> range:
 def _blocks(name: str, value, num_blocks: int) -> np.ndarray:
     if not isinstance(value, (list, tuple, range, np.ndarray)):
         raise TypeError(f"{name} must be a list of block indices, got {type(value).__name__}")
-    try:
-        arr = np.asarray(value, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError):
-        raise TypeError(f"{name} must hold ints, got {list(value)[:8]!r}") from None
-    if arr.ndim != 1 or (len(value) and not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-                                                 for v in (value[0], value[-1]))):
-        raise TypeError(f"{name} must be a flat list of ints")
-    bad = (arr < 0) | (arr >= num_blocks)
-    if bad.any():
+    arr = np.asarray(value)
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be a flat list of ints, got {value!r:.80}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= num_blocks:
         raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    f"{name} holds index {int(arr[bad][0])}, outside [0, {num_blocks}) blocks")
+                    f"{name} holds index {lo if lo < 0 else hi}, outside [0, {num_blocks}) blocks")
     return arr
 
 
@@ -276,10 +274,13 @@ class CacheManager:
     def _local(self, cache: Cache) -> _Side:
         if not isinstance(cache, Cache):
             raise TypeError(f"cache must be a Cache, got {type(cache).__name__}")
-        if cache.cache_id >= 0 and self._engine.registry.get(cache.cache_id) is None:
+        if cache.cache_id < 0:  # Cache.create_cpu_cache: not registered with the engine
+            return _Side.of_cache(cache)
+        rec = self._engine.registry.get(cache.cache_id)
+        if rec is None:
             raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                         f"cache {cache.cache_id} is not (or no longer) known to this engine")
-        return _Side.of_cache(cache)
+        return _Side(rec.addrs, rec.num_tensors, rec.tensor_size, rec.batch_size)
 
     def _role(self, allowed, call: str) -> None:
         role = self._owner.role

@@ -77,7 +77,9 @@ class Agent:
     def _register(self, link: Link) -> None:
         sock = link.serve_sock
         if sock is not None and sock.fileno() >= 0 and link.broken is None:
-            sock.setblocking(False)
+            # Timeout mode keeps the descriptor non-blocking for the selector and bounds
+            # every read of a request that has started arriving.
+            sock.settimeout(self.engine.timeout_ms / 1000.0)
             self._sel.register(sock, selectors.EVENT_READ, link)
 
     def unwatch(self, link: Link) -> None:
@@ -168,18 +170,15 @@ class Agent:
     def _serve(self, link: Link) -> None:
         sock = link.serve_sock
         try:
-            sock.settimeout(self.engine.timeout_ms / 1000.0)
             msg = wire.read_message(sock)
             reply = self._handle(link, msg, sock)
-            if reply is not None:
+            if self._pending_plan is not None:  # a pull: the reply and the payload in one stream
+                native.sock_send(sock.fileno(), self._pending_plan, self.engine.timeout_ms, wire.encode(reply))
+            elif reply is not None:
                 sock.sendall(wire.encode(reply))
-            if isinstance(msg, wire.Pull) and reply is not None and reply.status == 0:
-                native.sock_send(sock.fileno(), self._pending_plan, self.engine.timeout_ms)
             if isinstance(msg, wire.Unlink):
                 self._unregister(link)
                 self.engine.drop_link(link, notify=False)
-                return
-            sock.setblocking(False)
         except (OSError, wire.WireError, ValueError) as exc:
             self._unregister(link)
             why = "peer closed the connection" if isinstance(exc, ConnectionError) else str(exc)
@@ -257,6 +256,10 @@ def runs_inside(rec: CacheRecord, bases: np.ndarray, offs: np.ndarray, lens: np.
     sit back to back count as one span, since coalesced runs may cross them)."""
     if lens.shape[0] == 0:
         return True
+    if bases.shape[0] <= 256 and bases.any():
+        # Factored plan over tensor bases: the common case, checked without numpy setup.
+        known = rec.addr_set
+        return all(b in known for b in bases.tolist()) and int((offs + lens).max()) <= rec.tensor_size
     starts = np.add.outer(bases, offs).ravel()
     ends = starts + np.tile(lens, bases.shape[0])
     addrs = np.sort(rec.addrs)

@@ -135,8 +135,8 @@ def plan_units(
 
 def block_offsets(blocks: Sequence[int] | np.ndarray, stride: int, base_offset: int = 0) -> np.ndarray:
     """Byte offsets of ``blocks`` (indices of ``stride``-byte units) inside a tensor."""
-    idx = np.asarray(blocks, dtype=np.int64)
-    return (idx * int(stride) + int(base_offset)).astype(_U64)
+    idx = np.asarray(blocks).astype(_U64)
+    return idx * _U64(stride) + _U64(base_offset) if base_offset else idx * _U64(stride)
 
 
 def layer_tensor_indices(layers: range, tensor_num_per_layer: int) -> np.ndarray:

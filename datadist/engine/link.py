@@ -79,10 +79,12 @@ class Link:
         if sock is None:
             raise_error(LLMStatusCode.LLM_NOT_YET_LINK, f"link to cluster {self.remote_cluster_id} is not ready yet")
         try:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock.sendall(wire.encode(msg))
+            frame = wire.encode(msg)
             if send_plan is not None:
-                native.sock_send(sock.fileno(), send_plan, max(1, int((deadline - time.monotonic()) * 1000)))
+                native.sock_send(sock.fileno(), send_plan, max(1, int((deadline - time.monotonic()) * 1000)), frame)
+            else:
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                sock.sendall(frame)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             return wire.read_message(sock)
         except (TimeoutError, socket.timeout):

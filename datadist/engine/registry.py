@@ -43,6 +43,9 @@ class CacheRecord:
     release: Optional[callable] = None   # frees pool memory; None for registered memory
     keys: set = field(default_factory=set)
 
+    def __post_init__(self) -> None:
+        self.addr_set = frozenset(self.addrs.tolist())
+
     @property
     def stride(self) -> int:
         """Bytes of one row (one block) of one tensor."""

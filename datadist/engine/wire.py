@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from typing import Any, ClassVar
 
@@ -27,6 +27,7 @@ MAGIC = b"DDKV"
 VERSION = 1
 _HEADER = struct.Struct("<4sBBHII")
 _MAX_BODY = 16 << 20
+_JSON = json.JSONEncoder(separators=(",", ":"))
 
 
 class WireError(Exception):
@@ -161,10 +162,20 @@ _TYPES: dict[int, type[Message]] = {
 }
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls) if f.name != "arrays")
+    return names
+
+
 def encode(msg: Message) -> bytes:
     """Serialize ``msg`` into one frame."""
-    body = {k: v for k, v in asdict(msg).items() if k != "arrays"}
-    raw = json.dumps(body, separators=(",", ":")).encode()
+    body = {name: getattr(msg, name) for name in _field_names(type(msg))}
+    raw = _JSON.encode(body).encode()
     arrays = [np.ascontiguousarray(a, dtype=np.uint64) for a in msg.arrays]
     arr_bytes = b"".join(struct.pack("<Q", a.shape[0]) + a.tobytes() for a in arrays)
     return _HEADER.pack(MAGIC, VERSION, int(msg.TYPE), 0, len(raw), len(arr_bytes)) + raw + arr_bytes
@@ -200,7 +211,7 @@ def read_message(sock: socket.socket) -> Message:
         raise WireError(f"unknown message type {mtype}")
     data = _recv_exact(sock, blen + alen)
     body = json.loads(bytes(data[:blen])) if blen else {}
-    known = {f.name for f in fields(cls)}
+    known = _field_names(cls)
     msg = cls(**{k: v for k, v in body.items() if k in known})
     arrays: list[Any] = []
     pos = blen

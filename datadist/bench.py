@@ -1,0 +1,248 @@
+"""``python -m datadist.bench``: the standard workloads through the public API.
+
+Two real processes: this one is a PROMPT engine that pushes, a spawned DECODER engine owns
+the destination cache and links to it.  ``--transport local`` moves the same plan between
+two caches of this process (``swap_blocks``).  After the timed rounds the destination is
+checked block by block against the source (a digest per side), and the memcpy ceiling is
+measured in the same run, on the same bytes, the way ``peer_bench.py`` measures it.
+
+Workloads (see PERF.md):
+  inorder-256k  1024 blocks x 256 KiB, block i -> block i, one tensor
+  scatter-32k   2048 blocks x 32 KiB, destination order a random permutation
+  small-4k      one 4 KiB block per call, repeated (latency)
+  kv-7b         32 layers x K,V of 16-token blocks (128 KiB per tensor block), 32 blocks
+                pushed layer by layer (one push_blocks per layer, tensor_num_per_layer=2)
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["main", "WORKLOADS", "run"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    block_bytes: int
+    blocks: int            # blocks moved per batch
+    cache_blocks: int      # blocks in each cache
+    num_tensors: int
+    scatter: bool
+    layerwise: bool = False
+    rounds: int = 5
+
+    @property
+    def batch_bytes(self) -> int:
+        return self.block_bytes * self.blocks * self.num_tensors
+
+
+WORKLOADS = {
+    "inorder-256k": Workload("inorder-256k", 256 << 10, 1024, 1024, 1, False),
+    "scatter-32k": Workload("scatter-32k", 32 << 10, 2048, 2048, 1, True),
+    "small-4k": Workload("small-4k", 4 << 10, 1, 16, 1, False, rounds=2000),
+    "kv-7b": Workload("kv-7b", 128 << 10, 32, 64, 64, True, layerwise=True),
+}
+TRANSPORTS = ("local", "shm", "tcp")
+
+
+def _blocks(w: Workload) -> tuple[list, list]:
+    src = list(range(w.blocks))
+    if w.scatter:
+        dst = [int(b) for b in np.random.default_rng(7).permutation(w.cache_blocks)[: w.blocks]]
+    else:
+        dst = list(range(w.blocks))
+    return src, dst
+
+
+def _digest(tensors, blocks) -> str:
+    """Digest of the listed blocks of every tensor, in list order."""
+    h = hashlib.blake2b(digest_size=16)
+    idx = np.asarray(blocks)
+    for t in tensors:
+        h.update(t.view(-1, t.shape[-1]).numpy()[idx].tobytes())
+    return h.hexdigest()
+
+
+def _config(transport: str, pool_bytes: int, listen: Optional[str] = None) -> dict:
+    from datadist import LLMConfig
+
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    cfg.sync_kv_timeout = 60000
+    cfg.host_mem_pool_cfg = json.dumps({"memory_size": pool_bytes, "page_shift": 16})
+    cfg.transfer_backend = "tcp" if transport == "tcp" else "shm"
+    if listen:
+        cfg.listen_ip_info = listen
+    return cfg.generate_options()
+
+
+def _desc(w: Workload):
+    from datadist import CacheDesc, DataType, Placement
+
+    return CacheDesc(w.num_tensors, [w.cache_blocks, w.block_bytes // 2], DataType.DT_FLOAT16, Placement.HOST)
+
+
+def _pool_bytes(w: Workload) -> int:
+    return w.block_bytes * w.cache_blocks * w.num_tensors + (1 << 20)
+
+
+def _decoder(conn, workload: str, transport: str, port: int) -> None:
+    """Child: own the destination cache, link to the prompt, report digests on request."""
+    from datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole
+
+    w = WORKLOADS[workload]
+    engine = LLMDataDist(LLMRole.DECODER, 2)
+    try:
+        engine.init(_config(transport, _pool_bytes(w)))
+        cache = engine.cache_manager.allocate_blocks_cache(_desc(w), BlocksCacheKey(2, 0))
+        info = LLMClusterInfo()
+        info.remote_cluster_id = 1
+        info.append_remote_ip_info("127.0.0.1", port)
+        ret, _ = engine.link_clusters([info], timeout=10000)
+        conn.send(("linked", int(ret)))
+        if conn.poll(600) and conn.recv() == "digest":
+            _, dst = _blocks(w)
+            conn.send(("digest", _digest(engine.cache_manager.get_cache_tensors(cache), dst)))
+        conn.recv()
+    except BaseException as exc:  # reported to the parent, which fails the run
+        conn.send(("error", repr(exc)))
+    finally:
+        engine.finalize()
+
+
+def _memcpy(w: Workload, src_blocks, dst_blocks) -> float:
+    """Seconds per batch of a numpy copy of the same blocks in one process (median)."""
+    src = np.ones((w.num_tensors * w.cache_blocks, w.block_bytes), np.uint8)
+    dst = np.zeros_like(src)
+    times = []
+    for _ in range(min(w.rounds, 20) + 1):
+        t = time.perf_counter()
+        for k in range(w.num_tensors):
+            off = k * w.cache_blocks
+            if w.scatter:
+                for i, j in zip(src_blocks, dst_blocks):
+                    dst[off + j] = src[off + i]
+            else:
+                np.copyto(dst[off: off + w.blocks], src[off: off + w.blocks])
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def run(workload: str, transport: str) -> dict:
+    """Run one workload over one transport; returns the result row (raises on bad data)."""
+    import torch
+    from datadist import BlocksCacheKey, LLMDataDist, LLMRole
+
+    w = WORKLOADS[workload]
+    src_blocks, dst_blocks = _blocks(w)
+    ctx = mp.get_context("spawn")
+    engine = LLMDataDist(LLMRole.PROMPT if transport != "local" else LLMRole.MIX, 1)
+    child = None
+    try:
+        engine.init(_config(transport, _pool_bytes(w) * (2 if transport == "local" else 1),
+                            listen=None if transport == "local" else "127.0.0.1:0"))
+        cm = engine.cache_manager
+        src = cm.allocate_blocks_cache(_desc(w), BlocksCacheKey(1, 0))
+        gen = torch.Generator().manual_seed(1)
+        for t in cm.get_cache_tensors(src):
+            t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, dtype=torch.int16, generator=gen))
+        if transport == "local":
+            dst = cm.allocate_blocks_cache(_desc(w))
+            mapping = dict(zip(src_blocks, dst_blocks))
+
+            def one_batch() -> None:
+                cm.swap_blocks(src, dst, mapping)
+        else:
+            parent_conn, child_conn = ctx.Pipe()
+            child = ctx.Process(target=_decoder, args=(child_conn, workload, transport, engine.listen_port))
+            child.start()
+            if not parent_conn.poll(60):
+                raise RuntimeError("decoder process did not link within 60 s")
+            msg = parent_conn.recv()
+            if msg[0] != "linked" or msg[1] != 0:
+                raise RuntimeError(f"decoder failed to link: {msg}")
+            key = BlocksCacheKey(2, 0)
+            layers = w.num_tensors // 2
+
+            def one_batch() -> None:
+                if w.layerwise:
+                    for layer in range(layers):
+                        r = range(layer, layer + 1)
+                        cm.push_blocks(key, src, src_blocks, dst_blocks, src_layer_range=r, dst_layer_range=r)
+                else:
+                    cm.push_blocks(key, src, src_blocks, dst_blocks, tensor_num_per_layer=1)
+
+        one_batch()  # warm-up: lookups, page faults
+        times = []
+        for _ in range(w.rounds):
+            t = time.perf_counter()
+            one_batch()
+            times.append(time.perf_counter() - t)
+        expected = _digest(cm.get_cache_tensors(src), src_blocks)
+        if transport == "local":
+            got = _digest(cm.get_cache_tensors(dst), dst_blocks)
+        else:
+            parent_conn.send("digest")
+            if not parent_conn.poll(120):
+                raise RuntimeError("decoder did not report its digest")
+            reply = parent_conn.recv()
+            if reply[0] != "digest":
+                raise RuntimeError(f"decoder failed: {reply}")
+            got = reply[1]
+            parent_conn.send("bye")
+        if got != expected:
+            raise RuntimeError(f"data check failed for {workload} over {transport}: digest {got} != {expected}")
+    finally:
+        engine.finalize()
+        if child is not None:
+            child.join(30)
+            if child.is_alive():
+                child.kill()
+    med = statistics.median(times)
+    memcpy_s = _memcpy(w, src_blocks, dst_blocks)
+    us = sorted(t * 1e6 for t in times)
+    return {
+        "workload": workload, "transport": transport, "system": f"datadist-{transport}",
+        "gbps": w.batch_bytes / med / 1e9, "batch_ms": med * 1e3,
+        "p50_us": us[len(us) // 2], "p99_us": us[min(len(us) - 1, int(len(us) * 0.99))],
+        "memcpy_gbps": w.batch_bytes / memcpy_s / 1e9,
+        "block_kib": w.block_bytes >> 10, "blocks": w.blocks, "scatter": w.scatter, "verified": True,
+    }
+
+
+def main(argv: Optional[list] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m datadist.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
+                    help="repeat for several (default: all)")
+    ap.add_argument("--transport", action="append", choices=TRANSPORTS, help="repeat for several (default: all)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    args = ap.parse_args(argv)
+    workloads = args.workload or list(WORKLOADS)
+    transports = args.transport or list(TRANSPORTS)
+    if not args.json:
+        print(f"{'workload':14s} {'transport':9s} {'GB/s':>8s} {'batch ms':>9s} {'p50 us':>9s} {'p99 us':>9s} "
+              f"{'memcpy GB/s':>11s} {'x memcpy':>8s}", flush=True)
+    for wl in workloads:
+        for tr in transports:
+            row = run(wl, tr)
+            if args.json:
+                print(json.dumps(row), flush=True)
+            else:
+                print(f"{wl:14s} {tr:9s} {row['gbps']:8.2f} {row['batch_ms']:9.3f} {row['p50_us']:9.1f} "
+                      f"{row['p99_us']:9.1f} {row['memcpy_gbps']:11.2f} {row['gbps'] / row['memcpy_gbps']:8.2f}",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
