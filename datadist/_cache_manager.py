@@ -55,14 +55,14 @@ def _int_arg(name: str, value) -> int:
     return operator.index(value)
 
 
-def _tnpl(value, num_tensors: int) -> int:
+def _tnpl(value, num_tensors: int, ranges: bool) -> int:
     n = _int_arg("tensor_num_per_layer", value)
     if n < 0:
         raise ValueError(f"tensor_num_per_layer = {n} must not be negative")
-    if n == 0 or n > num_tensors or num_tensors % n:
+    if n == 0 or n > num_tensors or (ranges and num_tensors % n):
         raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    f"tensor_num_per_layer = {n} is invalid: it must be in [1, {num_tensors}] and divide the "
-                    f"cache's {num_tensors} tensors")
+                    f"tensor_num_per_layer = {n} is invalid: it must be in [1, {num_tensors}]"
+                    + (f" and divide the cache's {num_tensors} tensors when layer ranges are given" if ranges else ""))
     return n
 
 
@@ -94,21 +94,25 @@ def _blocks(name: str, value, num_blocks: int) -> np.ndarray:
 
 def _selection(src: _Side, dst: _Side, tnpl, src_range, dst_range, same_range: bool = False):
     """Tensor indices of both sides for the layer ranges (validated)."""
-    n = _tnpl(tnpl, src.num_tensors)
+    ranges = src_range is not None or dst_range is not None
+    n = _tnpl(tnpl, src.num_tensors, ranges)
+    if not ranges:
+        if src.num_tensors != dst.num_tensors:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                        f"source has {src.num_tensors} tensors, destination {dst.num_tensors}; give layer ranges")
+        every = np.arange(src.num_tensors)
+        return every, every
     if dst.num_tensors % n:
         raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                     f"tensor_num_per_layer = {n} does not divide the destination's {dst.num_tensors} tensors")
     sr = _layers("src_layer_range", src_range, src.num_tensors // n)
     dr = _layers("dst_layer_range", dst_range, dst.num_tensors // n)
-    if src_range is None and dst_range is None and src.num_tensors != dst.num_tensors:
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    f"source has {src.num_tensors} tensors, destination {dst.num_tensors}; give layer ranges")
     if len(sr) != len(dr):
         raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                     f"src_layer_range {sr} and dst_layer_range {dr} differ in length")
-    if same_range and src_range != dst_range and None not in (src_range, dst_range):
+    if same_range and sr != dr:
         raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    f"push needs the same layer range on both sides, got {src_range} and {dst_range}")
+                    f"a push needs the same layer range on both sides, got src_layer_range={sr} and dst_layer_range={dr}")
     return layer_tensor_indices(sr, n), layer_tensor_indices(dr, n)
 
 
@@ -119,20 +123,21 @@ def _same_stride(src: _Side, dst: _Side, what: str) -> int:
     return src.stride
 
 
-def _blocks_plan(src: _Side, dst: _Side, src_blocks, dst_blocks, tnpl, src_range, dst_range) -> Plan:
+def _blocks_plan(src: _Side, dst: _Side, src_blocks, dst_blocks, tnpl, src_range, dst_range,
+                 same_range: bool = False) -> Plan:
     sb = _blocks("src_blocks", src_blocks, src.batch_size)
     db = _blocks("dst_blocks", dst_blocks, dst.batch_size)
     if sb.shape != db.shape:
         raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                     f"src_blocks has {sb.shape[0]} entries, dst_blocks {db.shape[0]}; they must be equal")
-    ts, td = _selection(src, dst, tnpl, src_range, dst_range)
+    ts, td = _selection(src, dst, tnpl, src_range, dst_range, same_range)
     stride = _same_stride(src, dst, "block size")
     return plan_units(src.addrs[ts], block_offsets(sb, stride), dst.addrs[td], block_offsets(db, stride), stride)
 
 
 def _row_plan(src: _Side, src_row: int, dst: _Side, dst_row: int, size: int, offset: int, tnpl,
-              src_range, dst_range) -> Plan:
-    ts, td = _selection(src, dst, tnpl, src_range, dst_range)
+              src_range, dst_range, same_range: bool = False) -> Plan:
+    ts, td = _selection(src, dst, tnpl, src_range, dst_range, same_range)
     return plan_units(src.addrs[ts], [src_row * src.stride + offset], dst.addrs[td],
                       [dst_row * dst.stride + offset], size)
 
@@ -367,7 +372,8 @@ class CacheManager:
         def planner(remote: RemoteCache) -> Plan:
             dst = _Side.of_remote(remote)
             n = _row_size(-1, src, dst)
-            return _row_plan(src, row, dst, remote.row, n, 0, tensor_num_per_layer, src_layer_range, dst_layer_range)
+            return _row_plan(src, row, dst, remote.row, n, 0, tensor_num_per_layer, src_layer_range, dst_layer_range,
+                             same_range=True)
 
         link.transfer(dst_cache_key, planner, push=True)
 
@@ -383,7 +389,7 @@ class CacheManager:
 
         def planner(remote: RemoteCache) -> Plan:
             return _blocks_plan(src, _Side.of_remote(remote), src_blocks, dst_blocks, tensor_num_per_layer,
-                                src_layer_range, dst_layer_range)
+                                src_layer_range, dst_layer_range, same_range=True)
 
         link.transfer(dst_cache_key, planner, push=True)
 

@@ -181,14 +181,7 @@ class Agent:
                 self.engine.drop_link(link, notify=False)
         except (OSError, wire.WireError, ValueError) as exc:
             self._unregister(link)
-            why = "peer closed the connection" if isinstance(exc, ConnectionError) else str(exc)
-            link.mark_broken(why)
-            for s in (link.serve_sock, link.req_sock):
-                if s is not None:
-                    try:
-                        s.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
+            link.retire("peer closed the connection" if isinstance(exc, ConnectionError) else str(exc))
         finally:
             self._pending_plan = None
 
@@ -241,10 +234,10 @@ class Agent:
 
         if len(msg.arrays) != 3:
             return int(LLMStatusCode.LLM_PARAM_INVALID), "malformed plan"
+        if msg.epoch != reg.epoch:  # first: a freed cache id may simply mean a stale lookup
+            return STALE, "caches changed since the lookup"
         if rec is None:
             return int(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST), f"cache {msg.cache_id} does not exist (freed?)"
-        if msg.epoch != reg.epoch:
-            return STALE, "caches changed since the lookup"
         bases, offs, lens = msg.arrays
         if int(lens.sum()) * bases.shape[0] != msg.nbytes or not runs_inside(rec, bases, offs, lens):
             return int(LLMStatusCode.LLM_PARAM_INVALID), f"plan reaches outside cache {rec.cache_id}"

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from .._status import LLMStatusCode, raise_error
+from .._status import LLMException, LLMStatusCode, raise_error
 from ..transports.base import RemoteCache, Transport
 from ..transports.tcp import StaleLookup
 from . import native, wire
@@ -29,6 +29,9 @@ from .registry import Registry
 __all__ = ["Link"]
 
 log = logging.getLogger("datadist")
+
+# Errors that a stale cached lookup can cause; they are retried once with a fresh lookup.
+_RETRYABLE = (LLMStatusCode.LLM_PARAM_INVALID, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
 
 
 class Link:
@@ -48,6 +51,7 @@ class Link:
         self.ready = threading.Event()
         self._lookups: dict[tuple, RemoteCache] = {}
         self._closed = False
+        self._close_when_idle = False
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -101,15 +105,16 @@ class Link:
             return None
         return Registry.read_epoch(self.peer_epoch_addr)
 
-    def lookup(self, key, deadline: float) -> RemoteCache:
-        """What ``key`` names on the peer; cached until the peer's epoch moves."""
+    def lookup(self, key, deadline: float, *, cached: bool = True) -> tuple[RemoteCache, bool]:
+        """What ``key`` names on the peer, and whether that came from the cache of
+        lookups (kept until the peer's epoch moves; ``cached=False`` asks the peer)."""
         kt = _lookup_key(key)
-        hit = self._lookups.get(kt)
+        hit = self._lookups.get(kt) if cached else None
         if hit is not None:
             epoch = self._epoch_now()
             # Socket peers check the epoch themselves on each request (StaleLookup).
             if epoch is None or epoch == hit.epoch:
-                return hit
+                return hit, True
             self._lookups.clear()
         reply = self.rpc(_resolve_message(key), deadline)
         if not isinstance(reply, wire.Resolved):
@@ -122,7 +127,7 @@ class Link:
         if kt[0] != "key":
             # CacheKey lookups are consumed by pulls; caching them buys little.
             self._lookups[kt] = remote
-        return remote
+        return remote, False
 
     def transfer(self, key, planner: Callable[[RemoteCache], Plan], push: bool) -> RemoteCache:
         """Resolve ``key``, plan against it and move the bytes, within ``sync_kv_timeout``.
@@ -136,20 +141,33 @@ class Link:
                         f"for sync_kv_timeout ({self.timeout_ms} ms)")
         try:
             self.check_alive()
-            for attempt in range(2):
-                remote = self.lookup(key, deadline)
-                plan = planner(remote)
+            stale_retries = 2
+            cached = True
+            while True:
+                remote, from_cache = self.lookup(key, deadline, cached=cached)
+                cached = True
                 try:
+                    plan = planner(remote)
                     (self.transport.push if push else self.transport.pull)(self, plan, remote, deadline)
                     return remote
                 except StaleLookup:
-                    self._lookups.clear()
-                    if attempt:
+                    # The peer's caches changed between lookup and request: look again.
+                    stale_retries -= 1
+                    if not stale_retries:
                         raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                                    f"cache behind {key} on cluster {self.remote_cluster_id} kept changing during the transfer")
-            raise AssertionError("unreachable")
+                                    f"cache behind {key} on cluster {self.remote_cluster_id} kept changing")
+                    cached = False
+                except LLMException as exc:
+                    # A cached lookup may describe a cache the peer has since replaced
+                    # (socket peers share no epoch to check before planning): ask once
+                    # more before reporting the error.
+                    if not from_cache or exc.status_code not in _RETRYABLE:
+                        raise
+                    cached = False
         finally:
             self.lock.release()
+            if self._close_when_idle:
+                self.retire(self.broken or "peer gone")
 
     def release_key(self, key) -> None:
         """Tell the owner that ``key`` was consumed (pull_cache through a CacheKey)."""
@@ -161,19 +179,53 @@ class Link:
             self.protocol_error(reply)
 
     # -- teardown ------------------------------------------------------------------------
+    def retire(self, reason: str) -> None:
+        """The peer is gone: fail current and later calls fast and give back sockets and
+        mappings (which otherwise keep a dead peer's pool memory alive).  The link stays
+        known, broken, so later calls name the cause.  Called from the agent thread; a
+        transfer in progress finishes failing first and releases the link as it leaves."""
+        self.mark_broken(reason)
+        self._shutdown()
+        if self.lock.acquire(blocking=False):
+            try:
+                self._close_when_idle = False
+                self._release()
+            finally:
+                self.lock.release()
+        else:
+            self._close_when_idle = True
+
     def close(self) -> None:
-        """Close sockets and mappings; idempotent.  Safe from any thread."""
+        """Close sockets and mappings; idempotent, any thread.  Waits (bounded by the
+        transfer deadline) for a transfer in flight, which the socket shutdown ends fast,
+        so no copy ever runs against an unmapped peer arena."""
         if self._closed:
             return
-        self._closed = True
-        if self.broken is None:
-            self.broken = "link closed"
+        self._shutdown()
+        got = self.lock.acquire(timeout=self.timeout_ms / 1000.0 + 1.0)
+        try:
+            self._release()
+        finally:
+            if got:
+                self.lock.release()
+
+    def _shutdown(self) -> None:
         for sock in (self.req_sock, self.serve_sock):
             if sock is not None:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def _release(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.broken is None:
+            self.broken = "link closed"
+        self.peer_epoch_addr = None
+        for sock in (self.req_sock, self.serve_sock):
+            if sock is not None:
                 sock.close()
         if self.transport is not None:
             self.transport.close()

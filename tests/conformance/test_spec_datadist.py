@@ -1,0 +1,360 @@
+"""SPEC-datadist sections 1-3, clause by clause, through the public ``datadist`` namespace.
+
+Only what needs no peer and no running engine: names and values of the public API,
+exception shape, configuration keys and validation, value objects.  Transfers, links and
+engine errors are covered by tests/integration.  Each test's docstring quotes the clause.
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any, Dict
+
+import pytest
+import torch
+
+import datadist
+from datadist import (BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex,
+                      DataType, LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole,
+                      LLMStatusCode, MemInfo, Memtype, Placement, RegisterMemStatus, Status,
+                      create_tensors)
+
+pytestmark = pytest.mark.timeout(30)
+
+UINT64_MAX = 2**64 - 1
+
+
+# ------------------------------------------------------------------ public names
+
+
+SPEC_NAMES = ["LLMDataDist", "LLMRole", "LLMConfig", "LlmConfig", "CacheDesc", "Cache",
+              "CacheKey", "CacheKeyByIdAndIndex", "BlocksCacheKey", "LLMClusterInfo", "MemInfo",
+              "Placement", "DataType", "RegisterMemStatus", "Memtype", "LLMStatusCode",
+              "LLMException", "Status", "CacheManager", "create_tensors"]
+
+
+@pytest.mark.parametrize("name", SPEC_NAMES)
+def test_spec_names_are_exported(name: str) -> None:
+    """Code written for ``from llm_datadist import ...`` runs with ``from datadist import ...``."""
+    assert name in datadist.__all__
+    assert getattr(datadist, name) is not None
+    namespace: Dict[str, Any] = {}
+    exec("from datadist import *", namespace)
+    assert name in namespace
+
+
+# ------------------------------------------------------------------ section 1
+
+
+def test_enum_values() -> None:
+    """LLMRole(IntEnum) PROMPT=1, DECODER=2, MIX=3; Placement(IntEnum) HOST=0, DEVICE=1;
+    RegisterMemStatus OK=0, PREPARING=1, FAILED=2; Memtype MEM_TYPE_DEVICE=0, MEM_TYPE_HOST=1."""
+    assert {m.name: int(m) for m in LLMRole} == {"PROMPT": 1, "DECODER": 2, "MIX": 3}
+    assert {m.name: int(m) for m in Placement} == {"HOST": 0, "DEVICE": 1}
+    assert isinstance(LLMRole.MIX, int) and isinstance(Placement.DEVICE, int)
+    assert {m.name: m.value for m in RegisterMemStatus} == {"OK": 0, "PREPARING": 1, "FAILED": 2}
+    assert {m.name: m.value for m in Memtype} == {"MEM_TYPE_DEVICE": 0, "MEM_TYPE_HOST": 1}
+
+
+DTYPES = [
+    ("DT_FLOAT", torch.float32), ("DT_FLOAT16", torch.float16), ("DT_BF16", torch.bfloat16),
+    ("DT_INT8", torch.int8), ("DT_INT16", torch.int16), ("DT_UINT16", getattr(torch, "uint16")),
+    ("DT_UINT8", torch.uint8), ("DT_INT32", torch.int32), ("DT_INT64", torch.int64),
+    ("DT_UINT32", getattr(torch, "uint32")), ("DT_UINT64", getattr(torch, "uint64")),
+    ("DT_BOOL", torch.bool), ("DT_DOUBLE", torch.float64),
+]
+
+
+@pytest.mark.parametrize("name,tdtype", DTYPES, ids=[d[0] for d in DTYPES])
+def test_data_type_maps_to_torch_and_sizes(name: str, tdtype: torch.dtype) -> None:
+    """DataType has the 13 members, a mapping to and from torch dtypes, and the element size."""
+    dt = DataType[name]
+    assert dt.to_torch() == tdtype
+    assert DataType.from_torch(tdtype) is dt
+    assert dt.element_size == torch.empty((), dtype=tdtype).element_size()
+    assert CacheDesc(1, [3, 5], dt).size == 15 * dt.element_size
+    assert len(DataType) == len(DTYPES)
+
+
+def test_status_code_table() -> None:
+    """LLM_SUCCESS=0, LLM_FAILED=0xFFFFFFFF, LLM_UNKNOWN_ERROR=-1, and 0x5010B000 + n."""
+    table = {1: "LLM_WAIT_PROCESS_TIMEOUT", 2: "LLM_KV_CACHE_NOT_EXIST", 3: "LLM_REPEAT_REQUEST",
+             4: "LLM_REQUEST_ALREADY_COMPLETED", 5: "LLM_PARAM_INVALID",
+             6: "LLM_ENGINE_FINALIZED", 7: "LLM_NOT_YET_LINK", 8: "LLM_ALREADY_LINK",
+             9: "LLM_LINK_FAILED", 10: "LLM_UNLINK_FAILED", 11: "LLM_NOTIFY_PROMPT_UNLINK_FAILED",
+             12: "LLM_CLUSTER_NUM_EXCEED_LIMIT", 13: "LLM_PROCESSING_LINK",
+             14: "LLM_DEVICE_OUT_OF_MEMORY", 15: "LLM_PREFIX_ALREADY_EXIST",
+             16: "LLM_PREFIX_NOT_EXIST", 17: "LLM_SEQ_LENOVERLIMIT", 18: "LLM_NO_FREE_BLOCK",
+             19: "LLM_BLOCKS_OUT_OF_MEMORY", 24: "LLM_EXIST_LINK", 25: "LLM_FEATURE_NOT_ENABLED",
+             26: "LLM_TIMEOUT", 27: "LLM_LINK_BUSY", 28: "LLM_OUT_OF_MEMORY"}
+    expected = {name: 0x5010B000 + n for n, name in table.items()}
+    expected.update(LLM_SUCCESS=0, LLM_FAILED=0xFFFFFFFF, LLM_UNKNOWN_ERROR=-1)
+    assert {m.name: int(m) for m in LLMStatusCode} == expected
+
+
+def test_llm_exception_shape() -> None:
+    """LLMException(RuntimeError): LLMException(*args, status_code=...), property status_code."""
+    exc = LLMException("what", 42, status_code=LLMStatusCode.LLM_TIMEOUT)
+    assert isinstance(exc, RuntimeError)
+    assert exc.args == ("what", 42)
+    assert exc.status_code == LLMStatusCode.LLM_TIMEOUT
+    assert isinstance(exc.status_code, LLMStatusCode)
+    assert LLMException(status_code=int(LLMStatusCode.LLM_LINK_BUSY)).status_code \
+        is LLMStatusCode.LLM_LINK_BUSY
+    with pytest.raises(AttributeError):
+        exc.status_code = LLMStatusCode.LLM_FAILED  # type: ignore[misc]
+    back = pickle.loads(pickle.dumps(exc))
+    assert back.status_code == LLMStatusCode.LLM_TIMEOUT and back.args == exc.args
+
+
+def test_status_object() -> None:
+    """Status: is_ok(), status_code."""
+    assert Status(LLMStatusCode.LLM_SUCCESS).is_ok()
+    bad = Status(LLMStatusCode.LLM_NOT_YET_LINK)
+    assert not bad.is_ok() and bad.status_code == LLMStatusCode.LLM_NOT_YET_LINK
+
+
+@pytest.mark.parametrize("make", [
+    lambda: CacheKey("1", 2),
+    lambda: CacheKeyByIdAndIndex(1, 2, batch_index=1.0),
+    lambda: BlocksCacheKey(1, model_id="0"),
+    lambda: CacheDesc("2", [4, 4], DataType.DT_FLOAT16),
+    lambda: CacheDesc(2, [4, 4], "fp16"),
+    lambda: CacheDesc(2, [4, 4], DataType.DT_FLOAT16, placement="HOST"),
+    lambda: MemInfo(1, 0x1000, 16),
+    lambda: LLMDataDist(LLMRole.PROMPT, "7"),
+], ids=["CacheKey", "CacheKeyByIdAndIndex", "BlocksCacheKey", "CacheDesc.num_tensors",
+        "CacheDesc.data_type", "CacheDesc.placement", "MemInfo.mem_type", "LLMDataDist"])
+def test_argument_type_errors_are_type_errors(make: Any) -> None:
+    """Argument *type* errors are TypeError, as in llm_datadist."""
+    with pytest.raises(TypeError):
+        make()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: CacheKey(-1, 2),
+    lambda: CacheKey(1, 2**64),
+    lambda: CacheKeyByIdAndIndex(1, 2, batch_index=-1),
+    lambda: BlocksCacheKey(1, model_id=-3),
+    lambda: MemInfo(Memtype.MEM_TYPE_HOST, -1, 16),
+    lambda: LLMDataDist(LLMRole.PROMPT, -7),
+    lambda: LLMDataDist(9, 1),
+], ids=["CacheKey.cluster", "CacheKey.req_id", "batch_index", "model_id", "MemInfo.addr",
+        "cluster_id", "role"])
+def test_out_of_domain_scalars_are_value_errors(make: Any) -> None:
+    """Out-of-domain scalars in constructors: ValueError."""
+    with pytest.raises(ValueError):
+        make()
+
+
+# ------------------------------------------------------------------ section 2
+
+
+CONFIG_KEYS = [
+    ("device_id", 3, "ge.exec.deviceId"),
+    ("sync_kv_timeout", 2500, "llm.SyncKvCacheWaitTime"),
+    ("listen_ip_info", "127.0.0.1:26000", "llm.listenIpInfo"),
+    ("enable_cache_manager", True, "llm.EnableCacheManager"),
+    ("enable_remote_cache_accessible", True, "llm.EnableRemoteCacheAccessible"),
+    ("mem_pool_cfg", '{"memory_size": 1048576, "page_shift": 16}', "llm.MemPoolConfig"),
+    ("host_mem_pool_cfg", '{"memory_size": 1048576, "page_shift": 16}', "llm.HostMemPoolConfig"),
+    ("link_total_time", 5, "llm.LinkTotalTime"),
+    ("link_retry_count", 2, "llm.LinkRetryCount"),
+    ("transfer_backend", "tcp", "llm.TransferBackend"),
+    ("device_type", "cpu", "llm.DeviceType"),
+]
+
+
+@pytest.mark.parametrize("prop,value,key", CONFIG_KEYS, ids=[c[0] for c in CONFIG_KEYS])
+def test_config_property_sets_option_key(prop: str, value: Any, key: str) -> None:
+    """Each LLMConfig property lands under its option key, as a str; aliases LlmConfig and
+    gen_options give the same dict."""
+    cfg = LLMConfig()
+    setattr(cfg, prop, value)
+    options = cfg.generate_options()
+    assert key in options, options
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in options.items())
+    alias = datadist.LlmConfig()
+    setattr(alias, prop, value)
+    assert alias.gen_options() == options
+
+
+@pytest.mark.parametrize("backend", ["auto", "shm", "tcp", "gloo", "nccl", "hccl"])
+def test_transfer_backends_accepted(backend: str) -> None:
+    """transfer_backend: auto (default), shm, tcp, gloo, nccl, hccl."""
+    cfg = LLMConfig()
+    cfg.transfer_backend = backend
+    assert cfg.generate_options()["llm.TransferBackend"] == backend
+
+
+BAD_CONFIG = [
+    ("sync_kv_timeout", 0), ("sync_kv_timeout", -5), ("transfer_backend", "carrier-pigeon"),
+    ("device_type", "tpu"), ("listen_ip_info", "localhost-no-port"),
+    ("listen_ip_info", "127.0.0.1:70000"), ("mem_pool_cfg", '{"memory_size": 0}'),
+    ("host_mem_pool_cfg", "not json"), ("link_retry_count", 0),
+]
+
+
+@pytest.mark.parametrize("prop,value", BAD_CONFIG, ids=[f"{p}={v}" for p, v in BAD_CONFIG])
+def test_bad_config_values_raise_before_the_engine_runs(prop: str, value: Any) -> None:
+    """Bad values raise at generate_options() or init(), never later."""
+    cfg = LLMConfig()
+    try:
+        setattr(cfg, prop, value)
+        options = cfg.generate_options()
+    except (LLMException, ValueError, TypeError):
+        return
+    engine = LLMDataDist(LLMRole.DECODER, 5)
+    try:
+        with pytest.raises((LLMException, ValueError)):
+            engine.init(options)
+    finally:
+        engine.finalize()
+
+
+@pytest.mark.parametrize("key,value", [
+    ("llm.SyncKvCacheWaitTime", "0"), ("llm.TransferBackend", "smoke-signals"),
+    ("llm.MemPoolConfig", '{"page_shift": 16}'), ("llm.listenIpInfo", "1.2.3:4"),
+])
+def test_bad_hand_written_options_raise_at_init(key: str, value: str) -> None:
+    """init(options) parses the dict in one place: a hand-written bad value raises there."""
+    engine = LLMDataDist(LLMRole.PROMPT, 6)
+    try:
+        with pytest.raises(LLMException) as info:
+            engine.init({key: value})
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        assert key in str(info.value), "the message names the option"
+    finally:
+        engine.finalize()
+
+
+# ------------------------------------------------------------------ section 3
+
+
+def test_cache_desc_properties() -> None:
+    """CacheDesc(num_tensors, shape, data_type, placement=DEVICE, batch_dim_index=0,
+    seq_len_dim_index=-1, kv_tensor_format=None); batch_size = shape[batch_dim_index];
+    size = bytes of ONE tensor."""
+    d = CacheDesc(6, [4, 16, 8], DataType.DT_BF16)
+    assert (d.num_tensors, d.shape, d.data_type) == (6, [4, 16, 8], DataType.DT_BF16)
+    assert (d.placement, d.batch_dim_index, d.seq_len_dim_index, d.kv_tensor_format) == \
+        (Placement.DEVICE, 0, -1, None)
+    assert d.batch_size == 4 and d.size == 4 * 16 * 8 * 2
+    e = CacheDesc(2, [16, 3, 8], DataType.DT_INT8, Placement.HOST, batch_dim_index=1,
+                  seq_len_dim_index=0, kv_tensor_format="BSND")
+    assert e.batch_size == 3 and e.size == 16 * 3 * 8 and e.placement == Placement.HOST
+    assert (e.seq_len_dim_index, e.kv_tensor_format) == (0, "BSND")
+
+
+@pytest.mark.parametrize("args", [
+    (0, [4, 4]), (-1, [4, 4]), (2, []), (2, [4, 0]), (2, [0]), (2, [4, -2]),
+], ids=["no_tensors", "negative_tensors", "empty_shape", "zero_dim", "only_zero", "neg_dim"])
+def test_cache_desc_rejects_empty(args: tuple) -> None:
+    """num_tensors < 1, an empty or zero dimension: ValueError/LLMException(LLM_PARAM_INVALID)."""
+    with pytest.raises((ValueError, LLMException)) as info:
+        CacheDesc(*args, DataType.DT_FLOAT16)
+    if isinstance(info.value, LLMException):
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_key_defaults() -> None:
+    """CacheKey(prompt_cluster_id, req_id, model_id=0, prefix_id=2**64-1), req_id=2**64-1
+    allowed (empty row); CacheKeyByIdAndIndex(cluster_id, cache_id, batch_index=0);
+    BlocksCacheKey(prompt_cluster_id, model_id=0)."""
+    k = CacheKey(3, 9)
+    assert (k.prompt_cluster_id, k.req_id, k.model_id, k.prefix_id) == (3, 9, 0, UINT64_MAX)
+    assert CacheKey(3, UINT64_MAX).req_id == UINT64_MAX
+    i = CacheKeyByIdAndIndex(3, 12)
+    assert (i.cluster_id, i.cache_id, i.batch_index) == (3, 12, 0)
+    b = BlocksCacheKey(3)
+    assert (b.prompt_cluster_id, b.model_id) == (3, 0)
+
+
+VALUES = [
+    (lambda: CacheKey(1, 2, 3), lambda: CacheKey(1, 2, 4)),
+    (lambda: CacheKeyByIdAndIndex(1, 2, 3), lambda: CacheKeyByIdAndIndex(1, 2, 0)),
+    (lambda: BlocksCacheKey(1, 2), lambda: BlocksCacheKey(2, 2)),
+    (lambda: CacheDesc(2, [4, 8], DataType.DT_FLOAT16),
+     lambda: CacheDesc(2, [4, 8], DataType.DT_FLOAT16, Placement.HOST)),
+    (lambda: MemInfo(Memtype.MEM_TYPE_HOST, 4096, 64),
+     lambda: MemInfo(Memtype.MEM_TYPE_DEVICE, 4096, 64)),
+]
+
+
+@pytest.mark.parametrize("make,other", VALUES,
+                         ids=["CacheKey", "CacheKeyByIdAndIndex", "BlocksCacheKey", "CacheDesc",
+                              "MemInfo"])
+def test_value_objects(make: Any, other: Any) -> None:
+    """Keys and descs are value objects: equality, hash, readable repr."""
+    a, b, c = make(), make(), other()
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != c and len({a, c}) == 2
+    text = repr(a)
+    assert type(a).__name__ in text and "object at 0x" not in text
+    assert repr(c) != text
+
+
+def test_different_key_kinds_differ() -> None:
+    """A CacheKey never equals a BlocksCacheKey with the same numbers."""
+    assert CacheKey(1, 0) != BlocksCacheKey(1, 0)
+    assert len({CacheKey(1, 0), BlocksCacheKey(1, 0), CacheKeyByIdAndIndex(1, 0, 0)}) == 3
+
+
+def test_cluster_info_ip_forms() -> None:
+    """LLMClusterInfo: remote_cluster_id, remote_role_type, append_local_ip_info(ip, port),
+    append_remote_ip_info(ip, port) with ip as str or int, and both lists."""
+    ci = LLMClusterInfo()
+    ci.remote_cluster_id = 11
+    ci.remote_role_type = LLMRole.PROMPT
+    ci.append_local_ip_info("10.0.0.2", 0)
+    as_int = int.from_bytes(bytes([10, 0, 0, 3]), "little")
+    ci.append_remote_ip_info(as_int, 26000)
+    assert ci.remote_cluster_id == 11 and ci.remote_role_type == LLMRole.PROMPT
+    assert len(ci.local_ip_info_list) == 1 and len(ci.remote_ip_info_list) == 1
+    ip, port = ci.remote_ip_info_list[0]
+    assert port == 26000 and ip in ("10.0.0.3", as_int)
+
+
+def test_cache_is_not_made_by_users() -> None:
+    """Cache: made by the manager, never by users."""
+    with pytest.raises(TypeError):
+        Cache()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        Cache(1, CacheDesc(1, [1], DataType.DT_INT8), [4096])  # type: ignore[call-arg]
+
+
+def test_create_cpu_cache_wraps_host_memory() -> None:
+    """Cache.create_cpu_cache(cache_desc, addrs) wraps host memory for swap_blocks."""
+    tensors = [torch.zeros(4, 8, dtype=torch.float16) for _ in range(2)]
+    desc = CacheDesc(2, [4, 8], DataType.DT_FLOAT16, Placement.HOST)
+    cache = Cache.create_cpu_cache(desc, [t.data_ptr() for t in tensors])
+    assert cache.cache_desc == desc
+    assert cache.tensor_addrs == [t.data_ptr() for t in tensors]
+    assert cache.is_blocks_cache
+    assert isinstance(cache.cache_id, int)
+
+
+def test_create_tensors_views_raw_addresses() -> None:
+    """create_tensors(shape, dtype, addrs, device) builds tensors over raw addresses."""
+    owners = [torch.arange(12, dtype=torch.int32) for _ in range(2)]
+    views = create_tensors([3, 4], torch.int32, [o.data_ptr() for o in owners], "cpu")
+    assert [v.shape for v in views] == [torch.Size([3, 4])] * 2
+    assert [v.data_ptr() for v in views] == [o.data_ptr() for o in owners]
+    views[1][2, 3] = -7
+    assert int(owners[1][11]) == -7
+    by_dt = create_tensors([12], DataType.DT_INT32, [owners[0].data_ptr()], "cpu")
+    assert torch.equal(by_dt[0], owners[0])
+
+
+def test_engine_properties_before_init() -> None:
+    """LLMDataDist(role, cluster_id): .cluster_id, .role and .cache_manager exist before init;
+    a call before init raises LLMException."""
+    engine = LLMDataDist(LLMRole.MIX, 77)
+    assert engine.cluster_id == 77 and engine.role == LLMRole.MIX
+    assert engine.cache_manager is not None
+    with pytest.raises(LLMException):
+        engine.cache_manager.allocate_cache(CacheDesc(1, [2, 2], DataType.DT_INT8))
+    with pytest.raises(LLMException):
+        engine.link_clusters([LLMClusterInfo()])
+    engine.finalize()
+    engine.finalize()
+
