@@ -1,0 +1,331 @@
+"""The engine process side of the harness: one engine, driven by commands over a Pipe.
+
+``child_main`` is the process target.  It answers every command with ``("ok", result)`` or
+``("exc", payload)`` (exception class and MRO names, status code, message, formatted
+traceback); long commands may send ``("note", ...)`` first.  Caches are kept by name, and
+the memory of registered caches is held here so it outlives the registration.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import multiprocessing.connection
+import os
+import re
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from harness_specs import DTYPES, Desc, Key, Ref
+
+__all__ = ["child_main"]
+
+
+def child_main(conn: multiprocessing.connection.Connection, role: str, cluster_id: int,
+               config: Dict[str, Any], init: bool) -> None:
+    """Entry point of an engine process: set up, then serve commands until ``exit``."""
+    try:
+        child = _Child(conn, role, cluster_id, config)
+        if init:
+            child.op_init()
+    except BaseException:
+        conn.send(("exc", _exc_payload()))
+        conn.close()
+        raise SystemExit(1)
+    conn.send(("ready", {"pid": os.getpid()}))
+    while True:
+        try:
+            op, args, kwargs = conn.recv()
+        except EOFError:
+            # The test process went away: nothing left to answer to.
+            raise SystemExit(3)
+        try:
+            result = getattr(child, f"op_{op}")(*args, **kwargs)
+        except BaseException:
+            conn.send(("exc", _exc_payload()))
+            continue
+        conn.send(("ok", result))
+        if op == "exit":
+            conn.close()
+            return
+
+
+def _exc_payload() -> Dict[str, Any]:
+    """The exception being handled, as the answer to a failed command."""
+    exc = sys.exc_info()[1]
+    code = getattr(exc, "status_code", None)
+    return {
+        "exc_type": type(exc).__name__,
+        "status_code": None if code is None else int(code),
+        "message": str(exc),
+        "remote_traceback": traceback.format_exc(),
+        "bases": [c.__name__ for c in type(exc).__mro__],
+    }
+
+
+def _exc_report(exc: BaseException) -> Dict[str, Any]:
+    """An expected exception as data: class, MRO names, status code, message."""
+    code = getattr(exc, "status_code", None)
+    return {"error": type(exc).__name__, "bases": [c.__name__ for c in type(exc).__mro__],
+            "status_code": None if code is None else int(code), "message": str(exc)}
+
+
+def _plain(value: Any) -> Any:
+    """An engine result as plain data (enums as ints, caches as id and addresses), so the
+    test process can unpickle it without datadist objects."""
+    if isinstance(value, enum.Enum):
+        return int(value.value) if isinstance(value.value, int) else value.name
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if hasattr(value, "cache_id") and hasattr(value, "tensor_addrs"):
+        return {"cache_id": value.cache_id, "addrs": list(value.tensor_addrs)}
+    return value
+
+
+class _Child:
+    """State of one engine process: the engine, its caches and the memory it registered."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection, role: str,
+                 cluster_id: int, config: Dict[str, Any]) -> None:
+        import torch  # noqa: F401  (imported before the baseline snapshot is taken)
+
+        import datadist
+
+        self.dd = datadist
+        self.conn = conn
+        self.role = role
+        self.cluster_id = cluster_id
+        self.config = config
+        self.engine: Any = None
+        self.caches: Dict[str, Any] = {}
+        self.kinds: Dict[str, str] = {}
+        self.memory: Dict[str, List[Any]] = {}
+
+    # building datadist objects
+
+    def _desc(self, d: Desc) -> Any:
+        dd = self.dd
+        return dd.CacheDesc(d.num_tensors, list(d.shape), getattr(dd.DataType, DTYPES[d.dtype][0]),
+                            getattr(dd.Placement, d.placement))
+
+    def _resolve(self, value: Any) -> Any:
+        if isinstance(value, Key):
+            return getattr(self.dd, value.kind)(*value.args)
+        if isinstance(value, Ref):
+            return self.caches[value.name]
+        if isinstance(value, Desc):
+            return self._desc(value)
+        if isinstance(value, list):
+            return [self._resolve(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(self._resolve(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._resolve(v) for k, v in value.items()}
+        return value
+
+    def _options(self, config: Dict[str, Any]) -> Dict[str, str]:
+        cfg = self.dd.LLMConfig()
+        for prop, value in config.items():
+            setattr(cfg, prop, value)
+        return cfg.generate_options()
+
+    def _user_tensors(self, d: Desc) -> List[Any]:
+        import torch
+
+        dtype = getattr(torch, DTYPES[d.dtype][1])
+        return [torch.zeros(tuple(d.shape), dtype=dtype) for _ in range(d.num_tensors)]
+
+    def _byte_views(self, name: str) -> List[Any]:
+        import torch
+
+        if name in self.memory:
+            tensors = self.memory[name]
+        else:
+            tensors = self.engine.cache_manager.get_cache_tensors(self.caches[name])
+        return [t.reshape(-1).view(torch.uint8) for t in tensors]
+
+    # commands
+
+    def op_init(self, config: Optional[Dict[str, Any]] = None) -> None:
+        if config is not None:
+            self.config = config
+        role = getattr(self.dd.LLMRole, self.role)
+        self.engine = self.dd.LLMDataDist(role, self.cluster_id)
+        self.engine.init(self._options(self.config))
+
+    def op_construct(self) -> None:
+        """Create the engine without initializing it."""
+        self.engine = self.dd.LLMDataDist(getattr(self.dd.LLMRole, self.role), self.cluster_id)
+
+    def op_ping(self) -> int:
+        return os.getpid()
+
+    def op_exit(self) -> None:
+        if self.engine is not None:
+            self.engine.finalize()
+
+    def op_finalize(self) -> None:
+        self.engine.finalize()
+
+    def op_second_engine(self, role: str, cluster_id: int, config: Dict[str, Any]) -> None:
+        """Create and init another engine in this process (the contract forbids it)."""
+        other = self.dd.LLMDataDist(getattr(self.dd.LLMRole, role), cluster_id)
+        other.init(self._options(config))
+
+    def op_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _plain(getattr(self.engine, method)(*self._resolve(args),
+                                                   **self._resolve(kwargs)))
+
+    def _cluster_infos(self, clusters: Sequence[Tuple[int, str, int]]) -> List[Any]:
+        infos = []
+        for remote_id, ip, port in clusters:
+            ci = self.dd.LLMClusterInfo()
+            ci.remote_cluster_id = remote_id
+            ci.append_local_ip_info(ip, 0)
+            ci.append_remote_ip_info(ip, port)
+            infos.append(ci)
+        return infos
+
+    def op_link(self, clusters: Sequence[Tuple[int, str, int]], timeout: int = 3000
+                ) -> Tuple[int, List[int]]:
+        ret, rets = self.engine.link_clusters(self._cluster_infos(clusters), timeout=timeout)
+        return int(ret), [int(r) for r in rets]
+
+    def op_timed_link(self, clusters: Sequence[Tuple[int, str, int]], timeout: int = 3000
+                      ) -> Tuple[int, List[int], float]:
+        t0 = time.monotonic()
+        ret, rets = self.op_link(clusters, timeout)
+        return ret, rets, time.monotonic() - t0
+
+    def op_unlink(self, clusters: Sequence[Tuple[int, str, int]], timeout: int = 3000,
+                  force: bool = False) -> Tuple[int, List[int]]:
+        ret, rets = self.engine.unlink_clusters(self._cluster_infos(clusters), timeout=timeout,
+                                                force=force)
+        return int(ret), [int(r) for r in rets]
+
+    def op_alloc(self, name: str, desc: Desc, *, blocks: bool = False,
+                 keys: Sequence[Key] = (), bkey: Optional[Key] = None) -> Dict[str, Any]:
+        cm = self.engine.cache_manager
+        if blocks:
+            cache = cm.allocate_blocks_cache(self._desc(desc), self._resolve(bkey))
+        else:
+            cache = cm.allocate_cache(self._desc(desc), self._resolve(list(keys)))
+        self.caches[name] = cache
+        self.kinds[name] = "blocks" if blocks else "cache"
+        return _plain(cache)
+
+    def op_register(self, name: str, desc: Desc, *, blocks: bool = False,
+                    keys: Sequence[Key] = (), bkey: Optional[Key] = None) -> Dict[str, Any]:
+        cm = self.engine.cache_manager
+        tensors = self._user_tensors(desc)
+        addrs = [t.data_ptr() for t in tensors]
+        if blocks:
+            cache = cm.register_blocks_cache(self._desc(desc), addrs, self._resolve(bkey))
+        else:
+            cache = cm.register_cache(self._desc(desc), addrs, self._resolve(list(keys)))
+        self.caches[name] = cache
+        self.kinds[name] = "registered"
+        self.memory[name] = tensors
+        return _plain(cache)
+
+    def op_cpu_cache(self, name: str, desc: Desc) -> Dict[str, Any]:
+        tensors = self._user_tensors(desc)
+        cache = self.dd.Cache.create_cpu_cache(self._desc(desc), [t.data_ptr() for t in tensors])
+        self.caches[name] = cache
+        self.kinds[name] = "cpu"
+        self.memory[name] = tensors
+        return _plain(cache)
+
+    def op_free(self, name: str) -> None:
+        cm = self.engine.cache_manager
+        cache = self.caches.pop(name)
+        kind = self.kinds.pop(name)
+        if kind == "blocks":
+            cm.deallocate_blocks_cache(cache)
+        elif kind == "cache":
+            cm.deallocate_cache(cache)
+        elif kind == "registered":
+            cm.unregister_cache(cache.cache_id)
+        self.memory.pop(name, None)
+
+    def op_free_all(self) -> None:
+        for name in list(self.caches):
+            self.op_free(name)
+
+    def op_cm(self, method: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+        fn = getattr(self.engine.cache_manager, method)
+        args, kwargs = self._resolve(tuple(args)), self._resolve(kwargs)
+        t0 = time.monotonic()
+        result = fn(*args, **kwargs)
+        return {"result": _plain(result), "elapsed": time.monotonic() - t0}
+
+    def op_timed_cm(self, method: str, args: Sequence[Any], kwargs: Dict[str, Any]
+                    ) -> Dict[str, Any]:
+        """Run a call that is expected to fail; report the error and when it came."""
+        fn = getattr(self.engine.cache_manager, method)
+        args, kwargs = self._resolve(tuple(args)), self._resolve(kwargs)
+        t0 = time.monotonic()
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:
+            return dict(_exc_report(exc), elapsed=time.monotonic() - t0)
+        return {"error": None, "elapsed": time.monotonic() - t0}
+
+    def op_loop(self, method: str, args: Sequence[Any], kwargs: Dict[str, Any],
+                max_seconds: float) -> Dict[str, Any]:
+        """Repeat a call until it raises (or ``max_seconds``); a note after the first success."""
+        fn = getattr(self.engine.cache_manager, method)
+        args, kwargs = self._resolve(tuple(args)), self._resolve(kwargs)
+        end = time.monotonic() + max_seconds
+        done = 0
+        while time.monotonic() < end:
+            try:
+                fn(*args, **kwargs)
+            except Exception as exc:
+                return dict(_exc_report(exc), iterations=done, t_error=time.monotonic())
+            done += 1
+            if done == 1:
+                self.conn.send(("note", "running"))
+        return {"iterations": done, "error": None, "t_error": None}
+
+    def op_write(self, name: str, data: Sequence[bytes]) -> None:
+        import torch
+
+        views = self._byte_views(name)
+        assert len(views) == len(data), (len(views), len(data))
+        for view, chunk in zip(views, data):
+            view.copy_(torch.frombuffer(bytearray(chunk), dtype=torch.uint8))
+
+    def op_read(self, name: str) -> List[bytes]:
+        return [v.numpy().tobytes() for v in self._byte_views(name)]
+
+    def op_tensor_info(self, name: str) -> List[Dict[str, Any]]:
+        tensors = self.engine.cache_manager.get_cache_tensors(self.caches[name])
+        return [{"shape": list(t.shape), "dtype": str(t.dtype), "ptr": t.data_ptr(),
+                 "device": str(t.device)} for t in tensors]
+
+    def op_snapshot(self) -> Dict[str, Any]:
+        """Open fds, Python threads, and shared-memory files (named or memfd) mapped here."""
+        fds: Dict[int, str] = {}
+        for entry in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                fds[int(entry)] = os.readlink(f"/proc/self/fd/{entry}")
+        shm = {t for t in fds.values() if t.startswith("/dev/shm/")}
+        maps = set()
+        with open("/proc/self/maps") as lines:
+            for line in lines:
+                m = re.search(r"\s(/dev/shm/\S+|/memfd:\S+)( \(deleted\))?$", line.rstrip("\n"))
+                if m:
+                    maps.add(m.group(1))
+                    if m.group(1).startswith("/dev/shm/") and not m.group(2):
+                        shm.add(m.group(1))
+        return {
+            "fds": fds,
+            "threads": sorted((t.ident, t.name) for t in threading.enumerate()),
+            "shm": sorted(s for s in shm if not os.path.basename(s).startswith("sem.")),
+            "maps": sorted(maps),
+        }
