@@ -245,6 +245,25 @@ static int64_t dd_sock_plan(int fd, int send, int64_t timeout_ms, size_t nt, con
     return moved;
 }
 
+/* Wait until fd is readable: poll without sleeping for up to spin_us first (a reply on a
+ * loopback or fast link usually arrives within tens of microseconds, and a sleeping
+ * thread pays a wake-up that costs about as much), then sleep in poll until timeout_ms.
+ * Returns 0 when readable (or hung up), -ETIMEDOUT, or -errno. */
+static int64_t dd_wait_readable(int fd, int64_t spin_us, int64_t timeout_ms) {
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        struct pollfd pfd = {fd, POLLIN, 0};
+        int r = poll(&pfd, 1, 0);
+        if (r > 0) return 0;
+        if (r < 0 && errno != EINTR) return -errno;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        int64_t us = (int64_t)(t.tv_sec - t0.tv_sec) * 1000000 + (t.tv_nsec - t0.tv_nsec) / 1000;
+        if (us >= spin_us) break;
+    }
+    return wait_fd(fd, POLLIN, now_ms() + timeout_ms);
+}
+
 /* ---------------------------------------------------------------- Python bindings */
 
 /* Borrow n uint64 arrays (buffers); fails unless each holds a whole number of uint64. */
@@ -370,7 +389,23 @@ static PyObject *py_sock_plan(PyObject *self, PyObject *const *args, Py_ssize_t 
     return result_or_oserror(r);
 }
 
+static PyObject *py_wait_readable(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "wait_readable(fd, spin_us, timeout_ms)"); return NULL; }
+    long fd = PyLong_AsLong(args[0]);
+    long long spin = PyLong_AsLongLong(args[1]);
+    long long timeout_ms = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    int64_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = dd_wait_readable((int)fd, spin, timeout_ms);
+    Py_END_ALLOW_THREADS
+    return result_or_oserror(r);
+}
+
 static PyMethodDef methods[] = {
+    {"wait_readable", (PyCFunction)(void (*)(void))py_wait_readable, METH_FASTCALL,
+     "wait_readable(fd, spin_us, timeout_ms) -> 0 (OSError ETIMEDOUT at the deadline)"},
     {"copy_plan", (PyCFunction)(void (*)(void))py_copy_plan, METH_FASTCALL,
      "copy_plan(sbase, dbase, soff, doff, len, threads) -> bytes copied"},
     {"cma_plan", (PyCFunction)(void (*)(void))py_cma_plan, METH_FASTCALL,

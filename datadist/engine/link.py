@@ -89,6 +89,7 @@ class Link:
             else:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.sendall(frame)
+            native.wait_readable(sock.fileno(), max(1, int((deadline - time.monotonic()) * 1000)))
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             return wire.read_message(sock)
         except (TimeoutError, socket.timeout):

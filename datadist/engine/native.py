@@ -20,10 +20,14 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["copy_plan", "cma_plan", "sock_send", "sock_recv", "COPY_THREADS"]
+__all__ = ["copy_plan", "cma_plan", "sock_send", "sock_recv", "wait_readable", "COPY_THREADS", "SPIN_US"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
 COPY_THREADS = max(1, min(4, int(os.environ.get("DATADIST_COPY_THREADS", os.cpu_count() or 1))))
+
+#: How long a caller waiting for a reply polls before sleeping (microseconds).  Spinning
+#: only pays when another core can run the peer meanwhile, so it is off on one core.
+SPIN_US = int(os.environ.get("DATADIST_SPIN_US", 100 if (os.cpu_count() or 1) > 1 else 0))
 
 
 def copy_plan(plan: Plan, threads: int = COPY_THREADS) -> int:
@@ -62,3 +66,14 @@ def sock_recv(fd: int, plan: Plan, timeout_ms: int) -> int:
     """Read the plan's destination runs, in order, from a non-blocking socket ``fd``.
     Raises ``ConnectionResetError`` if the stream ends first, ``TimeoutError`` at the deadline."""
     return _sock(fd, False, timeout_ms, plan.dst_bases, plan.dst_offs, plan.lens)
+
+
+def wait_readable(fd: int, timeout_ms: int, spin_us: int = SPIN_US) -> None:
+    """Block until ``fd`` is readable, polling for ``spin_us`` before sleeping; raises
+    ``TimeoutError`` after ``timeout_ms``."""
+    try:
+        _native.wait_readable(fd, spin_us, int(timeout_ms))
+    except OSError as exc:
+        if exc.errno == errno.ETIMEDOUT:
+            raise TimeoutError(errno.ETIMEDOUT, f"no reply within {timeout_ms} ms") from None
+        raise

@@ -1,8 +1,12 @@
 """The link protocol: typed, versioned control messages, one codec.
 
 A frame is a fixed header ``<4sBBHII`` (magic, version, message type, reserved, body
-length, array length), a JSON body holding the message's fields, and an optional array
-section (``uint64`` plan halves; never payload).  Payload bytes follow a frame on the same
+length, array length), a binary body holding the message's fields, and an optional array
+section (``uint64`` plan halves; never payload).  The body layout is derived from each
+message's field annotations: ``int`` (int64), ``U64`` (uint64) and ``bool`` fields packed
+together in declaration order, then ``str`` (UTF-8) and ``dict``/``list`` (JSON) fields,
+each with a length prefix.  Hot messages are all-numeric, so they cost one ``struct``
+call per side.  Payload bytes follow a frame on the same
 stream only where a message says so (``PUSH``: the sender streams the plan's bytes right
 after the frame; ``PULL``: the server answers with a ``REPLY`` and then the bytes).
 The peer's version is checked before anything else is decoded.
@@ -19,9 +23,12 @@ from typing import Any, ClassVar
 import numpy as np
 
 __all__ = [
-    "VERSION", "MsgType", "Message", "Hello", "HelloAck", "Attach", "Resolve", "Resolved",
+    "VERSION", "U64", "MsgType", "Message", "Hello", "HelloAck", "Attach", "Resolve", "Resolved",
     "ReleaseKey", "Push", "Pull", "Reply", "Unlink", "encode", "read_message", "WireError",
 ]
+
+#: Annotation of fields that hold unsigned 64-bit values (keys, cluster ids).
+U64 = int
 
 MAGIC = b"DDKV"
 VERSION = 1
@@ -60,14 +67,14 @@ class Hello(Message):
     """First frame of a link, client -> server, on the client's request connection."""
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
-    cluster_id: int = 0
+    cluster_id: U64 = 0
     role: int = 0
     host: str = ""
     pid: int = 0
     ctrl: dict = field(default_factory=dict)       # {"fd", "size", "base"} of the epoch page
     arenas: list = field(default_factory=list)      # [{"fd", "size", "base"}]
     backend: str = "auto"
-    remote_cluster_id: int = 0                      # whom the client expects to reach
+    remote_cluster_id: U64 = 0                      # whom the client expects to reach
 
 
 @dataclass
@@ -83,7 +90,7 @@ class Attach(Message):
     """Second connection of a link: the one the server initiates requests on."""
 
     TYPE: ClassVar[MsgType] = MsgType.ATTACH
-    cluster_id: int = 0
+    cluster_id: U64 = 0
 
 
 @dataclass
@@ -93,12 +100,12 @@ class Resolve(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.RESOLVE
     kind: str = "id"
-    cluster_id: int = 0
+    cluster_id: U64 = 0
     cache_id: int = 0
     batch_index: int = 0
-    req_id: int = 0
-    model_id: int = 0
-    prefix_id: int = 0
+    req_id: U64 = 0
+    model_id: U64 = 0
+    prefix_id: U64 = 0
 
 
 @dataclass
@@ -115,16 +122,16 @@ class Resolved(Message):
     batch_size: int = 0
     is_blocks: bool = False
     dtype: str = ""
-    epoch: int = 0
+    epoch: U64 = 0
 
 
 @dataclass
 class ReleaseKey(Message):
     TYPE: ClassVar[MsgType] = MsgType.RELEASE_KEY
-    cluster_id: int = 0
-    req_id: int = 0
-    model_id: int = 0
-    prefix_id: int = 0
+    cluster_id: U64 = 0
+    req_id: U64 = 0
+    model_id: U64 = 0
+    prefix_id: U64 = 0
 
 
 @dataclass
@@ -133,8 +140,8 @@ class Push(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.PUSH
     cache_id: int = 0
-    epoch: int = 0
-    nbytes: int = 0
+    epoch: U64 = 0
+    nbytes: U64 = 0
 
 
 @dataclass
@@ -154,7 +161,7 @@ class Reply(Message):
 @dataclass
 class Unlink(Message):
     TYPE: ClassVar[MsgType] = MsgType.UNLINK
-    cluster_id: int = 0
+    cluster_id: U64 = 0
 
 
 _TYPES: dict[int, type[Message]] = {
@@ -162,22 +169,54 @@ _TYPES: dict[int, type[Message]] = {
 }
 
 
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+class _Schema:
+    """How one message class is laid out in a body (see the module docstring)."""
+
+    _FIXED = {"int": "q", "U64": "Q", "bool": "?"}
+
+    def __init__(self, cls: type) -> None:
+        flds = [f for f in fields(cls) if f.name != "arrays"]
+        self.fixed = [f.name for f in flds if f.type in self._FIXED]
+        self.var = [(f.name, f.type) for f in flds if f.type not in self._FIXED]
+        for name, kind in self.var:
+            if kind not in ("str", "dict", "list"):
+                raise TypeError(f"{cls.__name__}.{name}: unsupported wire type {kind}")
+        self.struct = struct.Struct("<" + "".join(self._FIXED[f.type] for f in flds if f.type in self._FIXED))
+
+    def pack(self, msg: "Message") -> bytes:
+        parts = [self.struct.pack(*[getattr(msg, n) for n in self.fixed])]
+        for name, kind in self.var:
+            value = getattr(msg, name)
+            raw = value.encode() if kind == "str" else _JSON.encode(value).encode()
+            parts.append(_LEN.pack(len(raw)))
+            parts.append(raw)
+        return b"".join(parts)
+
+    def unpack(self, cls: type, data, blen: int) -> "Message":
+        values = dict(zip(self.fixed, self.struct.unpack_from(data, 0)))
+        pos = self.struct.size
+        for name, kind in self.var:
+            (n,) = _LEN.unpack_from(data, pos)
+            pos += _LEN.size
+            raw = bytes(data[pos:pos + n])
+            pos += n
+            values[name] = raw.decode() if kind == "str" else json.loads(raw)
+        if pos != blen:
+            raise WireError(f"{cls.__name__} body of {blen} bytes does not match its layout ({pos} bytes)")
+        return cls(**values)
 
 
-def _field_names(cls: type) -> tuple[str, ...]:
-    names = _FIELD_NAMES.get(cls)
-    if names is None:
-        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls) if f.name != "arrays")
-    return names
+_LEN = struct.Struct("<I")
 
 
 def encode(msg: Message) -> bytes:
     """Serialize ``msg`` into one frame."""
-    body = {name: getattr(msg, name) for name in _field_names(type(msg))}
-    raw = _JSON.encode(body).encode()
-    arrays = [np.ascontiguousarray(a, dtype=np.uint64) for a in msg.arrays]
-    arr_bytes = b"".join(struct.pack("<Q", a.shape[0]) + a.tobytes() for a in arrays)
+    raw = _SCHEMAS[type(msg)].pack(msg)
+    if msg.arrays:
+        arrays = [np.ascontiguousarray(a, dtype=np.uint64) for a in msg.arrays]
+        arr_bytes = b"".join(struct.pack("<Q", a.shape[0]) + a.tobytes() for a in arrays)
+    else:
+        arr_bytes = b""
     return _HEADER.pack(MAGIC, VERSION, int(msg.TYPE), 0, len(raw), len(arr_bytes)) + raw + arr_bytes
 
 
@@ -210,9 +249,10 @@ def read_message(sock: socket.socket) -> Message:
     if cls is None:
         raise WireError(f"unknown message type {mtype}")
     data = _recv_exact(sock, blen + alen)
-    body = json.loads(bytes(data[:blen])) if blen else {}
-    known = _field_names(cls)
-    msg = cls(**{k: v for k, v in body.items() if k in known})
+    try:
+        msg = _SCHEMAS[cls].unpack(cls, data, blen)
+    except (struct.error, UnicodeDecodeError, ValueError) as exc:
+        raise WireError(f"malformed {cls.__name__} frame: {exc}") from None
     arrays: list[Any] = []
     pos = blen
     while pos < blen + alen:
@@ -222,3 +262,6 @@ def read_message(sock: socket.socket) -> Message:
         pos += 8 * count
     msg.arrays = arrays
     return msg
+
+
+_SCHEMAS: dict[type, _Schema] = {cls: _Schema(cls) for cls in _TYPES.values()}

@@ -60,10 +60,9 @@ def test_pull_blocks_layer_ranges(pair: Pair, n: int, src_layers: range, dst_lay
     np.testing.assert_array_equal(pair.prompt.read("src"), src)
 
 
-@pytest.mark.parametrize("n,src_layers,_", LAYER_CASES)
+@pytest.mark.parametrize("n,src_layers", [case[:2] for case in LAYER_CASES])
 @pytest.mark.parametrize("by_id", [False, True], ids=["blocks_key", "id_key"])
-def test_push_blocks_layer_ranges(pair: Pair, n: int, src_layers: range, _: range,
-                                  by_id: bool) -> None:
+def test_push_blocks_layer_ranges(pair: Pair, n: int, src_layers: range, by_id: bool) -> None:
     """A push uses the same layer range on both sides, into the decoder's blocks cache."""
     _setup(pair.prompt, "src", BLOCKS, "alloc", 3, blocks=True)
     made, dst0 = _setup(pair.decoder, "dst", BLOCKS, "alloc", 4, blocks=True,
