@@ -12,6 +12,8 @@ Workloads (see PERF.md):
   small-4k      one 4 KiB block per call, repeated (latency)
   kv-7b         32 layers x K,V of 16-token blocks (128 KiB per tensor block), 32 blocks
                 pushed layer by layer (one push_blocks per layer, tensor_num_per_layer=2)
+  plan          validation + plan building for 4096 blocks x 64 tensors (all 32 layers, in
+                order and scattered), in one process; p50/p99 per plan
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ WORKLOADS = {
     "kv-7b": Workload("kv-7b", 128 << 10, 32, 64, 64, True, layerwise=True),
 }
 TRANSPORTS = ("local", "shm", "tcp")
+PLAN_BLOCKS, PLAN_TENSORS = 4096, 64
 
 
 def _blocks(w: Workload) -> tuple[list, list]:
@@ -220,19 +223,50 @@ def run(workload: str, transport: str) -> dict:
     }
 
 
+def plan_rows(rounds: int = 200) -> list:
+    """Time ``push_blocks``-style validation and planning (no data moves): 4096 blocks over
+    64 tensors with a layer range covering every layer, in-order and scattered lists."""
+    from ._cache_manager import _blocks_plan, _Side
+
+    base = np.arange(PLAN_TENSORS, dtype=np.uint64) * np.uint64(1 << 30) + np.uint64(1 << 40)
+    src = _Side(base, PLAN_TENSORS, PLAN_BLOCKS * 4096, PLAN_BLOCKS)
+    dst = _Side(base + np.uint64(1 << 36), PLAN_TENSORS, PLAN_BLOCKS * 4096, PLAN_BLOCKS)
+    layers = range(0, PLAN_TENSORS // 2)
+    rows = []
+    for name, dst_blocks in (("in order", list(range(PLAN_BLOCKS))),
+                             ("scattered", np.random.default_rng(7).permutation(PLAN_BLOCKS).tolist())):
+        src_blocks = list(range(PLAN_BLOCKS))
+        times = []
+        for _ in range(rounds + 1):
+            t = time.perf_counter()
+            plan = _blocks_plan(src, dst, src_blocks, dst_blocks, 2, layers, layers)
+            times.append(time.perf_counter() - t)
+        us = sorted(t * 1e6 for t in times[1:])
+        rows.append({"workload": "plan", "transport": name, "system": "datadist-plan", "runs": plan.nruns,
+                     "p50_us": us[len(us) // 2], "p99_us": us[min(len(us) - 1, int(len(us) * 0.99))],
+                     "blocks": PLAN_BLOCKS, "tensors": PLAN_TENSORS, "scatter": name == "scattered"})
+    return rows
+
+
 def main(argv: Optional[list] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m datadist.bench", description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
+    ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS) + ["plan"],
                     help="repeat for several (default: all)")
     ap.add_argument("--transport", action="append", choices=TRANSPORTS, help="repeat for several (default: all)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     args = ap.parse_args(argv)
-    workloads = args.workload or list(WORKLOADS)
+    workloads = args.workload or list(WORKLOADS) + ["plan"]
     transports = args.transport or list(TRANSPORTS)
     if not args.json:
         print(f"{'workload':14s} {'transport':9s} {'GB/s':>8s} {'batch ms':>9s} {'p50 us':>9s} {'p99 us':>9s} "
               f"{'memcpy GB/s':>11s} {'x memcpy':>8s}", flush=True)
     for wl in workloads:
+        if wl == "plan":
+            for row in plan_rows():
+                print(json.dumps(row) if args.json else
+                      f"{'plan':14s} {row['transport']:9s} {'':>8s} {'':>9s} {row['p50_us']:9.1f} {row['p99_us']:9.1f}"
+                      f"   ({row['runs']} runs)", flush=True)
+            continue
         for tr in transports:
             row = run(wl, tr)
             if args.json:
