@@ -142,6 +142,18 @@ def _row_plan(src: _Side, src_row: int, dst: _Side, dst_row: int, size: int, off
                       [dst_row * dst.stride + offset], size)
 
 
+def _row_blocks_plan(src: _Side, src_row: int, dst: _Side, dst_blocks, tnpl, src_range, dst_range) -> Plan:
+    """Chunk i of row ``src_row`` (chunks of one destination block) -> ``dst_blocks[i]``."""
+    db = _blocks("dst_blocks", dst_blocks, dst.batch_size)
+    chunk = dst.stride
+    if db.shape[0] * chunk > src.stride:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                    f"{db.shape[0]} blocks of {chunk} bytes exceed the source row of {src.stride} bytes")
+    ts, td = _selection(src, dst, tnpl, src_range, dst_range)
+    src_offs = block_offsets(np.arange(db.shape[0]), chunk, src_row * src.stride)
+    return plan_units(src.addrs[ts], src_offs, dst.addrs[td], block_offsets(db, chunk), chunk)
+
+
 def _row_size(size, src: _Side, dst: _Side, offset: int = 0) -> int:
     size = _int_arg("size", size)
     limit = min(src.stride, dst.stride) - offset
@@ -343,14 +355,8 @@ class CacheManager:
                                 "pull_blocks from a contiguous cache needs src_blocks=() (row -> blocks)")
                 return _blocks_plan(src, dst, src_blocks, dst_blocks, tensor_num_per_layer, src_layer_range,
                                     dst_layer_range)
-            db = _blocks("dst_blocks", dst_blocks, dst.batch_size)
-            chunk = dst.stride
-            if db.shape[0] * chunk > src.stride:
-                raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                            f"{db.shape[0]} blocks of {chunk} bytes exceed the source row of {src.stride} bytes")
-            ts, td = _selection(src, dst, tensor_num_per_layer, src_layer_range, dst_layer_range)
-            src_offs = block_offsets(np.arange(db.shape[0]), chunk, remote.row * src.stride)
-            return plan_units(src.addrs[ts], src_offs, dst.addrs[td], block_offsets(db, chunk), chunk)
+            return _row_blocks_plan(src, remote.row, dst, dst_blocks, tensor_num_per_layer, src_layer_range,
+                                    dst_layer_range)
 
         link.transfer(src_cache_key, planner, push=False)
 

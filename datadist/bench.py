@@ -1,7 +1,7 @@
 """``python -m datadist.bench``: the standard workloads through the public API.
 
 Two real processes: this one is a PROMPT engine that pushes, a spawned DECODER engine owns
-the destination cache and links to it.  ``--transport local`` moves the same plan between
+the destination cache and links to it (transports shm, tcp, gloo).  ``--transport local`` moves the same plan between
 two caches of this process (``swap_blocks``).  After the timed rounds the destination is
 checked block by block against the source (a digest per side), and the memcpy ceiling is
 measured in the same run, on the same bytes, the way ``peer_bench.py`` measures it.
@@ -54,7 +54,7 @@ WORKLOADS = {
     "small-4k": Workload("small-4k", 4 << 10, 1, 16, 1, False, rounds=2000),
     "kv-7b": Workload("kv-7b", 128 << 10, 32, 64, 64, True, layerwise=True),
 }
-TRANSPORTS = ("local", "shm", "tcp")
+TRANSPORTS = ("local", "shm", "tcp", "gloo")
 PLAN_BLOCKS, PLAN_TENSORS = 4096, 64
 
 
@@ -83,7 +83,7 @@ def _config(transport: str, pool_bytes: int, listen: Optional[str] = None) -> di
     cfg.device_id = 0
     cfg.sync_kv_timeout = 60000
     cfg.host_mem_pool_cfg = json.dumps({"memory_size": pool_bytes, "page_shift": 16})
-    cfg.transfer_backend = "tcp" if transport == "tcp" else "shm"
+    cfg.transfer_backend = "shm" if transport == "local" else transport
     if listen:
         cfg.listen_ip_info = listen
     return cfg.generate_options()

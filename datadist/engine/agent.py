@@ -20,10 +20,12 @@ import numpy as np
 from .._status import LLMException, LLMStatusCode
 from . import native, wire
 from .layout import Plan
+from ..transports.base import ANY_CACHE, STALE
+from ..transports.collective import VIA_COLLECTIVE, CollectiveTransport
 from .link import Link
 from .registry import CacheRecord, Registry
 
-__all__ = ["Agent", "runs_inside"]
+__all__ = ["Agent", "runs_inside", "runs_inside_any"]
 
 log = logging.getLogger("datadist")
 
@@ -165,6 +167,10 @@ class Agent:
             return
         if getattr(reply, "status", 0):
             sock.close()
+        elif isinstance(msg, wire.Attach):
+            link = self.engine.links.get(msg.cluster_id)
+            if link is not None:
+                self.engine.after_attach(link)
 
     # -- serving --------------------------------------------------------------------------
     def _serve(self, link: Link) -> None:
@@ -179,7 +185,7 @@ class Agent:
             if isinstance(msg, wire.Unlink):
                 self._unregister(link)
                 self.engine.drop_link(link, notify=False)
-        except (OSError, wire.WireError, ValueError) as exc:
+        except (OSError, RuntimeError, wire.WireError, ValueError) as exc:
             self._unregister(link)
             link.retire("peer closed the connection" if isinstance(exc, ConnectionError) else str(exc))
         finally:
@@ -214,6 +220,8 @@ class Agent:
             rec = reg.get(msg.cache_id)
             status, why = self._check_request(reg, rec, msg)
             bases, offs, lens = msg.arrays
+            if msg.via == VIA_COLLECTIVE:
+                return self._serve_collective(link, msg, sock, status, why)
             if isinstance(msg, wire.Pull):
                 if status:
                     return wire.Reply(status=status, message=why)
@@ -228,12 +236,37 @@ class Agent:
             return wire.Reply()
         raise wire.WireError(f"unexpected request {type(msg).__name__}")
 
+    def _serve_collective(self, link: Link, msg: wire.Push, sock: socket.socket, status: int,
+                          why: str) -> Optional[wire.Reply]:
+        """A validated transfer whose bytes go through the link's process group: answer
+        "ready" first, so the initiator never posts an operation that has no partner."""
+        transport = link.transport
+        if not status and not isinstance(transport, CollectiveTransport):
+            status, why = int(LLMStatusCode.LLM_PARAM_INVALID), "this link has no process group"
+        sock.sendall(wire.encode(wire.Reply(status=status, message=why)))
+        if status:
+            return None
+        bases, offs, lens = msg.arrays
+        if isinstance(msg, wire.Pull):
+            transport.serve_pull(bases, offs, lens, msg.nbytes, self.engine.timeout_ms)
+            return None
+        try:
+            transport.serve_push(bases, offs, lens, msg.nbytes, self.engine.timeout_ms)
+        except RuntimeError as exc:  # torch.distributed: the initiator gave up or died
+            return wire.Reply(status=int(LLMStatusCode.LLM_LINK_FAILED), message=f"collective receive failed: {exc}")
+        return wire.Reply()
+
     @staticmethod
     def _check_request(reg: Registry, rec: Optional[CacheRecord], msg: wire.Push) -> tuple[int, str]:
-        from ..transports.tcp import STALE
-
         if len(msg.arrays) != 3:
             return int(LLMStatusCode.LLM_PARAM_INVALID), "malformed plan"
+        if msg.cache_id == ANY_CACHE:
+            # Raw addresses (TransferConfig.dst_addrs): no lookup that could be stale; the
+            # plan must lie inside the caches registered right now.
+            bases, offs, lens = msg.arrays
+            if int(lens.sum()) * bases.shape[0] != msg.nbytes or not runs_inside_any(reg.all(), bases, offs, lens):
+                return int(LLMStatusCode.LLM_PARAM_INVALID), f"plan reaches outside every cache of cluster {reg.cluster_id}"
+            return 0, ""
         if msg.epoch != reg.epoch:  # first: a freed cache id may simply mean a stale lookup
             return STALE, "caches changed since the lookup"
         if rec is None:
@@ -253,14 +286,30 @@ def runs_inside(rec: CacheRecord, bases: np.ndarray, offs: np.ndarray, lens: np.
         # Factored plan over tensor bases: the common case, checked without numpy setup.
         known = rec.addr_set
         return all(b in known for b in bases.tolist()) and int((offs + lens).max()) <= rec.tensor_size
+    return _inside_spans([rec], bases, offs, lens)
+
+
+def runs_inside_any(recs: list[CacheRecord], bases: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> bool:
+    """True if every run of the plan half lies inside the tensors of the caches ``recs``
+    (raw addresses, which no lookup tied to one cache)."""
+    if lens.shape[0] == 0:
+        return True
+    return bool(recs) and _inside_spans(recs, bases, offs, lens)
+
+
+def _inside_spans(recs: list[CacheRecord], bases: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> bool:
+    """Whether every run lies inside one span of memory covered by the tensors of ``recs``;
+    tensors that touch or overlap merge into one span."""
     starts = np.add.outer(bases, offs).ravel()
     ends = starts + np.tile(lens, bases.shape[0])
-    addrs = np.sort(rec.addrs)
-    size = np.uint64(rec.tensor_size)
-    seg_first = np.ones(addrs.shape[0], dtype=bool)
-    seg_first[1:] = addrs[1:] != addrs[:-1] + size
-    seg_start = addrs[seg_first]
-    seg_end = np.append(addrs[np.flatnonzero(seg_first)[1:] - 1], addrs[-1]) + size
+    lo = np.concatenate([r.addrs for r in recs])
+    hi = np.concatenate([r.addrs + np.uint64(r.tensor_size) for r in recs])
+    order = np.argsort(lo, kind="stable")
+    lo, reach = lo[order], np.maximum.accumulate(hi[order])
+    seg_first = np.ones(lo.shape[0], dtype=bool)
+    seg_first[1:] = lo[1:] > reach[:-1]
+    seg_start = lo[seg_first]
+    seg_end = reach[np.append(np.flatnonzero(seg_first)[1:] - 1, lo.shape[0] - 1)]
     seg = np.searchsorted(seg_start, starts, side="right") - 1
     if (seg < 0).any():
         return False

@@ -23,6 +23,7 @@ from typing import Optional
 
 from .._config import EngineOptions
 from .._status import LLMStatusCode, raise_error
+from ..transports.collective import COLLECTIVE_BACKENDS, CollectiveTransport, make_group
 from ..transports.shm import ShmTransport
 from ..transports.tcp import TcpTransport
 from . import native, wire
@@ -37,6 +38,12 @@ __all__ = ["Engine", "host_identity"]
 log = logging.getLogger("datadist")
 
 MAX_LINK_CLUSTERS = 16
+
+
+def _seconds(s: float):
+    import datetime
+
+    return datetime.timedelta(seconds=s)
 
 
 def host_identity() -> str:
@@ -90,8 +97,16 @@ class Engine:
                     backend=self.backend)
 
     def _make_transport(self, peer: wire.Hello, link: Link) -> None:
-        """Pick and set up the transport towards ``peer`` (see the module docstring)."""
+        """Pick and set up the transport towards ``peer`` (see the module docstring).
+        Collective links get theirs once the process group exists (``_join_group``)."""
         tcp = TcpTransport()
+        collective = {self.backend, peer.backend} & set(COLLECTIVE_BACKENDS)
+        if collective:
+            if self.backend != peer.backend:
+                raise_error(LLMStatusCode.LLM_LINK_FAILED,
+                            f"transfer_backend {self.backend!r} here, {peer.backend!r} on cluster {peer.cluster_id}: "
+                            "collective links need the same backend on both ends")
+            return
         if self.backend == "tcp" or peer.backend == "tcp":
             link.transport = tcp
             return
@@ -153,10 +168,18 @@ class Engine:
             link.close()
             return wire.HelloAck(status=int(getattr(exc, "status_code", LLMStatusCode.LLM_LINK_FAILED)),
                                  message=str(exc), **fields)
+        store_port = 0
+        if self.backend in COLLECTIVE_BACKENDS:
+            import torch.distributed as dist
+
+            ip = self.options.listen_ip or "127.0.0.1"
+            link.store = dist.TCPStore(ip, 0, 2, True, timeout=_seconds(self.options.link_total_time_s),
+                                       wait_for_workers=False)
+            store_port = link.store.port
         link.serve_sock = sock
         self._install(link)
         self.agent.watch(link)
-        return wire.HelloAck(path=link.path, **fields)
+        return wire.HelloAck(path=self.backend if store_port else link.path, store_port=store_port, **fields)
 
     def accept_attach(self, msg: wire.Attach, sock: socket.socket) -> wire.Reply:
         with self._links_lock:
@@ -164,8 +187,30 @@ class Engine:
         if link is None or link.req_sock is not None:
             return wire.Reply(status=int(LLMStatusCode.LLM_LINK_FAILED), message=f"no pending link from {msg.cluster_id}")
         link.req_sock = sock
-        link.ready.set()
+        if link.store is None:
+            link.ready.set()
         return wire.Reply()
+
+    def after_attach(self, link: Link) -> None:
+        """Server side, after the ATTACH reply went out: join the link's process group
+        (the client joins as soon as it reads that reply)."""
+        if link.store is not None and link.transport is None:
+            try:
+                self._join_group(link, link.store, rank=0)
+            except Exception as exc:  # the client sees the failure as a link failure
+                log.warning("process group with cluster %d failed: %s", link.remote_cluster_id, exc)
+                link.retire(f"process group setup failed: {exc}")
+                return
+            link.ready.set()
+
+    def _join_group(self, link: Link, store, rank: int) -> None:
+        import torch.distributed as dist
+
+        prefix = dist.PrefixStore(f"datadist-link-{min(self.cluster_id, link.remote_cluster_id)}-"
+                                  f"{max(self.cluster_id, link.remote_cluster_id)}", store)
+        group = make_group(self.backend, prefix, rank, self.timeout_ms / 1000.0)
+        link.transport = CollectiveTransport(self.backend, group, 1 - rank, store)
+        log.info("link to cluster %d uses %s (rank %d)", link.remote_cluster_id, self.backend, rank)
 
     def _install(self, link: Link) -> None:
         with self._links_lock:
@@ -203,7 +248,13 @@ class Engine:
             reply = wire.read_message(attach_sock)
             if not isinstance(reply, wire.Reply) or reply.status:
                 raise wire.WireError(getattr(reply, "message", "attach refused"))
-        except (OSError, wire.WireError) as exc:
+            if ack.store_port:
+                import torch.distributed as dist
+
+                store = dist.TCPStore(ip, ack.store_port, 2, False,
+                                      timeout=_seconds(max(0.001, deadline - time.monotonic())))
+                self._join_group(link, store, rank=1)
+        except (OSError, RuntimeError, wire.WireError) as exc:  # RuntimeError: torch.distributed
             log.warning("link to cluster %d at %s:%d failed: %s", remote_cluster_id, ip, port, exc)
             for s in socks:
                 s.close()

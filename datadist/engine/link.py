@@ -17,11 +17,11 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 from .._status import LLMException, LLMStatusCode, raise_error
 from ..transports.base import RemoteCache, Transport
-from ..transports.tcp import StaleLookup
+from ..transports.base import StaleLookup
 from . import native, wire
 from .layout import Plan
 from .registry import Registry
@@ -46,6 +46,7 @@ class Link:
         self.serve_sock: Optional[socket.socket] = None
         self.transport: Optional[Transport] = None
         self.peer_epoch_addr: Optional[int] = None   # mapped epoch page of a same-host peer
+        self.store = None                            # collective links: the server's TCPStore
         self.lock = threading.Lock()
         self.broken: Optional[str] = None
         self.ready = threading.Event()
@@ -89,17 +90,30 @@ class Link:
             else:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.sendall(frame)
+        except (OSError, wire.WireError) as exc:  # TimeoutError is an OSError
+            self._fail(exc)
+        return self.read_reply(deadline)
+
+    def read_reply(self, deadline: float) -> wire.Message:
+        """Read the next frame from the request connection before ``deadline``."""
+        sock = self.req_sock
+        try:
             native.wait_readable(sock.fileno(), max(1, int((deadline - time.monotonic()) * 1000)))
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             return wire.read_message(sock)
-        except (TimeoutError, socket.timeout):
+        except (OSError, wire.WireError) as exc:  # TimeoutError is an OSError
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> NoReturn:
+        """Map a failure on the request connection to the contract's error; the link is
+        broken either way (the stream can no longer be trusted)."""
+        if isinstance(exc, (TimeoutError, socket.timeout)):
             self.mark_broken("sync_kv_timeout passed mid-request")
             raise_error(LLMStatusCode.LLM_TIMEOUT,
                         f"request to cluster {self.remote_cluster_id} did not finish within sync_kv_timeout "
                         f"({self.timeout_ms} ms); the link is marked broken")
-        except (OSError, wire.WireError) as exc:
-            self.mark_broken(f"connection failed: {exc}")
-            raise_error(LLMStatusCode.LLM_LINK_FAILED, f"link to cluster {self.remote_cluster_id} is broken: {exc}")
+        self.mark_broken(f"connection failed: {exc}")
+        raise_error(LLMStatusCode.LLM_LINK_FAILED, f"link to cluster {self.remote_cluster_id} is broken: {exc}")
 
     def _epoch_now(self) -> Optional[int]:
         if self.peer_epoch_addr is None:
@@ -134,7 +148,10 @@ class Link:
         """Resolve ``key``, plan against it and move the bytes, within ``sync_kv_timeout``.
 
         ``planner`` validates the remote geometry and returns a plan whose peer side is in
-        the peer's address space.  Returns what the key resolved to."""
+        the peer's address space.  Returns what the key resolved to.  ``key`` may also be
+        a :class:`RemoteCache` that describes raw peer addresses (``cache_id`` ``ANY_CACHE``,
+        ``transfer_cache_async``): nothing is looked up, and the peer checks the plan
+        against all its caches."""
         deadline = time.monotonic() + self.timeout_ms / 1000.0
         if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise_error(LLMStatusCode.LLM_TIMEOUT,
@@ -145,7 +162,10 @@ class Link:
             stale_retries = 2
             cached = True
             while True:
-                remote, from_cache = self.lookup(key, deadline, cached=cached)
+                if isinstance(key, RemoteCache):
+                    remote, from_cache = key, False
+                else:
+                    remote, from_cache = self.lookup(key, deadline, cached=cached)
                 cached = True
                 try:
                     plan = planner(remote)
@@ -230,6 +250,7 @@ class Link:
                 sock.close()
         if self.transport is not None:
             self.transport.close()
+        self.store = None
 
 
 def _lookup_key(key) -> tuple:

@@ -83,6 +83,7 @@ class HelloAck(Hello):
     status: int = 0
     message: str = ""
     path: str = "tcp"                               # what the server will use towards the client
+    store_port: int = 0                             # collective links: the server's TCPStore
 
 
 @dataclass
@@ -142,6 +143,7 @@ class Push(Message):
     cache_id: int = 0
     epoch: U64 = 0
     nbytes: U64 = 0
+    via: int = 0          # 0: bytes follow on this stream; 1: through the link's process group
 
 
 @dataclass

@@ -20,14 +20,40 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._status import raise_error
+from ..engine import wire
 from ..engine.layout import Plan
 
-__all__ = ["RemoteCache", "Transport"]
+#: Reply status of a request planned against an outdated lookup (resolve again, retry).
+STALE = -2
+
+
+class StaleLookup(Exception):
+    """The peer's caches changed since the lookup the plan was built on."""
+
+
+def check_reply(link, reply: wire.Message) -> None:
+    """Raise for a failed ``REPLY``: :class:`StaleLookup` for ``STALE``, the contract's
+    exception for a status code, a protocol error for any other frame."""
+    if not isinstance(reply, wire.Reply):
+        link.protocol_error(reply)
+    if reply.status == STALE:
+        raise StaleLookup(reply.message)
+    if reply.status:
+        raise_error(reply.status, reply.message)
+
+__all__ = ["RemoteCache", "Transport", "StaleLookup", "STALE", "ANY_CACHE", "check_reply"]
+
+#: ``RemoteCache.cache_id`` (and ``PUSH.cache_id``) of raw peer addresses that no lookup
+#: produced (``TransferConfig.dst_addrs``): the peer accepts such a plan only if every run
+#: lies inside one of its caches, and same-host links never reach them by cross-memory attach.
+ANY_CACHE = -1
 
 
 @dataclass(frozen=True)
 class RemoteCache:
-    """A peer's cache as a key resolved it (addresses in the peer's address space)."""
+    """A peer's cache as a key resolved it (addresses in the peer's address space), or raw
+    peer addresses described the same way (``cache_id == ANY_CACHE``)."""
 
     cache_id: int
     row: int

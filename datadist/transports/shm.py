@@ -4,7 +4,10 @@ Pool caches live in the peer's memfd arenas, which this process mapped at link t
 transfer is a local memcpy of the rebased plan.  Caches over user memory that the peer
 registered are reached by cross-memory attach (``process_vm_writev/readv``).  The peer's
 threads take no part in either.  When neither works for a cache (cross-memory attach not
-permitted), the link's socket transport moves it instead.
+permitted), the link's socket transport moves it instead.  Raw peer addresses
+(``ANY_CACHE``) are copied here only when they lie in a mapped pool arena; otherwise they
+go over the socket, where the peer checks them against its caches: cross-memory attach
+could write anywhere in the peer.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from .._status import LLMStatusCode, raise_error
 from ..engine import native
 from ..engine.layout import Plan
 from ..engine.memory import PeerArena
-from .base import RemoteCache, Transport
+from .base import ANY_CACHE, RemoteCache, Transport
 
 __all__ = ["ShmTransport"]
 
@@ -46,7 +49,7 @@ class ShmTransport(Transport):
         delta = self._delta(remote)
         if delta is not None:
             native.copy_plan(plan.rebase(dst_delta=delta) if write else plan.rebase(src_delta=delta))
-        elif self.cma_ok:
+        elif self.cma_ok and remote.cache_id != ANY_CACHE:
             try:
                 native.cma_plan(self.pid, plan, write=write)
             except OSError as exc:

@@ -12,16 +12,9 @@ import time
 from .._status import LLMStatusCode, raise_error
 from ..engine import native, wire
 from ..engine.layout import Plan
-from .base import RemoteCache, Transport
+from .base import RemoteCache, Transport, check_reply
 
-__all__ = ["TcpTransport", "StaleLookup", "STALE"]
-
-#: Reply status of a request planned against an outdated lookup (resolve again, retry).
-STALE = -2
-
-
-class StaleLookup(Exception):
-    """The peer's caches changed since the lookup the plan was built on."""
+__all__ = ["TcpTransport"]
 
 
 def _left_ms(deadline: float) -> int:
@@ -31,24 +24,15 @@ def _left_ms(deadline: float) -> int:
 class TcpTransport(Transport):
     name = "tcp"
 
-    @staticmethod
-    def _raise_for(link, reply: wire.Message) -> None:
-        if not isinstance(reply, wire.Reply):
-            link.protocol_error(reply)
-        if reply.status == STALE:
-            raise StaleLookup(reply.message)
-        if reply.status:
-            raise_error(reply.status, reply.message)
-
     def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
         msg = wire.Push(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes,
                         arrays=[plan.dst_bases, plan.dst_offs, plan.lens])
-        self._raise_for(link, link.rpc(msg, deadline, send_plan=plan))
+        check_reply(link, link.rpc(msg, deadline, send_plan=plan))
 
     def pull(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
         msg = wire.Pull(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes,
                         arrays=[plan.src_bases, plan.src_offs, plan.lens])
-        self._raise_for(link, link.rpc(msg, deadline))
+        check_reply(link, link.rpc(msg, deadline))
         try:
             native.sock_recv(link.req_sock.fileno(), plan, _left_ms(deadline))
         except TimeoutError:

@@ -308,6 +308,18 @@ class _Child:
         return [{"shape": list(t.shape), "dtype": str(t.dtype), "ptr": t.data_ptr(),
                  "device": str(t.device)} for t in tensors]
 
+    def op_warm_collectives(self) -> None:
+        """Create and drop one TCPStore server: torch.distributed opens a wake-up pipe the
+        first time it does so and keeps it for the process's life.  Leak checks of the
+        collective transports take their baseline after this, so they see only what a link
+        itself holds."""
+        import datetime
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5))
+        del store
+
     def op_snapshot(self) -> Dict[str, Any]:
         """Open fds, Python threads, and shared-memory files (named or memfd) mapped here."""
         fds: Dict[int, str] = {}

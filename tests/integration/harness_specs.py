@@ -16,7 +16,7 @@ __all__ = [
     "ITEMSIZE", "Key", "Ref", "Desc", "cache_key", "id_key", "blocks_key", "base_config",
 ]
 
-TRANSPORTS: Tuple[str, ...] = ("shm", "tcp")
+TRANSPORTS: Tuple[str, ...] = ("shm", "tcp", "gloo")
 PROMPT_ID = 1
 DECODER_ID = 2
 #: 64 MiB pools, 64 KiB pages: room for every cache a test allocates.

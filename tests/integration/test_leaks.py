@@ -91,6 +91,8 @@ def _start(peer_factory: Any, transport: str) -> Dict[str, Any]:
     p, d = pair.peers()
     snaps: Dict[str, Dict[str, Snapshot]] = {"base": {}, "inited": {}, "working": {}}
     for peer in (p, d):
+        if transport == "gloo":
+            peer.call("warm_collectives")
         snaps["base"][peer.name] = peer.snapshot()
         peer.call("init")
         snaps["inited"][peer.name] = peer.snapshot()

@@ -1,0 +1,151 @@
+"""torch.distributed links: point-to-point send/recv on a two-member process group made
+for the link alone (``gloo`` on CPU; ``nccl``/``hccl`` with the same code).
+
+No global ``init_process_group`` is touched: the server of the link hosts a ``TCPStore``
+on its listen address (port announced in ``HELLO_ACK``), and both ends construct the
+backend's ``ProcessGroup`` class directly, the server as rank 0.
+
+A transfer is negotiated on the link's request connection, then the bytes go through the
+process group:
+
+* push: ``PUSH`` (via=collective) -> the server validates and answers ``REPLY`` (ready),
+  then receives into a staging buffer and scatters it into the cache -> the initiator,
+  having sent its gathered staging buffer, reads the final ``REPLY``;
+* pull: ``PULL`` (via=collective) -> the server validates, answers ready, gathers and
+  sends; the initiator receives and scatters.
+
+Waiting for "ready" first means a rejected request never leaves a send without a matching
+receive.  Gathering into one staging tensor per transfer keeps it to one collective
+operation whatever the block list.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+import numpy as np
+
+from .._status import LLMStatusCode, raise_error
+from ..engine import native, wire
+from ..engine.layout import Plan
+from .base import RemoteCache, Transport, check_reply
+
+__all__ = ["CollectiveTransport", "COLLECTIVE_BACKENDS", "VIA_COLLECTIVE", "staging_plans", "make_group"]
+
+log = logging.getLogger("datadist")
+
+COLLECTIVE_BACKENDS = ("gloo", "nccl", "hccl")
+#: ``Push.via`` / ``Pull.via`` value of a transfer whose bytes go through the process group.
+VIA_COLLECTIVE = 1
+_TAG = 7
+
+
+def make_group(backend: str, store, rank: int, timeout_s: float):
+    """A two-member process group of ``backend`` over ``store`` (no global state)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+    import torch_npu  # noqa: F401  (registers ProcessGroupHCCL)
+
+    return torch_npu._C._distributed_c10d.ProcessGroupHCCL(store, rank, 2, timeout)
+
+
+def staging_plans(half_bases: np.ndarray, half_offs: np.ndarray, lens: np.ndarray, staging: int,
+                  gather: bool) -> Plan:
+    """The plan between one side of a transfer and a contiguous staging buffer at
+    ``staging``: runs in transfer order, packed back to back."""
+    per_t = int(lens.sum())
+    packed_bases = np.uint64(staging) + np.arange(half_bases.shape[0], dtype=np.uint64) * np.uint64(per_t)
+    packed_offs = np.zeros(lens.shape[0], dtype=np.uint64)
+    if lens.shape[0] > 1:
+        np.cumsum(lens[:-1], out=packed_offs[1:])
+    if gather:
+        return Plan(half_bases, packed_bases, half_offs, packed_offs, lens)
+    return Plan(packed_bases, half_bases, packed_offs, half_offs, lens)
+
+
+def _staging(nbytes: int):
+    import torch
+
+    buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    return buf, buf.data_ptr()
+
+
+class CollectiveTransport(Transport):
+    """Moves plan bytes through ``group`` (see the module docstring)."""
+
+    def __init__(self, backend: str, group, peer_rank: int, store=None) -> None:
+        self.name = backend
+        self.group = group
+        self.peer_rank = peer_rank
+        self.device = "cpu" if backend == "gloo" else ("cuda" if backend == "nccl" else "npu")
+        self._store = store  # keeps the rendezvous alive as long as the group
+
+    # -- initiator side ---------------------------------------------------------------
+    def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
+        buf, addr = _staging(plan.nbytes)
+        native.copy_plan(staging_plans(plan.src_bases, plan.src_offs, plan.lens, addr, gather=True))
+        msg = wire.Push(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes, via=VIA_COLLECTIVE,
+                        arrays=[plan.dst_bases, plan.dst_offs, plan.lens])
+        check_reply(link, link.rpc(msg, deadline))
+        self._run(link, self.group.send([self._device_view(buf)], self.peer_rank, _TAG), deadline, "send")
+        check_reply(link, link.read_reply(deadline))
+
+    def pull(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
+        buf, addr = _staging(plan.nbytes)
+        msg = wire.Pull(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes, via=VIA_COLLECTIVE,
+                        arrays=[plan.src_bases, plan.src_offs, plan.lens])
+        check_reply(link, link.rpc(msg, deadline))
+        dev = self._device_view(buf)
+        self._run(link, self.group.recv([dev], self.peer_rank, _TAG), deadline, "recv")
+        if dev is not buf:
+            buf.copy_(dev)
+        native.copy_plan(staging_plans(plan.dst_bases, plan.dst_offs, plan.lens, addr, gather=False))
+
+    # -- server side (agent thread) -----------------------------------------------------
+    def serve_push(self, bases: np.ndarray, offs: np.ndarray, lens: np.ndarray, nbytes: int, timeout_ms: int) -> None:
+        """Receive a validated push into the cache runs ``(bases, offs, lens)``."""
+        buf, addr = _staging(nbytes)
+        dev = self._device_view(buf)
+        self.group.recv([dev], self.peer_rank, _TAG).wait(datetime.timedelta(milliseconds=timeout_ms))
+        if dev is not buf:
+            buf.copy_(dev)
+        native.copy_plan(staging_plans(bases, offs, lens, addr, gather=False))
+
+    def serve_pull(self, bases: np.ndarray, offs: np.ndarray, lens: np.ndarray, nbytes: int, timeout_ms: int) -> None:
+        """Send the cache runs ``(bases, offs, lens)`` of a validated pull."""
+        buf, addr = _staging(nbytes)
+        native.copy_plan(staging_plans(bases, offs, lens, addr, gather=True))
+        self.group.send([self._device_view(buf)], self.peer_rank, _TAG).wait(
+            datetime.timedelta(milliseconds=timeout_ms))
+
+    # -- helpers ------------------------------------------------------------------------
+    def _device_view(self, buf):
+        return buf if self.device == "cpu" else buf.to(self.device)
+
+    @staticmethod
+    def _run(link, work, deadline: float, what: str) -> None:
+        left = max(0.001, deadline - time.monotonic())
+        try:
+            work.wait(datetime.timedelta(seconds=left))
+        except RuntimeError as exc:  # torch reports collective timeouts and peer loss so
+            link.mark_broken(f"{what} failed: {exc}")
+            timeout = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+            raise_error(LLMStatusCode.LLM_TIMEOUT if timeout else LLMStatusCode.LLM_LINK_FAILED,
+                        f"collective {what} with cluster {link.remote_cluster_id} failed: {exc}")
+
+    def close(self) -> None:
+        group, self.group = self.group, None
+        if group is not None and hasattr(group, "abort"):
+            try:
+                group.abort()
+            except RuntimeError as exc:
+                log.debug("process group abort: %s", exc)
+        self._store = None
+
