@@ -1,0 +1,217 @@
+"""``python -m ems.bench``: save / load / exists through a real daemon, two processes.
+
+Workload (PERF.md ``kv-7b`` shape): ``--layers`` x (K, V) tensors of
+``[blocks, 128, heads, 128]`` fp16; a hash covers one 128-token block of every tensor, so
+one value is layers x 2 x 256 KiB = 16 MiB with the defaults.  The parent process saves
+``--hashes`` new hashes per call; a second process (spawned) loads them into its own
+cache and checks the bytes; ``exists`` asks for 256 hashes.  The memcpy ceiling (numpy,
+one process, same bytes) is measured in the same run.
+
+Rows (table, or ``--json`` lines): ``op``, ``gbps``, ``p50_us``, ``p99_us``, ``memcpy_gbps``,
+``ratio`` (gbps / memcpy_gbps), plus ``system``, ``block_kib``, ``blocks``, ``batch_ms``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+import numpy as np
+
+__all__ = ["main"]
+
+
+def _kvcache(args: argparse.Namespace, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (args.cache_blocks, args.block_size, args.heads, args.head_size)
+    return [[torch.randint(-1000, 1000, shape, generator=g, dtype=torch.int16).view(torch.float16)
+             for _ in range(2)] for _ in range(args.layers)]
+
+
+def _init(server: str, rank: int):
+    from ems import CcConfig_v1, Ems, EmsConfig
+
+    Ems.init(EmsConfig(cc_config=CcConfig_v1(rank_id=rank, device_id=0, model_id="bench-7b"),
+                       server=server))
+    return Ems.get_cc()
+
+
+def _slots(blocks: List[int], block_size: int) -> List[int]:
+    return [b * block_size + i for b in blocks for i in range(block_size)]
+
+
+def _loader(server: str, args: argparse.Namespace, conn) -> None:
+    """Second process: loads what the parent saved, checks it, times it."""
+    from ems import CcKvOption
+
+    cc = _init(server, 0)
+    kv = _kvcache(args, seed=99)
+    cc.register_kvcache(kv)
+    option = CcKvOption(timeout=60000)
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            break
+        if cmd[0] == "load":
+            _, hashes, blocks, expect_seed = cmd
+            t0 = time.perf_counter()
+            res = cc.load(slot_mapping=_slots(blocks, args.block_size), hashes=hashes,
+                          offsets=[args.block_size] * len(hashes), option=option)
+            dt = time.perf_counter() - t0
+            ok = res.success == len(hashes)
+            if ok and expect_seed is not None:
+                ref = _kvcache(args, seed=expect_seed)
+                ok = all(bool((kv[l][k][blocks] .view(np.int16 if False else kv[l][k].dtype)
+                               == ref[l][k][blocks]).all()) for l in (0, args.layers - 1) for k in (0, 1))
+            conn.send((dt, ok, res.success))
+        elif cmd[0] == "exists":
+            _, hashes, reps = cmd
+            times = []
+            hits = 0
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                hits = cc.exists(hashes, CcKvOption(timeout=5000)).success
+                times.append(time.perf_counter() - t0)
+            conn.send((times, hits))
+
+
+def _memcpy_gbps(nbytes: int, reps: int = 5) -> float:
+    a = np.random.randint(0, 255, nbytes, dtype=np.uint8)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(reps))
+    return nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _row(op: str, times: List[float], nbytes: int, memcpy: float, args: argparse.Namespace) -> Dict[str, Any]:
+    arr = np.array(times)
+    gbps = nbytes / float(np.median(arr)) / 1e9 if nbytes else 0.0
+    return {"system": "ems", "op": op, "gbps": round(gbps, 3), "p50_us": round(float(np.percentile(arr, 50)) * 1e6, 1),
+            "p99_us": round(float(np.percentile(arr, 99)) * 1e6, 1), "memcpy_gbps": round(memcpy, 3),
+            "ratio": round(gbps / memcpy, 3) if nbytes else None,
+            "block_kib": args.block_size * args.heads * args.head_size * 2 // 1024,
+            "blocks": args.hashes, "batch_ms": round(float(np.median(arr)) * 1e3, 3), "bytes": nbytes}
+
+
+def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    from ems import CcKvOption, Ems
+
+    value_bytes = args.layers * 2 * args.block_size * args.heads * args.head_size * 2
+    call_bytes = value_bytes * args.hashes
+    tmp = None
+    daemon = None
+    server = args.server
+    if server is None:
+        tmp = tempfile.mkdtemp(prefix="ems-bench-")
+        capacity = call_bytes * 3 + (64 << 20)  # small: rounds recycle arena pages (steady state)
+        r, w = os.pipe()
+        daemon = subprocess.Popen([sys.executable, "-m", "ems.server", "serve", "--dir", tmp,
+                                   "--capacity", str(capacity), "--ready-fd", str(w), "--log-level", "WARNING"],
+                                  pass_fds=(w,))
+        os.close(w)
+        with os.fdopen(r) as f:
+            line = f.readline()
+        if not line.startswith("READY"):
+            raise SystemExit(f"ems-server did not start: {line!r}")
+        server = tmp
+    ctx = mp.get_context("spawn")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=_loader, args=(server, args, child_end))
+    child.start()
+    rows: List[Dict[str, Any]] = []
+    try:
+        cc = _init(server, 0)
+        option = CcKvOption(timeout=60000)
+        memcpy = _memcpy_gbps(call_bytes)
+        save_t, load_t = [], []
+        rng = np.random.default_rng(1)
+        for it in range(args.iters + args.warmup):
+            kv = _kvcache(args, seed=it)
+            cc.register_kvcache(kv)
+            blocks = sorted(rng.choice(args.cache_blocks, args.hashes, replace=False).tolist())
+            hashes = [int(h) for h in rng.integers(1, 2**62, args.hashes)]
+            t0 = time.perf_counter()
+            res = cc.save(slot_mapping=_slots(blocks, args.block_size), hashes=hashes,
+                          offsets=[args.block_size] * args.hashes, option=option)
+            dt = time.perf_counter() - t0
+            if res.success != args.hashes:
+                raise SystemExit(f"save stored {res.success} of {args.hashes}")
+            dst_blocks = sorted(rng.choice(args.cache_blocks, args.hashes, replace=False).tolist())
+            parent_end.send(("load", hashes, dst_blocks, None))
+            ldt, ok, got = parent_end.recv()
+            if not ok:
+                raise SystemExit(f"load returned {got} of {args.hashes} or wrong bytes")
+            if it >= args.warmup:  # warm-up rounds fault the arena's pages into both processes
+                save_t.append(dt)
+                load_t.append(ldt)
+        rows.append(_row("save", save_t, call_bytes, memcpy, args))
+        rows.append(_row("load", load_t, call_bytes, memcpy, args))
+        # exists of 256 hashes that are all present (1-token values)
+        kv = _kvcache(args, seed=7)
+        cc.register_kvcache(kv)
+        hashes = [int(h) for h in rng.integers(1, 2**62, 256)]
+        cc.save(slot_mapping=list(range(256)), hashes=hashes, offsets=[1] * 256, option=option)
+        parent_end.send(("exists", hashes, args.exists_reps))
+        times, hits = parent_end.recv()
+        if hits != 256:
+            raise SystemExit(f"exists found {hits} of 256")
+        rows.append(_row("exists", times[5:], 0, memcpy, args))
+        parent_end.send(("stop",))
+        child.join(30)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+        Ems._shutdown()
+        if daemon is not None:
+            daemon.terminate()
+            daemon.wait(30)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
+def main(argv: List[str] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ems.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    p.add_argument("--server", default=None, help="use this daemon (default: start a private one)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--hashes", type=int, default=8, help="hashes (blocks) per save/load call")
+    p.add_argument("--cache-blocks", type=int, default=24, help="blocks in each process's KV cache")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=4, help="untimed rounds first (arena pages fault in)")
+    p.add_argument("--exists-reps", type=int, default=200)
+    args = p.parse_args(argv)
+    rows = run(args)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        print(f"{'op':<8}{'GB/s':>9}{'p50 us':>12}{'p99 us':>12}{'memcpy':>9}{'ratio':>8}")
+        for r in rows:
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+            gbps = "-" if r["op"] == "exists" else f"{r['gbps']:.2f}"
+            print(f"{r['op']:<8}{gbps:>9}{r['p50_us']:>12.1f}{r['p99_us']:>12.1f}{r['memcpy_gbps']:>9.2f}{ratio:>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

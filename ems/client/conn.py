@@ -1,0 +1,170 @@
+"""One connection to the pool daemon, and the client's mapping of the tenant's arena.
+
+Fork and thread rules: a :class:`Connection` is used by one thread at a time (the pool
+hands it out and takes it back); a forked child must not use its parent's connections or
+mapping (``PoolClient`` checks the pid and starts over).
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import socket
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from .._errors import PoolDisconnected, PoolRejected, PoolTimeout, PoolUnreachable, ProtocolError
+from ..pool import wire
+from .address import Address, parse_address
+
+__all__ = ["Connection", "MappedArena", "probe"]
+
+
+class MappedArena:
+    """The tenant's arena memfd, mapped here: ``base`` is its address in this process."""
+
+    def __init__(self, fd: int, size: int, instance: str) -> None:
+        self.size = size
+        self.instance = instance
+        self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        anchor = ctypes.c_char.from_buffer(self._mm)
+        self.base = ctypes.addressof(anchor)
+        del anchor  # keep no buffer export, so close() can unmap
+        self.array = np.frombuffer(self._mm, dtype=np.uint8)
+
+    def close(self) -> None:
+        mm, self._mm = self._mm, None
+        if mm is None:
+            return
+        self.array = None
+        try:
+            mm.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with it
+
+
+class Connection:
+    """A socket to the daemon after a successful HELLO."""
+
+    def __init__(self, address: Address, hello: wire.Hello, deadline: float) -> None:
+        self.address = address
+        self.broken = False
+        self.fd_arena: Optional[int] = None
+        try:
+            if address.kind == "tcp":
+                sock = socket.create_connection((address.host, address.port),
+                                                timeout=max(0.001, deadline - time.monotonic()))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                try:
+                    sock.connect(address.path)
+                except BaseException:
+                    sock.close()
+                    raise
+        except (OSError, socket.timeout) as exc:
+            raise PoolUnreachable(f"no EMS pool answers at {address}: {exc}") from None
+        self.sock = sock
+        try:
+            hello.shm = address.kind == "unix"
+            wire.send_msg(sock, hello, deadline)
+            reply, fds = wire.recv_msg(sock, deadline, want_fds=1 if hello.shm else 0)
+        except (PoolDisconnected, PoolTimeout, ProtocolError) as exc:
+            self.close()
+            raise PoolUnreachable(f"the EMS pool at {address} did not complete the handshake: {exc}") from None
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(reply, wire.Error):
+            for fd in fds:
+                os.close(fd)
+            self.close()
+            if reply.kind == "auth":
+                raise PoolRejected(f"the EMS pool at {address} rejected the credentials: {reply.message}")
+            raise PoolUnreachable(f"the EMS pool at {address} refused the connection: {reply.message}")
+        if not isinstance(reply, wire.HelloReply):
+            self.close()
+            raise PoolUnreachable(f"the EMS pool at {address} answered HELLO with {type(reply).__name__}")
+        self.info = reply
+        if reply.shm:
+            if len(fds) != 1:
+                self.close()
+                raise PoolUnreachable(f"the EMS pool at {address} did not pass its arena")
+            self.fd_arena = fds[0]
+
+    @property
+    def instance(self) -> str:
+        return self.info.instance
+
+    def take_arena_fd(self) -> Optional[int]:
+        """The arena descriptor from HELLO (the caller maps or closes it)."""
+        fd, self.fd_arena = self.fd_arena, None
+        return fd
+
+    def call(self, msg: wire.Message, deadline: Optional[float]) -> wire.Message:
+        """Request/reply; a broken or timed-out connection is marked and must be closed."""
+        try:
+            wire.send_msg(self.sock, msg, deadline)
+            reply, _ = wire.recv_msg(self.sock, deadline)
+        except (PoolDisconnected, PoolTimeout, ProtocolError):
+            self.broken = True
+            raise
+        if isinstance(reply, wire.Error):
+            if reply.kind == "invalid":
+                raise PoolRejected(f"the pool rejected {type(msg).__name__}: {reply.message}")
+            raise PoolDisconnected(f"the pool failed {type(msg).__name__}: {reply.message}")
+        return reply
+
+    def send(self, msg: wire.Message, deadline: Optional[float]) -> None:
+        """One-way message (RELEASE, ABORT, DROP, WRITE)."""
+        try:
+            wire.send_msg(self.sock, msg, deadline)
+        except (PoolDisconnected, PoolTimeout):
+            self.broken = True
+            raise
+
+    def close(self) -> None:
+        fd, self.fd_arena = self.fd_arena, None
+        if fd is not None:
+            os.close(fd)
+        sock = getattr(self, "sock", None)
+        if sock is not None:
+            self.sock = None
+            sock.close()
+
+
+def probe(address: str, what: str = "ping", timeout_s: float = 3.0,
+          access_id: Optional[str] = None, access_key: Optional[str] = None) -> Any:
+    """Ask a daemon for ``ping`` (its instance), ``stats`` (a dict) or ``shutdown``.
+
+    Needs no credentials: these requests are answered before HELLO.
+    """
+    addr = parse_address(address)
+    deadline = time.monotonic() + timeout_s
+    try:
+        if addr.kind == "tcp":
+            sock = socket.create_connection((addr.host, addr.port), timeout=timeout_s)
+        else:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout_s)
+            sock.connect(addr.path)
+    except OSError as exc:
+        raise PoolUnreachable(f"no EMS pool answers at {addr}: {exc}") from None
+    try:
+        msg = {"ping": wire.Ping(), "stats": wire.Stats(), "shutdown": wire.Shutdown()}[what]
+        wire.send_msg(sock, msg, deadline)
+        reply, _ = wire.recv_msg(sock, deadline)
+    finally:
+        sock.close()
+    if isinstance(reply, wire.Error):
+        raise PoolRejected(reply.message)
+    if isinstance(reply, wire.StatsReply):
+        return reply.stats
+    if isinstance(reply, wire.Pong):
+        return reply.instance
+    return True
+
+

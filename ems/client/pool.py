@@ -1,0 +1,155 @@
+"""The client's connection pool to one daemon, and its mapping of the tenant's arena.
+
+Fork and thread rules: any thread may call :meth:`PoolClient.connection`; each gets a
+connection of its own for the duration of the ``with`` block.  Connections are reused
+while healthy; a connection that saw an error or a deadline is closed (the daemon then
+releases its leases and reservations).  After ``fork`` the child opens its own connections
+and mapping (inherited ones are dropped, never used).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator, List, Optional
+
+from .._errors import PoolTimeout, PoolUnreachable
+from ..pool import wire
+from .address import Address, parse_address
+from .autostart import start_daemon
+from .conn import Connection, MappedArena
+
+__all__ = ["PoolClient"]
+
+
+class PoolClient:
+    """Connections to the daemon at ``server`` for one tenant."""
+
+    def __init__(self, server: str, access_id: Optional[str], access_key: Optional[str],
+                 connect_timeout_ms: int = 3000, max_idle: int = 8) -> None:
+        self.address: Address = parse_address(server)
+        self._access = (access_id, access_key)
+        self.connect_timeout = connect_timeout_ms / 1000.0
+        self.max_idle = max_idle
+        self._lock = threading.Lock()
+        self._idle: List[Connection] = []
+        self._arena: Optional[MappedArena] = None
+        self._pid = os.getpid()
+        self.instance: Optional[str] = None
+        self.tenant: Optional[str] = None
+
+    def open(self) -> None:
+        """Connect once (starting a daemon for ``auto``); raises if the pool cannot be used."""
+        deadline = time.monotonic() + self.connect_timeout
+        try:
+            conn = self._connect(deadline)
+        except PoolUnreachable:
+            if not self.address.auto:
+                raise
+            start_daemon(self.address.directory, time.monotonic() + max(self.connect_timeout, 10.0))
+            conn = self._connect(time.monotonic() + self.connect_timeout)
+        self._put(conn)
+
+    def _connect(self, deadline: float) -> Connection:
+        hello = wire.Hello(access_id=self._access[0], access_key=self._access[1], pid=os.getpid())
+        conn = Connection(self.address, hello, deadline)
+        fd = conn.take_arena_fd()
+        stale: List[Connection] = []
+        try:
+            with self._lock:
+                if self.instance != conn.instance:
+                    # A new daemon: forget the old one's connections and arena.
+                    stale, self._idle = self._idle, []
+                    self._arena = None
+                    self.instance = conn.instance
+                    self.tenant = conn.info.tenant
+                if fd is not None and self._arena is None:
+                    self._arena = MappedArena(fd, conn.info.arena_size, conn.instance)
+                conn.arena = self._arena if fd is not None else None
+        finally:
+            if fd is not None:
+                os.close(fd)
+        for c in stale:
+            c.close()
+        return conn
+
+    def _put(self, conn: Connection) -> None:
+        with self._lock:
+            if len(self._idle) < self.max_idle and conn.instance == self.instance:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _get(self, deadline: Optional[float]) -> Connection:
+        self._after_fork()
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                break
+            if _alive(conn.sock):
+                return conn
+            conn.close()
+        limit = time.monotonic() + self.connect_timeout
+        if deadline is not None and deadline < limit:
+            if deadline <= time.monotonic():
+                raise PoolTimeout("deadline passed before a pool connection was available")
+            limit = deadline
+        return self._connect(limit)
+
+    def _after_fork(self) -> None:
+        if os.getpid() != self._pid:
+            with self._lock:
+                self._pid = os.getpid()
+                self._idle = []  # the parent's sockets: never used, never closed here
+                self._arena = None
+                self.instance = None
+
+    @contextmanager
+    def connection(self, deadline: Optional[float]) -> Iterator[Connection]:
+        """A connection for one call; closed instead of reused if the call failed."""
+        conn = self._get(deadline)
+        ok = False
+        try:
+            yield conn
+            ok = not conn.broken
+        finally:
+            if ok:
+                self._put(conn)
+            else:
+                conn.close()
+
+    def ping(self, timeout_s: float) -> bool:
+        """Whether the daemon answers within ``timeout_s``."""
+        try:
+            deadline = time.monotonic() + timeout_s
+            with self.connection(deadline) as conn:
+                return isinstance(conn.call(wire.Ping(), deadline), wire.Pong)
+        except Exception:  # any failure means unhealthy; check_health never raises
+            return False
+
+    def close(self) -> None:
+        """Close every idle connection and drop the arena mapping (idempotent)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            arena, self._arena = self._arena, None
+        for conn in idle:
+            conn.close()
+        if arena is not None:
+            arena.close()
+
+
+def _alive(sock: Optional[socket.socket]) -> bool:
+    """False if the daemon closed this idle connection (EOF or error pending)."""
+    if sock is None:
+        return False
+    try:
+        sock.settimeout(0.0)  # with a timeout set, Python would wait on EAGAIN
+        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
+    return bool(data)  # b"": EOF; unexpected bytes: out of sync, do not reuse

@@ -1,0 +1,294 @@
+"""``ContextCaching``: save / load / exists of KV blocks through the pool.
+
+Order of calls (one process): ``Ems.init`` -> ``Ems.get_cc`` -> ``register_kvcache`` (not
+needed for the V0 form) -> any mix of ``save`` / ``load`` / ``exists`` and their async
+twins, from any thread.
+
+A save is RESERVE (room in the arena, invisible) -> copy straight from the KV cache into
+the mapped arena -> checksum -> COMMIT (visible).  A load is GET (pins the leading present
+values under a lease) -> copy out of the arena -> verify -> RELEASE.  Every wait on the
+daemon carries the call's deadline (``option.timeout``).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+from typing import Any, List, Optional
+
+from datadist.engine.native import sock_recv, sock_send
+
+from ._errors import EmsError, PoolDisconnected, PoolTimeout, invalid, to_ems
+from .client.conn import Connection
+from .client.pool import PoolClient
+from .common.exception import EmsErrorCode, EmsException
+from .forms import V0, Request, parse_exists, parse_transfer
+from .future import CcFuture
+from .keys import Namespace
+from .kvcache import HostCopier, KvLayout, TorchCopier
+from .pool import wire
+from .pool.checksum import checksum
+from .profiling import Profiler
+from .types import CcResult
+
+__all__ = ["ContextCaching"]
+
+_HOST = HostCopier()
+
+
+def _leading(flags: List[bool]) -> int:
+    n = 0
+    for ok in flags:
+        if not ok:
+            break
+        n += 1
+    return n
+
+
+class ContextCaching:
+    """Context caching on the pool; obtained from :meth:`ems.Ems.get_cc`."""
+
+    def __init__(self, pool: PoolClient, ns: Namespace, kvcache_type: str, verify_reads: bool,
+                 max_inflight: int, profiler: Profiler) -> None:
+        self._pool = pool
+        self._ns = ns
+        self._kvcache_type = kvcache_type
+        self._verify = verify_reads
+        self._max_inflight = max_inflight
+        self._profiler = profiler
+        self._layout: Optional[KvLayout] = None
+        self._lock = threading.Lock()
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._executor_pid = 0
+
+    # -- registration -------------------------------------------------------------------
+    def register_kvcache(self, kvcache: Any, store_layer_group_desc: Optional[List[List[int]]] = None) -> None:
+        """Register the KV cache the hash, token and chunk forms address.
+
+        Args:
+            kvcache: ``kvcache[layer][kv]`` tensors ``[blocks, block_size, heads, head_size]``
+                (``kv``: K and V, or one tensor for MLA), equally shaped and typed, one device.
+            store_layer_group_desc: layer-index lists, one per layer group of the chunk
+                form (default: one group of all layers).
+        Raises:
+            EmsException(EMS_INVALID_ARGUMENT) naming the argument.
+        """
+        try:
+            layout = KvLayout(kvcache, store_layer_group_desc, self._kvcache_type)
+        except Exception as exc:
+            raise to_ems(exc) from None
+        with self._lock:
+            self._layout = layout
+
+    # -- public calls -------------------------------------------------------------------
+    def save(self, *args: Any, **kwargs: Any) -> CcResult:
+        """Save values; ``success`` = leading keys stored.  Forms: see :mod:`ems.forms`.
+
+        Raises: EMS_INVALID_ARGUMENT, EMS_IO_TIMEOUT (deadline), EMS_IO_ERROR (pool down).
+        """
+        req = self._parse("save", args, kwargs)
+        return self._run("save", "sync", req, self._deadline(req))
+
+    def load(self, *args: Any, **kwargs: Any) -> CcResult:
+        """Load values from the first key until the first miss; ``success`` = keys filled."""
+        req = self._parse("load", args, kwargs)
+        return self._run("load", "sync", req, self._deadline(req))
+
+    def async_save(self, *args: Any, **kwargs: Any) -> CcFuture:
+        """``save`` in the background; arguments are checked now (raising at once)."""
+        req = self._parse("async_save", args, kwargs)
+        return self._submit("save", req)
+
+    def async_load(self, *args: Any, **kwargs: Any) -> CcFuture:
+        """``load`` in the background; the buffers must stay untouched until it is done."""
+        req = self._parse("async_load", args, kwargs)
+        return self._submit("load", req)
+
+    def exists(self, *args: Any, **kwargs: Any) -> CcResult:
+        """How many leading hashes the pool holds.  Never raises for pool faults or the
+        deadline (they read as 0 hits); raises EMS_INVALID_ARGUMENT for bad arguments."""
+        started = time.perf_counter()
+        try:
+            keys, option = parse_exists(args, kwargs, self._ns, self._layout)
+        except Exception as exc:
+            raise to_ems(exc) from None
+        hits = 0
+        error = None
+        if keys:
+            deadline = time.monotonic() + option.timeout / 1000.0 if option.timeout else None
+            try:
+                with self._pool.connection(deadline) as conn:
+                    reply = conn.call(wire.Exists(keys, option.read_local_only), deadline)
+                hits = min(int(reply.hits), len(keys))
+            except (EmsError, OSError) as exc:
+                error = to_ems(exc).status_code().name
+        self._profiler.record("exists", "sync", "hash", len(keys), hits, 0, started, error)
+        return CcResult(hits, len(keys))
+
+    def is_ready(self, future: CcFuture) -> bool:
+        """Whether ``future`` finished; never blocks."""
+        if not isinstance(future, CcFuture):
+            raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT,
+                               f"invalid argument 'ccfuture': must be a CcFuture, got {type(future).__name__}")
+        return future.done()
+
+    def get_result(self, future: CcFuture) -> CcResult:
+        """Block until ``future`` finishes; its result, or its ``EmsException``."""
+        if not isinstance(future, CcFuture):
+            raise EmsException(EmsErrorCode.EMS_INVALID_ARGUMENT,
+                               f"invalid argument 'ccfuture': must be a CcFuture, got {type(future).__name__}")
+        return future.result()
+
+    # -- machinery ----------------------------------------------------------------------
+    def _parse(self, op: str, args: Any, kwargs: Any) -> Request:
+        try:
+            return parse_transfer(op, args, kwargs, self._ns, self._layout)
+        except Exception as exc:
+            raise to_ems(exc) from None
+
+    @staticmethod
+    def _deadline(req: Request) -> Optional[float]:
+        return time.monotonic() + req.option.timeout / 1000.0 if req.option.timeout else None
+
+    def _submit(self, op: str, req: Request) -> CcFuture:
+        deadline = self._deadline(req)
+        with self._lock:
+            if self._executor is None or self._executor_pid != os.getpid():
+                # After fork the parent's worker threads do not exist here: start anew.
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    self._max_inflight, thread_name_prefix="ems-cc")
+                self._executor_pid = os.getpid()
+            executor = self._executor
+        return CcFuture(executor.submit(self._run, op, "async", req, deadline))
+
+    def _run(self, op: str, mode: str, req: Request, deadline: Optional[float]) -> CcResult:
+        started = time.perf_counter()
+        moved = [0]
+        try:
+            if op == "save":
+                done = self._save(req, deadline, moved)
+            else:
+                done = self._load(req, deadline, moved)
+        except Exception as exc:
+            err = to_ems(exc)
+            self._profiler.record(op, mode, req.form, req.total, 0, moved[0], started, err.status_code().name)
+            raise err from None
+        self._profiler.record(op, mode, req.form, req.total, done, moved[0], started)
+        return CcResult(done, req.total)
+
+    def _copier(self, req: Request, conn: Connection):
+        if req.form == V0:
+            return _HOST
+        layout = self._layout
+        assert layout is not None
+        if isinstance(layout.copier, TorchCopier):
+            if conn.arena is None:
+                raise invalid("kvcache", "device tensors need the shared-memory pool (unix socket), "
+                              "not a tcp:// address")
+            layout.copier.bind_host(conn.arena.base, conn.arena.array)
+        return layout.copier
+
+    def _save(self, req: Request, deadline: Optional[float], moved: List[int]) -> int:
+        ok: List[bool] = []
+        with self._pool.connection(deadline) as conn:
+            copier = self._copier(req, conn)
+            # Reservations cannot be evicted until committed, so a call larger than the pool
+            # goes in batches of at most half its capacity: each batch's commits make room.
+            budget = max(1, conn.info.capacity // 2)
+            start = 0
+            while start < req.total:
+                end, size = start, 0
+                while end < req.total and (end == start or size + req.values[end].size <= budget):
+                    size += req.values[end].size
+                    end += 1
+                ok.extend(self._save_batch(req, start, end, conn, copier, deadline, moved))
+                start = end
+        return _leading(ok)
+
+    def _save_batch(self, req: Request, start: int, end: int, conn: Connection, copier: Any,
+                    deadline: Optional[float], moved: List[int]) -> List[bool]:
+        sizes = [v.size for v in req.values[start:end]]
+        reply = conn.call(wire.Reserve(req.keys[start:end], sizes, skip_existing=req.form != V0), deadline)
+        offsets = list(reply.offsets)
+        if len(offsets) != end - start:
+            raise PoolDisconnected("the pool answered RESERVE for another number of keys")
+        keys, offs, crcs = [], [], []
+        try:
+            for i, off in enumerate(offsets, start):
+                if off < 0:
+                    continue
+                vp = req.values[i]
+                if conn.arena is not None:
+                    copier.save(vp, conn.arena.base + off)
+                    crcs.append(checksum(conn.arena.array[off:off + vp.size]))
+                else:
+                    conn.send(wire.Write(off, vp.size), deadline)
+                    for plan in vp.plans:
+                        sock_send(conn.sock.fileno(), plan, _ms_left(conn, deadline))
+                    crcs.append(None)
+                keys.append(req.keys[i])
+                offs.append(off)
+                moved[0] += vp.size
+        except BaseException:
+            conn.broken = True  # the daemon frees the reservations when the connection closes
+            raise
+        stored = {}
+        if keys:
+            commit = conn.call(wire.Commit(keys, offs, crcs, req.option.write_rcache), deadline)
+            stored = dict(zip(offs, commit.stored))
+        return [off == wire.SKIPPED or bool(stored.get(off)) for off in offsets]
+
+    def _load(self, req: Request, deadline: Optional[float], moved: List[int]) -> int:
+        with self._pool.connection(deadline) as conn:
+            copier = self._copier(req, conn)
+            reply = conn.call(wire.Get(req.keys, req.option.read_local_only), deadline)
+            n = 0
+            bad = None
+            try:
+                for i, (off, size, crc) in enumerate(zip(reply.offsets, reply.sizes, reply.checksums)):
+                    vp = req.values[i]
+                    if size != vp.size:
+                        break  # stored under another layout: a miss, never a partial fill
+                    if conn.arena is not None:
+                        copier.load(vp, conn.arena.base + off)
+                        if self._verify and checksum(conn.arena.array[off:off + size]) != crc:
+                            bad = (req.keys[i], off)
+                            break
+                    else:
+                        conn.send(wire.Read(off, size), deadline)
+                        head, _ = wire.recv_msg(conn.sock, deadline)
+                        if not isinstance(head, wire.ReadReply) or head.size != size:
+                            raise PoolDisconnected("the pool answered READ unexpectedly")
+                        for plan in vp.plans:
+                            sock_recv(conn.sock.fileno(), plan.swapped(), _ms_left(conn, deadline))
+                    moved[0] += size
+                    n += 1
+            finally:
+                if not conn.broken:
+                    if bad is not None:
+                        conn.send(wire.Drop([bad[0]], [bad[1]]), deadline)
+                    conn.send(wire.Release(reply.lease), deadline)
+        return n
+
+    def _close(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None and self._executor_pid == os.getpid():
+            executor.shutdown(wait=True)
+
+
+def _ms_left(conn: Connection, deadline: Optional[float]) -> int:
+    """Milliseconds left for a raw transfer; also puts the socket in non-blocking mode,
+    which the engine's socket executor needs."""
+    if deadline is None:
+        conn.sock.settimeout(60.0)
+        return 60_000
+    left = deadline - time.monotonic()
+    if left <= 0:
+        conn.broken = True
+        raise PoolTimeout("deadline passed during a transfer")
+    conn.sock.settimeout(left)
+    return max(1, int(left * 1000))
+
+

@@ -1,0 +1,309 @@
+"""Argument binding and validation of save / load / exists: which call form, which keys,
+which bytes.  Every problem raises ``InvalidArgument`` naming the argument.
+
+Forms (exclusive; mixing arguments of two is invalid):
+
+* V0 ``(option, key_list, value_list)``: keys with buffers.
+* hash ``(slot_mapping, hashes, offsets, option)``: key i covers ``offsets[i]`` slots.
+* token ``(slot_mapping, token_ids=, mask=, option=)``: chained hashes of full chunks.
+* chunk ``(hashes=, chunk_descs=, option=)``: key i covers ``chunk_descs[g][i]`` per group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ._errors import invalid
+from .keys import HashId, Namespace, token_chain_hashes
+from .kvcache import KvLayout, ValuePlan, buffers_plan
+from .types import CcKvOption, KvBufferWrapper, PrimaryKey, check_key_text
+
+__all__ = ["Request", "parse_transfer", "parse_exists", "V0", "HASH", "TOKEN", "CHUNK"]
+
+V0, HASH, TOKEN, CHUNK = "v0", "hash", "token", "chunk"
+
+_V0_POS = ("option", "key_list", "value_list")
+_V1_POS = ("slot_mapping", "hashes", "offsets", "option")
+_ALL = frozenset(_V0_POS + _V1_POS + ("token_ids", "mask", "chunk_descs"))
+_FORM_ARGS = {
+    V0: {"key_list", "value_list"},
+    HASH: {"slot_mapping", "hashes", "offsets"},
+    TOKEN: {"slot_mapping", "token_ids", "mask"},
+    CHUNK: {"hashes", "chunk_descs"},
+}
+
+
+@dataclass
+class Request:
+    """A validated call: its form, option, wire keys and one value plan per key."""
+
+    form: str
+    option: CcKvOption
+    keys: List[str]
+    values: List[ValuePlan]
+
+    @property
+    def total(self) -> int:
+        return len(self.keys)
+
+
+def _bind(op: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    names = _V0_POS if args and isinstance(args[0], CcKvOption) else _V1_POS
+    if len(args) > len(names):
+        raise invalid("args", f"{op}() takes at most {len(names)} positional arguments, got {len(args)}")
+    bound = dict(zip(names, args))
+    for name, value in kwargs.items():
+        if name not in _ALL:
+            raise invalid(name, f"unknown argument of {op}()")
+        if name in bound:
+            raise invalid(name, f"{op}() got it both by position and by name")
+        bound[name] = value
+    return bound
+
+
+def _option(value: Any) -> CcKvOption:
+    if value is None:
+        return CcKvOption()
+    if not isinstance(value, CcKvOption):
+        raise invalid("option", f"must be a CcKvOption, got {type(value).__name__}")
+    return value.validate()
+
+
+def _to_numpy(value: Any) -> Any:
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
+        return value.detach().cpu().numpy()
+    return value
+
+
+def int_array(name: str, value: Any, allow_empty: bool = False) -> np.ndarray:
+    """A 1-D int64 array from a list / tuple / ndarray / tensor of ints."""
+    value = _to_numpy(value)
+    if not isinstance(value, (list, tuple, np.ndarray)):
+        raise invalid(name, f"must be a list of int, got {type(value).__name__}")
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as exc:
+        raise invalid(name, f"must be a list of int: {exc}") from None
+    if arr.ndim != 1:
+        raise invalid(name, f"must be a flat list of int, got shape {arr.shape}")
+    if arr.size == 0:
+        if allow_empty:
+            return arr.astype(np.int64)
+        raise invalid(name, "must not be empty")
+    if arr.dtype.kind == "O":
+        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in arr):
+            raise invalid(name, "must contain only int")
+        try:
+            return arr.astype(np.int64)
+        except OverflowError:
+            raise invalid(name, "values must fit in int64") from None
+    if arr.dtype.kind not in "iu":
+        raise invalid(name, f"must contain only int, got {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def hash_list(name: str, value: Any, allow_empty: bool = False) -> List[HashId]:
+    """A list of hashes (ints of any size, or bytes)."""
+    value = _to_numpy(value)
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise invalid(name, f"must be a list of int, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise invalid(name, "must not be empty")
+    out: List[HashId] = []
+    for i, h in enumerate(value):
+        if isinstance(h, bool) or not isinstance(h, (int, np.integer, bytes)):
+            raise invalid(name, f"entry {i} is a {type(h).__name__}, not an int")
+        out.append(h if isinstance(h, bytes) else int(h))
+    return out
+
+
+def _form(bound: Dict[str, Any]) -> str:
+    given = {k for k, v in bound.items() if v is not None and k != "option"}
+    if given & _FORM_ARGS[V0]:
+        form = V0
+    elif "chunk_descs" in given:
+        form = CHUNK
+    elif given & {"token_ids", "mask"}:
+        form = TOKEN
+    elif given:
+        form = HASH
+    else:
+        raise invalid("hashes", "no keys given (use slot_mapping+hashes+offsets, slot_mapping+token_ids, "
+                      "hashes+chunk_descs, or option+key_list+value_list)")
+    extra = sorted(given - _FORM_ARGS[form])
+    if extra:
+        raise invalid(extra[0], f"cannot be combined with the {form} form's arguments "
+                      f"({', '.join(sorted(_FORM_ARGS[form]))})")
+    required = {V0: ("key_list", "value_list"), HASH: ("slot_mapping", "hashes", "offsets"),
+                TOKEN: ("slot_mapping", "token_ids"), CHUNK: ("hashes", "chunk_descs")}[form]
+    for name in required:
+        if bound.get(name) is None:
+            raise invalid(name, f"is required by the {form} form")
+    return form
+
+
+def parse_transfer(op: str, args: Tuple[Any, ...], kwargs: Dict[str, Any], ns: Namespace,
+                   layout: Optional[KvLayout]) -> Request:
+    """Validate a save / load call into a :class:`Request`."""
+    bound = _bind(op, args, kwargs)
+    form = _form(bound)
+    option = _option(bound.get("option"))
+    if form == V0:
+        keys, values = _v0(bound["key_list"], bound["value_list"], ns)
+        return Request(form, option, keys, values)
+    if layout is None:
+        raise invalid("kvcache", f"call register_kvcache() before the {form} form of {op}()")
+    if form == HASH:
+        hashes, spans = _hash_form(bound, layout)
+        return Request(form, option, ns.hash_keys(hashes), [layout.span_plan(s) for s in spans])
+    if form == TOKEN:
+        hashes, spans = _token_form(bound, layout)
+        return Request(form, option, ns.hash_keys(hashes), [layout.span_plan(s) for s in spans])
+    hashes, descs = _chunk_form(bound, layout)
+    return Request(form, option, ns.hash_keys(hashes), [layout.chunk_plan(d) for d in descs])
+
+
+def _v0(key_list: Any, value_list: Any, ns: Namespace) -> Tuple[List[str], List[ValuePlan]]:
+    if not isinstance(key_list, (list, tuple)) or not key_list:
+        raise invalid("key_list", "must be a non-empty list of PrimaryKey or str")
+    if not isinstance(value_list, (list, tuple)):
+        raise invalid("value_list", "must be a list of lists of KvBufferWrapper")
+    if len(value_list) != len(key_list):
+        raise invalid("value_list", f"has {len(value_list)} entries for {len(key_list)} keys")
+    keys: List[str] = []
+    seen: set = set()
+    for i, k in enumerate(key_list):
+        if isinstance(k, PrimaryKey):
+            ident: Any = (k.distribute_key, k.attribute_key)
+            wire = ns.primary_key(*ident)
+        elif isinstance(k, str):
+            check_key_text(f"key_list[{i}]", k)
+            ident = k
+            wire = ns.str_key(k)
+        else:
+            raise invalid(f"key_list[{i}]", f"must be a PrimaryKey or str, got {type(k).__name__}")
+        if ident in seen:
+            raise invalid(f"key_list[{i}]", f"duplicate key {k!r}")
+        seen.add(ident)
+        keys.append(wire)
+    values: List[ValuePlan] = []
+    for i, bufs in enumerate(value_list):
+        if not isinstance(bufs, (list, tuple)) or not bufs:
+            raise invalid(f"value_list[{i}]", "must be a non-empty list of KvBufferWrapper")
+        addrs, lens = [], []
+        for j, b in enumerate(bufs):
+            if not isinstance(b, KvBufferWrapper):
+                raise invalid(f"value_list[{i}][{j}]", f"must be a KvBufferWrapper, got {type(b).__name__}")
+            addrs.append(b.address())
+            lens.append(b.length)
+        values.append(buffers_plan(addrs, lens))
+    return keys, values
+
+
+def _hash_form(bound: Dict[str, Any], layout: KvLayout) -> Tuple[List[HashId], List[np.ndarray]]:
+    slots = int_array("slot_mapping", bound["slot_mapping"])
+    hashes = hash_list("hashes", bound["hashes"])
+    offsets = int_array("offsets", bound["offsets"])
+    if len(offsets) != len(hashes):
+        raise invalid("offsets", f"has {len(offsets)} entries for {len(hashes)} hashes")
+    if int(offsets.min()) <= 0:
+        raise invalid("offsets", "every entry must be > 0")
+    if int(offsets.sum()) != len(slots):
+        raise invalid("offsets", f"sum(offsets) = {int(offsets.sum())} but len(slot_mapping) = {len(slots)}")
+    layout.check_slots("slot_mapping", slots)
+    bounds = np.concatenate(([0], np.cumsum(offsets)))
+    return hashes, [slots[bounds[i]:bounds[i + 1]] for i in range(len(hashes))]
+
+
+def _token_form(bound: Dict[str, Any], layout: KvLayout) -> Tuple[List[HashId], List[np.ndarray]]:
+    slots = int_array("slot_mapping", bound["slot_mapping"])
+    tokens = int_array("token_ids", bound["token_ids"])
+    if len(tokens) != len(slots):
+        raise invalid("token_ids", f"has {len(tokens)} tokens but slot_mapping has {len(slots)} slots")
+    mask = bound.get("mask")
+    if mask is not None:
+        mask = int_array("mask", mask)
+        if len(mask) != len(tokens):
+            raise invalid("mask", f"has {len(mask)} entries for {len(tokens)} tokens")
+        if not np.isin(mask, (0, 1)).all():
+            raise invalid("mask", "entries must be 0 (cached prefix) or 1 (suffix)")
+        if (np.diff(mask) < 0).any():
+            raise invalid("mask", "must be 0s (cached prefix) followed by 1s (suffix)")
+    layout.check_slots("slot_mapping", slots)
+    bs = layout.block_size
+    chain = token_chain_hashes(tokens, bs)
+    hashes: List[HashId] = []
+    spans: List[np.ndarray] = []
+    for i, h in enumerate(chain):
+        if mask is not None and mask[(i + 1) * bs - 1] == 0:
+            continue  # the whole chunk is in the cached prefix
+        hashes.append(h)
+        spans.append(slots[i * bs:(i + 1) * bs])
+    return hashes, spans
+
+
+def _chunk_form(bound: Dict[str, Any], layout: KvLayout) -> Tuple[List[HashId], List[List[Tuple[int, int]]]]:
+    hashes = hash_list("hashes", bound["hashes"])
+    descs = bound["chunk_descs"]
+    if not isinstance(descs, (list, tuple)):
+        raise invalid("chunk_descs", "must be a list (layer groups) of lists of (start_slot, length)")
+    if len(descs) != len(layout.groups):
+        raise invalid("chunk_descs", f"has {len(descs)} layer groups but store_layer_group_desc has "
+                      f"{len(layout.groups)}")
+    per_key: List[List[Tuple[int, int]]] = [[] for _ in hashes]
+    for g, group in enumerate(descs):
+        if not isinstance(group, (list, tuple)) or len(group) != len(hashes):
+            raise invalid("chunk_descs", f"group {g} must have one (start_slot, length) per hash "
+                          f"({len(hashes)})")
+        for i, d in enumerate(group):
+            if (not isinstance(d, (list, tuple)) or len(d) != 2
+                    or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in d)):
+                raise invalid("chunk_descs", f"[{g}][{i}] must be a (start_slot, length) pair of int")
+            start, length = int(d[0]), int(d[1])
+            if start < 0 or length <= 0 or start + length > layout.num_slots:
+                raise invalid("chunk_descs", f"[{g}][{i}] = ({start}, {length}) is outside the "
+                              f"registered cache [0, {layout.num_slots})")
+            per_key[i].append((start, length))
+    return hashes, per_key
+
+
+def parse_exists(args: Tuple[Any, ...], kwargs: Dict[str, Any], ns: Namespace,
+                 layout: Optional[KvLayout]) -> Tuple[List[str], CcKvOption]:
+    """``exists(hashes, option=None)``; also ``token_ids=`` (chained hashes) or ``key_list=``."""
+    names = ("hashes", "option")
+    if len(args) > len(names):
+        raise invalid("args", f"exists() takes at most 2 positional arguments, got {len(args)}")
+    bound = dict(zip(names, args))
+    for name, value in kwargs.items():
+        if name not in ("hashes", "option", "token_ids", "key_list"):
+            raise invalid(name, "unknown argument of exists()")
+        if name in bound:
+            raise invalid(name, "exists() got it both by position and by name")
+        bound[name] = value
+    option = _option(bound.get("option"))
+    given = [k for k in ("hashes", "token_ids", "key_list") if bound.get(k) is not None]
+    if len(given) != 1:
+        raise invalid("hashes", "give exactly one of hashes, token_ids or key_list")
+    if given[0] == "hashes":
+        return ns.hash_keys(hash_list("hashes", bound["hashes"], allow_empty=True)), option
+    if given[0] == "token_ids":
+        if layout is None:
+            raise invalid("kvcache", "call register_kvcache() before exists(token_ids=...)")
+        return ns.hash_keys(token_chain_hashes(int_array("token_ids", bound["token_ids"], True),
+                                               layout.block_size)), option
+    key_list = bound["key_list"]
+    if not isinstance(key_list, (list, tuple)):
+        raise invalid("key_list", "must be a list of PrimaryKey or str")
+    keys = []
+    for i, k in enumerate(key_list):
+        if isinstance(k, PrimaryKey):
+            keys.append(ns.primary_key(k.distribute_key, k.attribute_key))
+        elif isinstance(k, str):
+            keys.append(ns.str_key(check_key_text(f"key_list[{i}]", k)))
+        else:
+            raise invalid(f"key_list[{i}]", f"must be a PrimaryKey or str, got {type(k).__name__}")
+    return keys, option

@@ -1,0 +1,212 @@
+"""The registered KV cache, and plans between it and pool values.
+
+``kvcache[layer][kv]`` is a ``[blocks, block_size, heads, head_size]`` tensor; slot ``s``
+is token row ``s`` of every tensor (block ``s // block_size``, position ``s % block_size``),
+``token_bytes`` long.  A value is laid out tensor after tensor (layer-major, K then V; for
+the chunk form, layer group after layer group), each holding its span's token rows in
+order.  Plans are built with the datadist block engine relative to a value at address 0
+and rebased onto the value's place in the mapped arena; every byte moves through
+``copy_plan`` (host tensors) or, for device tensors, the same plan executed by torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from datadist.engine.layout import Plan, coalesce, plan_units
+from datadist.engine.native import copy_plan
+
+from ._errors import invalid
+
+__all__ = ["KvLayout", "ValuePlan", "buffers_plan", "HostCopier", "TorchCopier"]
+
+_U64 = np.uint64
+
+
+@dataclass
+class ValuePlan:
+    """How one key's value maps to memory: ``size`` bytes, plans with the value at 0
+    on the destination side (a save); a load runs them swapped."""
+
+    size: int
+    plans: List[Plan]
+
+
+def buffers_plan(addresses: Sequence[int], lengths: Sequence[int]) -> ValuePlan:
+    """V0: the value is the buffers' bytes concatenated."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    return ValuePlan(int(lens.sum()), [coalesce(np.asarray(addresses, dtype=np.int64), starts, lens)])
+
+
+class KvLayout:
+    """A validated, registered ``kvcache`` and its layer groups."""
+
+    def __init__(self, kvcache: Any, store_layer_group_desc: Optional[Sequence[Sequence[int]]],
+                 kvcache_type: str) -> None:
+        try:
+            import torch
+        except ImportError:  # pragma: no cover - torch is a dependency
+            raise invalid("kvcache", "needs torch") from None
+        if isinstance(kvcache, torch.Tensor):
+            if kvcache.dim() != 6:
+                raise invalid("kvcache", "a single tensor must be [layers, kv, blocks, block_size, heads, head_size]")
+            kvcache = [[kvcache[i][j] for j in range(kvcache.shape[1])] for i in range(kvcache.shape[0])]
+        if not isinstance(kvcache, (list, tuple)) or not kvcache:
+            raise invalid("kvcache", "must be a non-empty list (layers) of lists (K, V) of tensors")
+        kv_counts = {len(layer) if isinstance(layer, (list, tuple)) else -1 for layer in kvcache}
+        allowed = (1, 2) if kvcache_type == "MLA" else (2,)
+        if len(kv_counts) != 1 or next(iter(kv_counts)) not in allowed:
+            raise invalid("kvcache", f"every layer must be a list of {' or '.join(map(str, allowed))} "
+                          f"tensors (kvcache_type {kvcache_type})")
+        tensors = [t for layer in kvcache for t in layer]
+        first = tensors[0]
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise invalid("kvcache", f"entry {i} is a {type(t).__name__}, not a torch.Tensor")
+            if t.dim() != 4:
+                raise invalid("kvcache", f"tensor {i} has shape {tuple(t.shape)}, expected "
+                              "[blocks, block_size, heads, head_size]")
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise invalid("kvcache", f"tensor {i} differs from tensor 0 in shape, dtype or device")
+            if not t.is_contiguous():
+                raise invalid("kvcache", f"tensor {i} is not contiguous")
+        blocks, block_size, heads, head_size = (int(x) for x in first.shape)
+        if block_size <= 0 or blocks <= 0:
+            raise invalid("kvcache", f"shape {tuple(first.shape)} has no slots")
+        self.tensors = tensors  # keeps the memory alive while registered
+        self.num_layers = len(kvcache)
+        self.kv_per_layer = len(kvcache[0])
+        self.block_size = block_size
+        self.num_slots = blocks * block_size
+        self.token_bytes = heads * head_size * first.element_size()
+        self.device = first.device
+        self.ptrs = np.array([t.data_ptr() for t in tensors], dtype=_U64)
+        self.groups = self._groups(store_layer_group_desc)
+        self.copier = HostCopier() if first.device.type == "cpu" else TorchCopier(tensors)
+
+    def _groups(self, desc: Optional[Sequence[Sequence[int]]]) -> List[np.ndarray]:
+        if desc is None:
+            desc = [list(range(self.num_layers))]
+        if not isinstance(desc, (list, tuple)) or not desc:
+            raise invalid("store_layer_group_desc", "must be a non-empty list of layer-index lists")
+        seen: set = set()
+        groups = []
+        for g, layers in enumerate(desc):
+            if not isinstance(layers, (list, tuple)) or not layers:
+                raise invalid("store_layer_group_desc", f"group {g} must be a non-empty list of layer indices")
+            for layer in layers:
+                if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
+                    raise invalid("store_layer_group_desc", f"group {g}: {layer!r} is not a layer index "
+                                  f"in [0, {self.num_layers})")
+                if layer in seen:
+                    raise invalid("store_layer_group_desc", f"layer {layer} is in two groups")
+                seen.add(layer)
+            idx = np.array([layer * self.kv_per_layer + kv for layer in layers
+                            for kv in range(self.kv_per_layer)], dtype=np.int64)
+            groups.append(idx)
+        return groups
+
+    @property
+    def num_tensors(self) -> int:
+        return int(self.ptrs.shape[0])
+
+    def check_slots(self, name: str, slots: np.ndarray) -> None:
+        if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
+            bad = int(slots.min()) if int(slots.min()) < 0 else int(slots.max())
+            raise invalid(name, f"slot {bad} is outside the registered cache [0, {self.num_slots})")
+
+    def span_plan(self, slots: np.ndarray) -> ValuePlan:
+        """The value of one hash/token-form key: ``slots``' rows of every tensor."""
+        return self._plan(self.ptrs, slots, 0)[0]
+
+    def _plan(self, ptrs: np.ndarray, slots: np.ndarray, at: int) -> Tuple[ValuePlan, int]:
+        tb = self.token_bytes
+        n = int(slots.shape[0])
+        span = n * tb
+        t = ptrs.shape[0]
+        plan = plan_units(ptrs, slots.astype(np.int64) * tb,
+                          at + np.arange(t, dtype=np.int64) * span, np.arange(n, dtype=np.int64) * tb, tb)
+        return ValuePlan(t * span, [plan]), at + t * span
+
+    def chunk_plan(self, descs: Sequence[Tuple[int, int]]) -> ValuePlan:
+        """The value of one chunk-form key: group g's tensors, slots ``descs[g]``."""
+        plans: List[Plan] = []
+        at = 0
+        for idx, (start, length) in zip(self.groups, descs):
+            vp, at = self._plan(self.ptrs[idx], np.arange(start, start + length, dtype=np.int64), at)
+            plans.extend(vp.plans)
+        return ValuePlan(at, plans)
+
+
+class HostCopier:
+    """Executes plans between host memory and the mapped arena (``copy_plan``)."""
+
+    def save(self, vp: ValuePlan, value_addr: int) -> None:
+        for plan in vp.plans:
+            copy_plan(plan.rebase(dst_delta=value_addr))
+
+    def load(self, vp: ValuePlan, value_addr: int) -> None:
+        for plan in vp.plans:
+            copy_plan(plan.swapped().rebase(src_delta=value_addr))
+
+
+class TorchCopier:
+    """Executes the same plans when the KV cache lives on a device (CUDA / NPU): each run
+    becomes one torch copy between a byte view of the device storage and the arena."""
+
+    def __init__(self, tensors: Sequence[Any]) -> None:
+        import torch
+
+        self._torch = torch
+        storages = {}
+        for t in tensors:
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st
+        self._bases = np.array(sorted(storages), dtype=np.int64)
+        self._views = []
+        for base in self._bases:
+            st = storages[int(base)]
+            view = torch.empty(0, dtype=torch.uint8, device=tensors[0].device)
+            view.set_(st, 0, (st.nbytes(),))
+            self._views.append(view)
+        self._ends = self._bases + np.array([v.numel() for v in self._views], dtype=np.int64)
+        self.host_base = 0
+        self.host = None  # torch view of the arena, set by the caller
+
+    def bind_host(self, base: int, array: np.ndarray) -> None:
+        self.host_base = base
+        self.host = self._torch.from_numpy(array)
+
+    def _runs(self, plan: Plan, device_is_src: bool):
+        src, lens = plan.src_runs()
+        dst, _ = plan.dst_runs()
+        dev, host = (src, dst) if device_is_src else (dst, src)
+        for d, h, n in zip(dev.astype(np.int64), host.astype(np.int64), lens.astype(np.int64)):
+            while n > 0:
+                i = int(np.searchsorted(self._bases, d, side="right")) - 1
+                take = int(min(n, self._ends[i] - d))
+                yield self._views[i][d - self._bases[i]: d - self._bases[i] + take], \
+                    self.host[h - self.host_base: h - self.host_base + take]
+                d, h, n = d + take, h + take, n - take
+
+    def save(self, vp: ValuePlan, value_addr: int) -> None:
+        for plan in vp.plans:
+            for dev, host in self._runs(plan.rebase(dst_delta=value_addr), True):
+                host.copy_(dev)
+        self._sync()
+
+    def load(self, vp: ValuePlan, value_addr: int) -> None:
+        for plan in vp.plans:
+            for dev, host in self._runs(plan.swapped().rebase(src_delta=value_addr), False):
+                dev.copy_(host, non_blocking=True)
+        self._sync()
+
+    def _sync(self) -> None:
+        dev = self._views[0].device
+        if dev.type == "cuda":
+            self._torch.cuda.synchronize(dev)
+        elif dev.type == "npu":  # pragma: no cover - needs torch_npu
+            self._torch.npu.synchronize(dev)

@@ -1,0 +1,351 @@
+"""The control protocol between clients and ``ems-server``: typed, versioned, one codec.
+
+Frame: 4-byte big-endian length, then JSON ``[op, {fields}]``.  Every message is a
+dataclass with an :class:`Op`; :func:`encode` / :func:`decode` are the only codec, and the
+HELLO exchange checks :data:`PROTOCOL_VERSION` before anything else is decoded.  Value
+bytes never go through the codec: on a unix socket they move through the shared arena
+(the HELLO reply carries the arena's memfd by SCM_RIGHTS); on TCP they follow a WRITE
+frame or a READ reply as raw bytes.
+
+A key on the wire is ``distribute_part + "\\0" + attribute_part`` (see :mod:`ems.keys`).
+"""
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
+
+from .._errors import PoolDisconnected, PoolTimeout, ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION", "Op", "Message", "encode", "decode", "send_msg", "recv_msg",
+    "recv_exact", "Hello", "HelloReply", "Ping", "Pong", "Stats", "StatsReply", "Reserve",
+    "ReserveReply", "Commit", "CommitReply", "Abort", "Get", "GetReply", "Release", "Drop",
+    "Exists", "ExistsReply", "Write", "Read", "ReadReply", "Error", "Shutdown", "Ack",
+    "SKIPPED", "NO_SPACE", "MAX_FRAME",
+]
+
+PROTOCOL_VERSION = 1
+#: Largest control frame either side accepts.
+MAX_FRAME = 64 << 20
+#: Reserve reply offsets: the key already holds a value (nothing to write) / no room.
+SKIPPED = -2
+NO_SPACE = -1
+
+_LEN = struct.Struct("!I")
+
+
+class Op(IntEnum):
+    """Message types; a reply type follows its request."""
+
+    HELLO = 1
+    HELLO_REPLY = 2
+    PING = 3
+    PONG = 4
+    STATS = 5
+    STATS_REPLY = 6
+    RESERVE = 7
+    RESERVE_REPLY = 8
+    COMMIT = 9
+    COMMIT_REPLY = 10
+    ABORT = 11
+    GET = 12
+    GET_REPLY = 13
+    RELEASE = 14
+    DROP = 15
+    EXISTS = 16
+    EXISTS_REPLY = 17
+    WRITE = 18
+    READ = 19
+    READ_REPLY = 20
+    SHUTDOWN = 21
+    ACK = 22
+    ERROR = 99
+
+
+_REGISTRY: Dict[int, Type["Message"]] = {}
+
+
+class Message:
+    """Base of all messages; subclasses are dataclasses with a class-level ``OP``."""
+
+    OP: ClassVar[Op]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        op = int(cls.__dict__["OP"])
+        if op in _REGISTRY:
+            raise TypeError(f"duplicate wire op {op} for {cls.__name__}")
+        _REGISTRY[op] = cls
+
+
+@dataclass
+class Hello(Message):
+    """First message on a connection: protocol version and tenant credentials."""
+
+    OP = Op.HELLO
+    version: int = PROTOCOL_VERSION
+    access_id: Optional[str] = None
+    access_key: Optional[str] = None
+    pid: int = 0
+    shm: bool = True
+
+
+@dataclass
+class HelloReply(Message):
+    OP = Op.HELLO_REPLY
+    instance: str = ""
+    tenant: str = ""
+    arena_size: int = 0
+    capacity: int = 0
+    shm: bool = False
+
+
+@dataclass
+class Ping(Message):
+    OP = Op.PING
+
+
+@dataclass
+class Pong(Message):
+    OP = Op.PONG
+    instance: str = ""
+
+
+@dataclass
+class Stats(Message):
+    OP = Op.STATS
+
+
+@dataclass
+class StatsReply(Message):
+    OP = Op.STATS_REPLY
+    stats: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Reserve(Message):
+    """Phase one of a put: room for each value, invisible until committed."""
+
+    OP = Op.RESERVE
+    keys: List[str] = field(default_factory=list)
+    sizes: List[int] = field(default_factory=list)
+    skip_existing: bool = False
+
+
+@dataclass
+class ReserveReply(Message):
+    OP = Op.RESERVE_REPLY
+    offsets: List[int] = field(default_factory=list)
+
+
+@dataclass
+class Commit(Message):
+    """Phase two: publish the written reservations (all-or-nothing per key)."""
+
+    OP = Op.COMMIT
+    keys: List[str] = field(default_factory=list)
+    offsets: List[int] = field(default_factory=list)
+    checksums: List[int] = field(default_factory=list)
+    keep_local: bool = True
+
+
+@dataclass
+class CommitReply(Message):
+    OP = Op.COMMIT_REPLY
+    stored: List[bool] = field(default_factory=list)
+
+
+@dataclass
+class Abort(Message):
+    """One-way: give reservations back unwritten."""
+
+    OP = Op.ABORT
+    offsets: List[int] = field(default_factory=list)
+
+
+@dataclass
+class Get(Message):
+    """Pin the leading present keys for reading; the reply holds them under a lease."""
+
+    OP = Op.GET
+    keys: List[str] = field(default_factory=list)
+    local_only: bool = False
+
+
+@dataclass
+class GetReply(Message):
+    OP = Op.GET_REPLY
+    lease: int = 0
+    offsets: List[int] = field(default_factory=list)
+    sizes: List[int] = field(default_factory=list)
+    checksums: List[int] = field(default_factory=list)
+
+
+@dataclass
+class Release(Message):
+    """One-way: end a lease."""
+
+    OP = Op.RELEASE
+    lease: int = 0
+
+
+@dataclass
+class Drop(Message):
+    """One-way: these values failed their checksum at the reader; forget them."""
+
+    OP = Op.DROP
+    keys: List[str] = field(default_factory=list)
+    offsets: List[int] = field(default_factory=list)
+
+
+@dataclass
+class Exists(Message):
+    OP = Op.EXISTS
+    keys: List[str] = field(default_factory=list)
+    local_only: bool = False
+
+
+@dataclass
+class ExistsReply(Message):
+    OP = Op.EXISTS_REPLY
+    hits: int = 0
+
+
+@dataclass
+class Write(Message):
+    """TCP only: ``size`` raw bytes for a reservation at ``offset`` follow the frame."""
+
+    OP = Op.WRITE
+    offset: int = 0
+    size: int = 0
+
+
+@dataclass
+class Read(Message):
+    """TCP only: send ``size`` bytes of a leased value at ``offset``."""
+
+    OP = Op.READ
+    offset: int = 0
+    size: int = 0
+
+
+@dataclass
+class ReadReply(Message):
+    """Followed by ``size`` raw bytes."""
+
+    OP = Op.READ_REPLY
+    size: int = 0
+
+
+@dataclass
+class Ack(Message):
+    OP = Op.ACK
+
+
+@dataclass
+class Shutdown(Message):
+    OP = Op.SHUTDOWN
+
+
+@dataclass
+class Error(Message):
+    """The request failed; ``kind`` is ``invalid``, ``auth``, ``version`` or ``internal``."""
+
+    OP = Op.ERROR
+    kind: str = "internal"
+    message: str = ""
+
+
+def encode(msg: Message) -> bytes:
+    """One frame (length prefix included) for ``msg``."""
+    body = json.dumps([int(msg.OP), msg.__dict__], separators=(",", ":")).encode()
+    return _LEN.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Message:
+    """The message in a frame body; raises :class:`ProtocolError` if it is malformed."""
+    try:
+        op, fields = json.loads(body)
+        cls = _REGISTRY[int(op)]
+        return cls(**fields)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ProtocolError(f"malformed control message: {exc}") from None
+
+
+def _timeout(sock: socket.socket, deadline: Optional[float]) -> None:
+    if deadline is None:
+        sock.settimeout(None)
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise PoolTimeout("deadline passed")
+    sock.settimeout(left)
+
+
+def send_msg(sock: socket.socket, msg: Message, deadline: Optional[float] = None,
+             fds: Sequence[int] = ()) -> None:
+    """Send one frame (and file descriptors, on a unix socket) before ``deadline``."""
+    frame = encode(msg)
+    try:
+        _timeout(sock, deadline)
+        if fds:
+            sent = socket.send_fds(sock, [frame], list(fds))
+            if sent < len(frame):
+                sock.sendall(frame[sent:])
+        else:
+            sock.sendall(frame)
+    except socket.timeout:
+        raise PoolTimeout("deadline passed while sending to the pool") from None
+    except OSError as exc:
+        raise PoolDisconnected(f"connection to the pool broke: {exc}") from None
+
+
+def recv_exact(sock: socket.socket, view: memoryview, deadline: Optional[float]) -> None:
+    """Fill ``view`` from ``sock`` before ``deadline``."""
+    got, n = 0, len(view)
+    try:
+        while got < n:
+            _timeout(sock, deadline)
+            k = sock.recv_into(view[got:])
+            if k == 0:
+                raise PoolDisconnected("the pool closed the connection")
+            got += k
+    except socket.timeout:
+        raise PoolTimeout("deadline passed while waiting for the pool") from None
+    except (ConnectionError, OSError) as exc:
+        if isinstance(exc, (PoolDisconnected, PoolTimeout)):
+            raise
+        raise PoolDisconnected(f"connection to the pool broke: {exc}") from None
+
+
+def recv_msg(sock: socket.socket, deadline: Optional[float] = None,
+             want_fds: int = 0) -> Tuple[Message, List[int]]:
+    """Receive one frame (and up to ``want_fds`` descriptors) before ``deadline``."""
+    fds: List[int] = []
+    head = bytearray(_LEN.size)
+    if want_fds:
+        try:
+            _timeout(sock, deadline)
+            data, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size, want_fds)
+        except socket.timeout:
+            raise PoolTimeout("deadline passed while waiting for the pool") from None
+        except OSError as exc:
+            raise PoolDisconnected(f"connection to the pool broke: {exc}") from None
+        if not data:
+            raise PoolDisconnected("the pool closed the connection")
+        head[: len(data)] = data
+        if len(data) < _LEN.size:
+            recv_exact(sock, memoryview(head)[len(data):], deadline)
+    else:
+        recv_exact(sock, memoryview(head), deadline)
+    (n,) = _LEN.unpack(head)
+    if n > MAX_FRAME:
+        raise ProtocolError(f"control frame of {n} bytes exceeds {MAX_FRAME}")
+    body = bytearray(n)
+    recv_exact(sock, memoryview(body), deadline)
+    return decode(bytes(body)), fds

@@ -1,0 +1,163 @@
+"""``ems-server``: the node-local context-caching pool daemon, and its command line.
+
+Commands::
+
+    ems-server [serve] [--dir DIR] [--capacity 4G] [--disk-dir D --disk-capacity 10G]
+                       [--remote redis://H:P | redis+cluster://H:P] [--credentials FILE]
+                       [--tcp HOST:PORT] [--idle-exit SECONDS] [--detach] [--ready-fd FD]
+    ems-server stats [--dir DIR | --server ADDR] [--json]
+    ems-server stop  [--dir DIR]
+
+Files: ``daemon.py`` (listener, sessions), ``store.py`` (index, leases, LRU, two-phase
+puts), ``arena.py`` (memfd arenas, allocator), ``tenants.py`` (credentials),
+``tiers/`` (disk, Redis/Valkey).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from typing import List, Optional
+
+from .daemon import DEFAULT_DIR, AlreadyRunning, Daemon, ServerConfig
+from .tiers.disk import parse_size
+
+__all__ = ["main", "Daemon", "ServerConfig", "AlreadyRunning", "DEFAULT_DIR"]
+
+#: Exit status when another daemon already serves the directory.
+EXIT_ALREADY_RUNNING = 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ems-server", description="EMS context-caching pool daemon")
+    sub = p.add_subparsers(dest="cmd")
+    serve = sub.add_parser("serve", help="run the daemon (the default command)")
+    _serve_args(serve)
+    stats = sub.add_parser("stats", help="print a running daemon's statistics")
+    stats.add_argument("--dir", default=None, help=f"socket directory (default {DEFAULT_DIR})")
+    stats.add_argument("--server", default=None, help="address: DIR, unix://PATH or tcp://HOST:PORT")
+    stats.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    stats.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the daemon")
+    stop = sub.add_parser("stop", help="ask a running daemon to shut down (spilling to disk)")
+    stop.add_argument("--dir", default=DEFAULT_DIR)
+    stop.add_argument("--timeout", type=float, default=3.0)
+    return p
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default=DEFAULT_DIR, help=f"socket directory (default {DEFAULT_DIR})")
+    p.add_argument("--capacity", default="1G", help="shared-memory capacity, e.g. 512M, 8G")
+    p.add_argument("--disk-dir", default=None, help="disk tier directory (evicted values spill there)")
+    p.add_argument("--disk-capacity", default="10G", help="disk tier capacity")
+    p.add_argument("--remote", default=None, help="remote tier: redis://H:P[/db] or redis+cluster://H:P")
+    p.add_argument("--credentials", default=None, help="file of 'access_id: access_key' lines")
+    p.add_argument("--tcp", default=None, help="also listen on HOST:PORT (port 0: any free port)")
+    p.add_argument("--idle-exit", type=float, default=0.0,
+                   help="exit after this many seconds without clients (0: never)")
+    p.add_argument("--no-spill-on-exit", action="store_true",
+                   help="do not spill memory to the disk tier at shutdown")
+    p.add_argument("--detach", action="store_true", help="fork into the background (new session)")
+    p.add_argument("--ready-fd", type=int, default=None,
+                   help="write 'READY <pid> <tcp address>' to this fd once serving, then close it")
+    p.add_argument("--log-file", default=None, help="log here instead of stderr")
+    p.add_argument("--log-level", default="INFO")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv.insert(0, "serve")
+    args = _parser().parse_args(argv)
+    if args.cmd == "stats":
+        return _stats(args)
+    if args.cmd == "stop":
+        return _stop(args)
+    return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    cfg = ServerConfig(
+        directory=args.dir, capacity=parse_size(args.capacity), disk_dir=args.disk_dir,
+        disk_capacity=parse_size(args.disk_capacity), remote=args.remote,
+        credentials=args.credentials, tcp=args.tcp, idle_exit=args.idle_exit,
+        spill_on_exit=not args.no_spill_on_exit)
+    if args.detach:
+        # Double fork: the caller reaps the short-lived middle process at once, and the
+        # daemon (reparented to init) never lingers as its zombie.
+        if os.fork() > 0:
+            return 0
+        os.setsid()
+        if os.fork() > 0:
+            os._exit(0)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1):
+            os.dup2(devnull, fd)
+        if args.log_file is None:
+            args.log_file = os.path.join(args.dir, "ems-server.log")
+    handlers = None
+    if args.log_file:
+        os.makedirs(os.path.dirname(os.path.abspath(args.log_file)), exist_ok=True)
+        handlers = [logging.FileHandler(args.log_file)]
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s ems-server[%(process)d] %(levelname)s %(message)s",
+                        handlers=handlers)
+    daemon = Daemon(cfg)
+    try:
+        daemon.start()
+    except AlreadyRunning as exc:
+        logging.getLogger("ems.server").warning("%s", exc)
+        _ready(args.ready_fd, f"RUNNING {exc}")
+        return EXIT_ALREADY_RUNNING
+    except Exception as exc:
+        _ready(args.ready_fd, f"FAILED {type(exc).__name__}: {exc}")
+        daemon.close()
+        raise
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: daemon.stop())
+    _ready(args.ready_fd, f"READY {os.getpid()} {daemon.tcp_address or '-'}")
+    daemon.serve_forever()
+    return 0
+
+
+def _ready(fd: Optional[int], line: str) -> None:
+    if fd is None:
+        return
+    try:
+        os.write(fd, (line + "\n").encode())
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from ..client.conn import probe  # the client side of the protocol
+
+    address = args.server or args.dir or DEFAULT_DIR
+    try:
+        stats = probe(address, "stats", timeout_s=args.timeout)
+    except Exception as exc:
+        print(f"ems-server stats: no daemon answers at {address}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(stats, sort_keys=True))
+        return 0
+    for key in sorted(stats):
+        value = stats[key]
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        print(f"{key:>14}  {value}")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from ..client.conn import probe
+
+    try:
+        probe(args.dir, "shutdown", timeout_s=args.timeout)
+    except Exception as exc:
+        print(f"ems-server stop: no daemon answers at {args.dir}: {exc}", file=sys.stderr)
+        return 1
+    return 0

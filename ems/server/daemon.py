@@ -1,0 +1,341 @@
+"""``ems-server``: the node-local pool daemon.
+
+One listening unix socket (``DIR/ems.sock``, optionally a TCP port too), one thread per
+client connection, one :class:`~ems.server.store.Store`.  A connection starts with HELLO
+(version check, then credentials); on a unix socket the reply carries the tenant's arena
+memfd, so afterwards only small control messages cross the socket.
+
+Single instance per directory: ``DIR/ems.lock`` is held (flock) for the daemon's life;
+a second daemon on the same directory exits with :class:`AlreadyRunning`.  Because arenas
+are anonymous memfds, a killed daemon leaves no shared memory behind; the stale socket file
+is replaced at the next start.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from .._errors import EmsError, PoolDisconnected, PoolTimeout, ProtocolError
+from ..pool import wire
+from ..pool.wire import (Abort, Ack, Commit, CommitReply, Drop, Error, Exists, ExistsReply, Get,
+                         GetReply, Hello, HelloReply, Ping, Pong, Read, ReadReply, Release, Reserve,
+                         ReserveReply, Shutdown, Stats, StatsReply, Write)
+from .store import Owner, Store, TenantSpace
+from .tenants import AuthError, Tenants
+from .tiers import make_tier
+from .tiers.disk import DiskTier
+
+__all__ = ["ServerConfig", "Daemon", "AlreadyRunning", "SOCKET_NAME", "DEFAULT_DIR"]
+
+log = logging.getLogger("ems.server")
+
+DEFAULT_DIR = "/dev/shm/ems"
+SOCKET_NAME = "ems.sock"
+LOCK_NAME = "ems.lock"
+
+
+class AlreadyRunning(RuntimeError):
+    """Another daemon holds the directory's lock."""
+
+
+@dataclass
+class ServerConfig:
+    """What ``ems-server serve`` was asked for (parsed from the command line in one place)."""
+
+    directory: str = DEFAULT_DIR
+    capacity: int = 1 << 30
+    disk_dir: Optional[str] = None
+    disk_capacity: int = 10 << 30
+    remote: Optional[str] = None
+    credentials: Optional[str] = None
+    tcp: Optional[str] = None
+    idle_exit: float = 0.0
+    spill_on_exit: bool = True
+
+
+class Daemon:
+    """The pool daemon; ``start()`` binds and serves in threads, ``stop()`` shuts down."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.instance = secrets.token_hex(8)
+        self.tenants = Tenants.from_file(cfg.credentials)
+        self.socket_path = os.path.join(cfg.directory, SOCKET_NAME)
+        self.stopped = threading.Event()
+        self.started_at = time.time()
+        self._lock_fd: Optional[int] = None
+        self._listeners: List[socket.socket] = []
+        self._sessions: Dict[int, "Session"] = {}
+        self._sessions_lock = threading.Lock()
+        self._idle_since = time.monotonic()
+        self.tcp_address: Optional[str] = None
+        self.store: Optional[Store] = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        os.makedirs(self.cfg.directory, exist_ok=True)
+        self._lock_fd = os.open(os.path.join(self.cfg.directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise AlreadyRunning(f"another ems-server serves {self.cfg.directory}") from None
+        os.ftruncate(self._lock_fd, 0)
+        os.write(self._lock_fd, f"{os.getpid()}\n".encode())
+        disk = DiskTier(self.cfg.disk_dir, self.cfg.disk_capacity) if self.cfg.disk_dir else None
+        remote = make_tier(self.cfg.remote) if self.cfg.remote else None
+        self.store = Store(self.cfg.capacity, disk=disk, remote=remote)
+        try:
+            os.unlink(self.socket_path)  # a previous daemon's (we hold the lock, so it is dead)
+        except FileNotFoundError:
+            pass
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix.bind(self.socket_path)
+        os.chmod(self.socket_path, 0o666)
+        unix.listen(128)
+        self._listeners.append(unix)
+        if self.cfg.tcp:
+            host, _, port = self.cfg.tcp.rpartition(":")
+            tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            tcp.bind((host or "127.0.0.1", int(port)))
+            tcp.listen(128)
+            self.tcp_address = "tcp://%s:%d" % tcp.getsockname()[:2]
+            self._listeners.append(tcp)
+        for lsock in self._listeners:
+            threading.Thread(target=self._accept_loop, args=(lsock,), name="ems-accept",
+                             daemon=True).start()
+        log.info("ems-server %s serving %s (capacity %d bytes%s%s%s)", self.instance, self.socket_path,
+                 self.cfg.capacity, f", disk {self.cfg.disk_dir}" if disk else "",
+                 f", remote {self.cfg.remote}" if remote else "",
+                 f", tcp {self.tcp_address}" if self.tcp_address else "")
+
+    def serve_forever(self) -> None:
+        """Block until :meth:`stop` (or the idle period passes), then shut down."""
+        while not self.stopped.wait(0.5):
+            if self.cfg.idle_exit > 0:
+                with self._sessions_lock:
+                    idle = not self._sessions and time.monotonic() - self._idle_since > self.cfg.idle_exit
+                if idle:
+                    log.info("no client for %.0fs: exiting", self.cfg.idle_exit)
+                    break
+        self.close()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def close(self) -> None:
+        """Stop accepting, end sessions, spill memory to disk, free everything (idempotent)."""
+        self.stopped.set()
+        for lsock in self._listeners:
+            try:
+                lsock.close()
+            except OSError:
+                pass
+        self._listeners = []
+        with self._sessions_lock:
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            s.kick()
+        for s in sessions:
+            s.join(5.0)
+        if self.store is not None:
+            self.store.close(spill=self.cfg.spill_on_exit)
+            self.store = None
+        if self._lock_fd is not None:
+            try:
+                if os.path.exists(self.socket_path):
+                    os.unlink(self.socket_path)
+            except OSError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _accept_loop(self, lsock: socket.socket) -> None:
+        lsock.settimeout(0.5)  # wakes to notice stop(); accept itself needs no deadline
+        while not self.stopped.is_set():
+            try:
+                conn, _addr = lsock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            session = Session(self, conn, lsock.family == socket.AF_UNIX)
+            with self._sessions_lock:
+                self._sessions[id(session)] = session
+            session.start()
+
+    def _ended(self, session: "Session") -> None:
+        with self._sessions_lock:
+            self._sessions.pop(id(session), None)
+            if not self._sessions:
+                self._idle_since = time.monotonic()
+
+    def stats(self) -> Dict[str, Any]:
+        assert self.store is not None
+        with self._sessions_lock:
+            clients = len(self._sessions)
+        return {"instance": self.instance, "pid": os.getpid(), "socket": self.socket_path,
+                "tcp": self.tcp_address, "uptime_s": round(time.time() - self.started_at, 3),
+                "clients": clients, "tenancy": "open" if self.tenants.open else "credentials",
+                **self.store.stats()}
+
+
+class Session(threading.Thread):
+    """One client connection: HELLO, then requests answered in order until it closes."""
+
+    def __init__(self, daemon: Daemon, sock: socket.socket, unix: bool) -> None:
+        super().__init__(name="ems-session", daemon=True)
+        self.d = daemon
+        self.sock = sock
+        self.unix = unix
+        self.space: Optional[TenantSpace] = None
+        self.owner: Optional[Owner] = None
+        self._fds: tuple = ()  # descriptors to pass with the next reply
+
+    def kick(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def run(self) -> None:
+        try:
+            while True:
+                try:
+                    msg, _ = wire.recv_msg(self.sock)
+                except (PoolDisconnected, PoolTimeout):
+                    return
+                except ProtocolError as exc:
+                    self._reply(Error("invalid", str(exc)))
+                    return
+                try:
+                    reply = self._handle(msg)
+                except (EmsError, ValueError, TypeError, KeyError) as exc:
+                    reply = Error("invalid", f"{type(msg).__name__}: {exc}")
+                except Exception as exc:  # a bug must not take the daemon down; it is logged
+                    log.exception("request %s failed", type(msg).__name__)
+                    reply = Error("internal", f"{type(exc).__name__}: {exc}")
+                if reply is not None:
+                    fds, self._fds = self._fds, ()
+                    if not self._reply(reply, fds):
+                        return
+        finally:
+            store = self.d.store
+            if self.owner is not None and store is not None:
+                store.close_owner(self.owner)
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+            self.d._ended(self)
+
+    def _reply(self, msg: wire.Message, fds=()) -> bool:
+        try:
+            wire.send_msg(self.sock, msg, fds=fds)
+            return True
+        except (PoolDisconnected, PoolTimeout):
+            return False
+
+    def _need_space(self) -> TenantSpace:
+        if self.space is None:
+            raise ProtocolError("HELLO first")
+        return self.space
+
+    def _handle(self, msg: wire.Message):
+        store = self.d.store
+        if store is None:
+            return Error("internal", "shutting down")
+        if isinstance(msg, Hello):
+            return self._hello(msg)
+        if isinstance(msg, Ping):
+            return Pong(self.d.instance)
+        if isinstance(msg, Stats):
+            return StatsReply(self.d.stats())
+        if isinstance(msg, Shutdown):
+            if not self.unix:
+                return Error("invalid", "shutdown is only accepted on the unix socket")
+            self.d.stop()
+            return Ack()
+        ts = self._need_space()
+        owner = self.owner
+        assert owner is not None
+        if isinstance(msg, Exists):
+            return ExistsReply(store.exists(ts, _keys(msg.keys), bool(msg.local_only)))
+        if isinstance(msg, Get):
+            lease, entries = store.get(owner, ts, _keys(msg.keys), bool(msg.local_only))
+            return GetReply(lease, [e.off for e in entries], [e.size for e in entries],
+                            [e.checksum for e in entries])
+        if isinstance(msg, Release):
+            store.release(owner, int(msg.lease))
+            return None
+        if isinstance(msg, Reserve):
+            keys, sizes = _keys(msg.keys), [int(s) for s in msg.sizes]
+            if len(sizes) != len(keys) or any(s < 0 for s in sizes):
+                raise ValueError("sizes must be one int >= 0 per key")
+            return ReserveReply(store.reserve(owner, ts, keys, sizes, bool(msg.skip_existing)))
+        if isinstance(msg, Commit):
+            keys, offs = _keys(msg.keys), [int(o) for o in msg.offsets]
+            crcs = list(msg.checksums)
+            if not (len(keys) == len(offs) == len(crcs)):
+                raise ValueError("keys, offsets and checksums differ in length")
+            return CommitReply(store.commit(owner, ts, keys, offs, crcs, bool(msg.keep_local)))
+        if isinstance(msg, Abort):
+            store.abort(owner, ts, [int(o) for o in msg.offsets])
+            return None
+        if isinstance(msg, Drop):
+            store.drop(ts, _keys(msg.keys), [int(o) for o in msg.offsets])
+            return None
+        if isinstance(msg, Write):
+            return self._write(store, owner, ts, int(msg.offset), int(msg.size))
+        if isinstance(msg, Read):
+            return self._read(store, owner, ts, int(msg.offset), int(msg.size))
+        raise ProtocolError(f"unexpected {type(msg).__name__}")
+
+    def _hello(self, msg: Hello):
+        if msg.version != wire.PROTOCOL_VERSION:
+            return Error("version", f"protocol version {msg.version} is not {wire.PROTOCOL_VERSION}")
+        if self.space is not None:
+            return Error("invalid", "HELLO twice")
+        try:
+            tenant = self.d.tenants.authenticate(msg.access_id, msg.access_key)
+        except AuthError as exc:
+            return Error("auth", str(exc))
+        store = self.d.store
+        assert store is not None
+        self.space = store.space(tenant)
+        self.owner = store.new_owner()
+        shm = bool(msg.shm) and self.unix
+        reply = HelloReply(self.d.instance, tenant, store.arena_size, store.capacity, shm)
+        if shm:
+            self._fds = (self.space.arena.fd,)
+        return reply
+
+    def _write(self, store: Store, owner: Owner, ts: TenantSpace, off: int, size: int):
+        res = store.reservation(owner, ts, off)
+        if res is None or size != res.size:
+            return Error("invalid", "WRITE outside this connection's reservations")
+        view = ts.arena.view[off:off + size]
+        wire.recv_exact(self.sock, view, time.monotonic() + 60.0)
+        return None
+
+    def _read(self, store: Store, owner: Owner, ts: TenantSpace, off: int, size: int):
+        if not store.leased(owner, ts, off, size):
+            return Error("invalid", "READ outside this connection's leases")
+        self.sock.sendall(wire.encode(ReadReply(size)))
+        self.sock.sendall(ts.arena.view[off:off + size])
+        return None
+
+
+def _keys(keys: Any) -> List[str]:
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ValueError("keys must be a list of str")
+    return keys

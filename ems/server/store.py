@@ -1,0 +1,415 @@
+"""The pool's index: two-phase puts, leases, LRU eviction and the tiers below memory.
+
+Rules the store keeps (SPEC section 2):
+
+* A key is visible only once COMMIT publishes a reservation its owner finished writing.
+* A value under a lease (a GET's pin) or being spilled is never freed or reused; saving
+  the key again publishes a new entry and the old one is freed when its last pin goes.
+* Every value carries its checksum; a value a tier returns is checked before it becomes
+  visible, and a mismatch is a miss that also removes the bad copy.
+
+Threading: one lock guards all state.  Tier I/O (disk writes when spilling, disk or remote
+reads when filling, remote writes through) happens with the lock released, on the calling
+session's thread, with the entries involved pinned.  ``_allocate`` may release the lock
+while it spills a victim, so callers re-read any state they need after it returns.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..pool.checksum import checksum
+from ..pool.wire import NO_SPACE, SKIPPED
+from .arena import Arena, round_up
+from .tiers.base import Tier
+
+__all__ = ["Store", "Owner", "TenantSpace", "Entry"]
+
+log = logging.getLogger("ems.server.store")
+
+
+class Entry:
+    """A committed value in a tenant's arena."""
+
+    __slots__ = ("space", "key", "off", "alloc", "size", "checksum", "pins", "live", "on_disk")
+
+    def __init__(self, space: "TenantSpace", key: str, off: int, alloc: int, size: int,
+                 crc: int, on_disk: bool = False) -> None:
+        self.space, self.key, self.off, self.alloc, self.size = space, key, off, alloc, size
+        self.checksum = crc
+        self.pins = 0
+        self.live = False
+        self.on_disk = on_disk
+
+
+@dataclass
+class Reservation:
+    key: str
+    size: int
+    alloc: int
+
+
+@dataclass
+class Owner:
+    """What one connection holds: open reservations and leases (released when it closes)."""
+
+    ident: int
+    reservations: Dict[Tuple[str, int], Reservation] = field(default_factory=dict)
+    leases: Dict[int, List[Entry]] = field(default_factory=dict)
+
+
+class TenantSpace:
+    """A tenant's arena and index."""
+
+    def __init__(self, name: str, arena: Arena) -> None:
+        self.name = name
+        self.arena = arena
+        self.index: Dict[str, Entry] = {}
+
+
+class Store:
+    """Values of every tenant, within ``capacity`` bytes of shared memory."""
+
+    def __init__(self, capacity: int, arena_size: Optional[int] = None,
+                 disk: Optional[Tier] = None, remote: Optional[Tier] = None) -> None:
+        self.capacity = int(capacity)
+        # Arenas are sparse; extra address space absorbs fragmentation.
+        self.arena_size = round_up(arena_size or self.capacity + self.capacity // 4 + (16 << 20))
+        self.disk = disk
+        self.remote = remote
+        self.used = 0
+        self._lock = threading.Lock()
+        self._spaces: Dict[str, TenantSpace] = {}
+        self._lru: "OrderedDict[Tuple[str, str], Entry]" = OrderedDict()
+        self._spilling: Dict[Tuple[str, str], Entry] = {}
+        self._next_owner = 0
+        self._next_lease = 0
+        self.counters = {k: 0 for k in (
+            "reserved", "no_space", "committed", "skipped", "gets", "hits", "misses",
+            "disk_fills", "remote_fills", "evictions", "spills", "corrupt", "exists_calls")}
+
+    # -- tenants and owners -------------------------------------------------------------
+    def space(self, tenant: str) -> TenantSpace:
+        """The tenant's space, created (with its arena) on first use."""
+        with self._lock:
+            ts = self._spaces.get(tenant)
+            if ts is None:
+                ts = TenantSpace(tenant, Arena(tenant, self.arena_size))
+                self._spaces[tenant] = ts
+            return ts
+
+    def new_owner(self) -> Owner:
+        with self._lock:
+            self._next_owner += 1
+            return Owner(self._next_owner)
+
+    def close_owner(self, owner: Owner) -> None:
+        """Release everything a closed connection held."""
+        with self._lock:
+            for entries in owner.leases.values():
+                for e in entries:
+                    self._unpin(e)
+            owner.leases.clear()
+            for (tenant, off), res in owner.reservations.items():
+                self._free(self._spaces[tenant], off, res.alloc)
+            owner.reservations.clear()
+
+    # -- memory management (lock held) ---------------------------------------------------
+    def _free(self, ts: TenantSpace, off: int, alloc: int) -> None:
+        ts.arena.free(off, alloc)
+        self.used -= alloc
+
+    def _unlink(self, e: Entry) -> None:
+        """Take ``e`` out of the index (it stays allocated while pinned)."""
+        if e.live:
+            e.live = False
+            if e.space.index.get(e.key) is e:
+                del e.space.index[e.key]
+            self._lru.pop((e.space.name, e.key), None)
+        self._maybe_free(e)
+
+    def _maybe_free(self, e: Entry) -> None:
+        if not e.live and e.pins == 0 and e.alloc:
+            self._free(e.space, e.off, e.alloc)
+            e.alloc = 0
+
+    def _unpin(self, e: Entry) -> None:
+        e.pins -= 1
+        self._maybe_free(e)
+
+    def _insert(self, e: Entry) -> None:
+        old = e.space.index.get(e.key)
+        if old is not None:
+            self._unlink(old)
+        e.live = True
+        e.space.index[e.key] = e
+        self._lru[(e.space.name, e.key)] = e
+
+    def _victim(self, ts: Optional[TenantSpace]) -> Optional[Entry]:
+        for e in self._lru.values():
+            if e.pins == 0 and (ts is None or e.space is ts):
+                return e
+        return None
+
+    def _allocate(self, ts: TenantSpace, n: int) -> Optional[int]:
+        """``n`` page-aligned bytes in ``ts``'s arena, evicting LRU values as needed."""
+        if n > self.capacity:
+            return None
+        while True:
+            if self.used + n <= self.capacity:
+                off = ts.arena.alloc(n)
+                if off is not None:
+                    self.used += n
+                    return off
+                victim = self._victim(ts)  # the tenant's own arena is fragmented
+            else:
+                victim = self._victim(None)
+            if victim is None:
+                return None
+            self._evict(victim)
+
+    def _evict(self, e: Entry) -> None:
+        self.counters["evictions"] += 1
+        if self.disk is None or e.on_disk:
+            self._unlink(e)
+            return
+        # Spill: the value stays readable (and allocated) until it is on disk.
+        name = (e.space.name, e.key)
+        e.live = False
+        del e.space.index[e.key]
+        del self._lru[name]
+        e.pins += 1
+        self._spilling[name] = e
+        self._lock.release()
+        try:
+            ok = self.disk.store(e.space.name, e.key, e.space.arena.view[e.off:e.off + e.size], e.checksum)
+        finally:
+            self._lock.acquire()
+        if self._spilling.get(name) is e:
+            del self._spilling[name]
+        if ok:
+            self.counters["spills"] += 1
+        self._unpin(e)
+
+    def _lookup(self, ts: TenantSpace, key: str) -> Optional[Entry]:
+        return ts.index.get(key) or self._spilling.get((ts.name, key))
+
+    # -- puts ---------------------------------------------------------------------------
+    def reserve(self, owner: Owner, ts: TenantSpace, keys: Sequence[str], sizes: Sequence[int],
+                skip_existing: bool) -> List[int]:
+        """Phase one: an arena offset per key, ``SKIPPED`` or ``NO_SPACE``."""
+        out: List[int] = []
+        with self._lock:
+            for key, size in zip(keys, sizes):
+                if skip_existing:
+                    e = self._lookup(ts, key)
+                    if e is not None and e.size == size:
+                        if e.live:
+                            self._lru.move_to_end((ts.name, key))
+                        self.counters["skipped"] += 1
+                        out.append(SKIPPED)
+                        continue
+                n = round_up(size)
+                off = self._allocate(ts, n)
+                if off is None:
+                    self.counters["no_space"] += 1
+                    out.append(NO_SPACE)
+                    continue
+                owner.reservations[(ts.name, off)] = Reservation(key, size, n)
+                self.counters["reserved"] += 1
+                out.append(off)
+        return out
+
+    def reservation(self, owner: Owner, ts: TenantSpace, off: int) -> Optional[Reservation]:
+        with self._lock:
+            return owner.reservations.get((ts.name, off))
+
+    def commit(self, owner: Owner, ts: TenantSpace, keys: Sequence[str], offsets: Sequence[int],
+               checksums: Sequence[Optional[int]], keep_local: bool = True) -> List[bool]:
+        """Phase two: publish written reservations; returns which keys are stored."""
+        stored: List[bool] = []
+        pushed: List[Entry] = []
+        with self._lock:
+            for key, off, crc in zip(keys, offsets, checksums):
+                res = owner.reservations.get((ts.name, off))
+                if res is None or res.key != key:
+                    stored.append(False)
+                    continue
+                del owner.reservations[(ts.name, off)]
+                if crc is None:  # a TCP client: the daemon sums what it received
+                    crc = checksum(ts.arena.array[off:off + res.size])
+                e = Entry(ts, key, off, res.alloc, res.size, int(crc))
+                self._insert(e)
+                self.counters["committed"] += 1
+                stored.append(True)
+                if self.remote is not None:
+                    e.pins += 1
+                    pushed.append(e)
+        if not pushed:
+            return stored
+        results = [self.remote.store(ts.name, e.key, ts.arena.view[e.off:e.off + e.size], e.checksum)
+                   for e in pushed]
+        with self._lock:
+            for e, ok in zip(pushed, results):
+                e.pins -= 1
+                if ok and not keep_local:
+                    self._unlink(e)
+                else:
+                    self._maybe_free(e)
+        return stored
+
+    def abort(self, owner: Owner, ts: TenantSpace, offsets: Sequence[int]) -> None:
+        with self._lock:
+            for off in offsets:
+                res = owner.reservations.pop((ts.name, off), None)
+                if res is not None:
+                    self._free(ts, off, res.alloc)
+
+    # -- gets ---------------------------------------------------------------------------
+    def get(self, owner: Owner, ts: TenantSpace, keys: Sequence[str],
+            local_only: bool) -> Tuple[int, List[Entry]]:
+        """Pin the leading present keys (filling from the tiers); a lease id and entries."""
+        pinned: List[Entry] = []
+        for key in keys:
+            with self._lock:
+                e = self._lookup(ts, key)
+                if e is not None:
+                    e.pins += 1
+                    if e.live:
+                        self._lru.move_to_end((ts.name, key))
+                    pinned.append(e)
+                    continue
+            e = self._fill(ts, key, local_only)
+            if e is None:
+                break
+            pinned.append(e)
+        with self._lock:
+            self.counters["gets"] += 1
+            self.counters["hits"] += len(pinned)
+            self.counters["misses"] += len(keys) - len(pinned)
+            self._next_lease += 1
+            lease = self._next_lease
+            owner.leases[lease] = pinned
+        return lease, pinned
+
+    def _fill(self, ts: TenantSpace, key: str, local_only: bool) -> Optional[Entry]:
+        """Bring ``key`` into memory from disk, then remote; pinned entry or None."""
+        tiers = [t for t in (self.disk, None if local_only else self.remote) if t is not None]
+        for tier in tiers:
+            got: Dict[str, int] = {}
+
+            def sink(size: int) -> Optional[memoryview]:
+                n = round_up(size)
+                with self._lock:
+                    off = self._allocate(ts, n)
+                if off is None:
+                    return None
+                got.update(off=off, n=n, size=size)
+                return ts.arena.view[off:off + size]
+
+            crc = tier.load(ts.name, key, sink)
+            if "off" not in got:
+                continue
+            off, n, size = got["off"], got["n"], got["size"]
+            if crc is None or checksum(ts.arena.array[off:off + size]) != crc:
+                with self._lock:
+                    self._free(ts, off, n)
+                    self.counters["corrupt"] += crc is not None
+                if crc is not None:
+                    log.warning("%s tier: value of %r failed its checksum; dropped", tier.name, key)
+                    tier.discard(ts.name, key)
+                continue
+            with self._lock:
+                current = self._lookup(ts, key)
+                if current is not None:  # someone committed it meanwhile: theirs is newer
+                    self._free(ts, off, n)
+                    e = current
+                else:
+                    e = Entry(ts, key, off, n, size, crc, on_disk=tier is self.disk)
+                    self._insert(e)
+                    self.counters["disk_fills" if tier is self.disk else "remote_fills"] += 1
+                e.pins += 1
+            return e
+        return None
+
+    def release(self, owner: Owner, lease: int) -> None:
+        with self._lock:
+            for e in owner.leases.pop(lease, ()):
+                self._unpin(e)
+
+    def leased(self, owner: Owner, ts: TenantSpace, off: int, size: int) -> bool:
+        """Whether ``owner`` holds a lease covering ``[off, off + size)`` of ``ts``."""
+        with self._lock:
+            return any(e.space is ts and e.off == off and e.size == size
+                       for entries in owner.leases.values() for e in entries)
+
+    def drop(self, ts: TenantSpace, keys: Sequence[str], offsets: Sequence[int]) -> None:
+        """A reader found these values corrupted: forget them (if still the same value)."""
+        with self._lock:
+            for key, off in zip(keys, offsets):
+                e = ts.index.get(key)
+                if e is not None and e.off == off:
+                    self.counters["corrupt"] += 1
+                    log.warning("value of %r failed its checksum at a reader; dropped", key)
+                    self._unlink(e)
+
+    def exists(self, ts: TenantSpace, keys: Sequence[str], local_only: bool) -> int:
+        """How many leading keys some tier holds."""
+        with self._lock:
+            self.counters["exists_calls"] += 1
+            present = [self._lookup(ts, k) is not None for k in keys]
+        hits = 0
+        while hits < len(keys) and present[hits]:
+            hits += 1
+        for tier in (self.disk, None if local_only else self.remote):
+            if tier is None or hits == len(keys):
+                continue
+            flags = tier.exists(ts.name, keys[hits:])
+            for i, flag in enumerate(flags):
+                present[hits + i] = present[hits + i] or flag
+            while hits < len(keys) and present[hits]:
+                hits += 1
+        return hits
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def stats(self) -> Dict[str, Any]:
+        with self._lock:
+            out: Dict[str, Any] = {
+                "capacity": self.capacity, "used": self.used,
+                "values": sum(len(ts.index) for ts in self._spaces.values()),
+                "tenants": {ts.name or "(open)": {"values": len(ts.index),
+                                                  "bytes": sum(e.size for e in ts.index.values())}
+                            for ts in self._spaces.values()},
+                "pinned": sum(1 for e in self._lru.values() if e.pins),
+                **self.counters,
+            }
+        if self.disk is not None:
+            out["disk"] = self.disk.stats()
+        if self.remote is not None:
+            out["remote"] = self.remote.stats()
+        return out
+
+    def close(self, spill: bool = True) -> None:
+        """Spill what memory holds to disk (most recently used first), then free it all."""
+        with self._lock:
+            entries = [e for e in reversed(self._lru.values()) if not e.on_disk]
+            spaces = list(self._spaces.values())
+            self._spaces = {}
+            self._lru.clear()
+        if spill and self.disk is not None:
+            t0 = time.monotonic()
+            n = 0
+            for e in entries:
+                if self.disk.store(e.space.name, e.key, e.space.arena.view[e.off:e.off + e.size], e.checksum):
+                    n += 1
+            log.info("spilled %d values to disk in %.2fs", n, time.monotonic() - t0)
+        for ts in spaces:
+            ts.index.clear()
+            ts.arena.close()
+        for tier in (self.disk, self.remote):
+            if tier is not None:
+                tier.close()

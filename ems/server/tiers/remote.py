@@ -1,0 +1,145 @@
+"""Remote tier: Redis or Valkey, standalone (``redis://``) or Cluster (``redis+cluster://``).
+
+This is the multi-node pool: every node's daemon writes committed values through to it and
+reads misses from it.  A key is ``ems:{TAG}:NAME`` where TAG derives from the tenant and the
+key's distribute part only, so every key sharing a ``distribute_key`` (all ranks' shards of
+one hash) hashes to the same Cluster slot, hence the same node.  A value is stored as a
+small header (magic, size, checksum) followed by its bytes.
+
+Faults (connection refused, timeouts, cluster moves that fail) read as misses and failed
+stores; they are counted, logged once per kind, and never reach a client as an error.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+import threading
+from typing import Any, Dict, List, Optional, Sequence
+from urllib.parse import urlparse, urlunparse
+
+from .base import Sink, Tier
+
+__all__ = ["RedisTier", "redis_key"]
+
+log = logging.getLogger("ems.server.remote")
+
+_HEAD = struct.Struct("!8sQQ")
+_MAGIC = b"EMSRED01"
+
+
+def redis_key(ns: str, key: str) -> str:
+    """``ems:{tag}:name``: the tag hashes tenant + distribute part (shared by all shards)."""
+    dpart = key.split("\x00", 1)[0]
+    tag = hashlib.blake2b(f"{ns}\x00{dpart}".encode(), digest_size=8).hexdigest()
+    name = hashlib.blake2b(f"{ns}\x00{key}".encode(), digest_size=20).hexdigest()
+    return f"ems:{{{tag}}}:{name}"
+
+
+class RedisTier(Tier):
+    """Values in Redis / Valkey through the ``redis`` package."""
+
+    name = "remote"
+
+    def __init__(self, client: Any, url: str, ttl_s: Optional[int] = None) -> None:
+        self._client = client
+        self.url = url
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self.counters = {"stored": 0, "loaded": 0, "corrupt": 0, "errors": 0}
+        self._warned: set = set()
+
+    @classmethod
+    def from_url(cls, url: str, timeout_s: float = 5.0) -> "RedisTier":
+        try:
+            import redis
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ValueError("the remote tier needs the 'redis' package: pip install 'redis>=5'") from exc
+        parsed = urlparse(url)
+        scheme = parsed.scheme
+        cluster = scheme.endswith("+cluster")
+        base = "rediss" if scheme.startswith("rediss") else "redis"
+        plain = urlunparse(parsed._replace(scheme=base))
+        if cluster:
+            from redis.cluster import RedisCluster
+            client = RedisCluster.from_url(plain, socket_timeout=timeout_s,
+                                           socket_connect_timeout=timeout_s)
+        else:
+            client = redis.Redis.from_url(plain, socket_timeout=timeout_s,
+                                          socket_connect_timeout=timeout_s)
+        return cls(client, url)
+
+    def _fault(self, what: str, exc: BaseException) -> None:
+        with self._lock:
+            self.counters["errors"] += 1
+            kind = type(exc).__name__
+            if kind not in self._warned:
+                self._warned.add(kind)
+                log.warning("remote tier %s: %s failed: %s", self.url, what, exc)
+
+    def store(self, ns: str, key: str, data: memoryview, checksum: int) -> bool:
+        buf = bytearray(_HEAD.size + len(data))
+        _HEAD.pack_into(buf, 0, _MAGIC, len(data), checksum)
+        buf[_HEAD.size:] = data
+        payload = memoryview(buf)  # redis-py sends a memoryview as is (one copy in all)
+        try:
+            self._client.set(redis_key(ns, key), payload, ex=self.ttl_s)
+        except Exception as exc:  # redis raises many types; each is a failed store
+            self._fault("store", exc)
+            return False
+        with self._lock:
+            self.counters["stored"] += 1
+        return True
+
+    def exists(self, ns: str, keys: Sequence[str]) -> List[bool]:
+        if not keys:
+            return []
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(redis_key(ns, k))
+            return [bool(v) for v in pipe.execute()]
+        except Exception as exc:  # a fault reads as absent
+            self._fault("exists", exc)
+            return [False] * len(keys)
+
+    def load(self, ns: str, key: str, sink: Sink) -> Optional[int]:
+        try:
+            raw = self._client.get(redis_key(ns, key))
+        except Exception as exc:  # a fault reads as a miss
+            self._fault("load", exc)
+            return None
+        if raw is None:
+            return None
+        if len(raw) < _HEAD.size:
+            self.discard(ns, key)
+            return None
+        magic, size, crc = _HEAD.unpack_from(raw)
+        if magic != _MAGIC or len(raw) != _HEAD.size + size:
+            self.discard(ns, key)
+            return None
+        dest = sink(size)
+        if dest is None:
+            return None
+        dest[:] = memoryview(raw)[_HEAD.size:]
+        with self._lock:
+            self.counters["loaded"] += 1
+        return crc
+
+    def discard(self, ns: str, key: str) -> None:
+        with self._lock:
+            self.counters["corrupt"] += 1
+        try:
+            self._client.delete(redis_key(ns, key))
+        except Exception as exc:
+            self._fault("discard", exc)
+
+    def stats(self) -> Dict[str, Any]:
+        with self._lock:
+            return {"url": self.url, **self.counters}
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except Exception as exc:  # closing a broken client must not fail shutdown
+            log.debug("remote tier close: %s", exc)

@@ -1,0 +1,145 @@
+"""Small value types of the client API: options, results, buffers, keys."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Union
+
+from ._errors import invalid, to_ems
+
+__all__ = ["CcKvOption", "CcResult", "KvBufferWrapper", "PrimaryKey", "MAX_KEY_CHARS"]
+
+#: A key (a V0 ``str`` key, or either part of a ``PrimaryKey``) is shorter than this.
+MAX_KEY_CHARS = 128
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class CcKvOption:
+    """Options of one save / load / exists call.
+
+    Args:
+        write_rcache: also keep a saved value in the node-local pool (default True).
+        read_local_only: loads and exists consult only the node-local pool (default False).
+        timeout: deadline of the whole call in milliseconds, ``>= 0``; 0 means no deadline.
+    Raises:
+        EmsException(EMS_INVALID_ARGUMENT) naming the field.  Fields may be reassigned
+        (the vendor's retry sample raises ``option.timeout``); they are checked again at use.
+    """
+
+    __slots__ = ("write_rcache", "read_local_only", "timeout")
+
+    def __init__(self, write_rcache: bool = True, read_local_only: bool = False,
+                 timeout: int = 5000) -> None:
+        self.write_rcache = write_rcache
+        self.read_local_only = read_local_only
+        self.timeout = timeout
+        self.validate()
+
+    def validate(self, name: str = "option") -> "CcKvOption":
+        """Check the fields (they are public and mutable); returns self."""
+        try:
+            if not isinstance(self.write_rcache, bool):
+                raise invalid(f"{name}.write_rcache", f"must be a bool, got {self.write_rcache!r}")
+            if not isinstance(self.read_local_only, bool):
+                raise invalid(f"{name}.read_local_only",
+                              f"must be a bool, got {self.read_local_only!r}")
+            if not _is_int(self.timeout) or self.timeout < 0:
+                raise invalid(f"{name}.timeout", f"must be an int >= 0 (ms), got {self.timeout!r}")
+        except Exception as exc:
+            raise to_ems(exc) from None
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CcKvOption):
+            return NotImplemented
+        return (self.write_rcache, self.read_local_only, self.timeout) == (
+            other.write_rcache, other.read_local_only, other.timeout)
+
+    def __repr__(self) -> str:
+        return (f"CcKvOption(write_rcache={self.write_rcache}, "
+                f"read_local_only={self.read_local_only}, timeout={self.timeout})")
+
+
+@dataclass(frozen=True)
+class CcResult:
+    """Outcome of a batch: ``success`` keys, counted from the first, succeeded in a row,
+    out of ``total`` keys in the request."""
+
+    success: int
+    total: int
+
+    def __str__(self) -> str:
+        return f"CcResult(success={self.success}, total={self.total})"
+
+
+DataPtr = Union[int, Callable[[], int]]
+
+
+class KvBufferWrapper:
+    """A contiguous buffer of ``length`` bytes at ``data_ptr``.
+
+    ``data_ptr`` is an address, or a callable returning one (the vendor sample passes the
+    bound method ``tensor.data_ptr``); it is resolved when the buffer is used.
+    """
+
+    __slots__ = ("data_ptr", "length")
+
+    def __init__(self, data_ptr: DataPtr, length: int) -> None:
+        try:
+            if not (callable(data_ptr) or (_is_int(data_ptr) and data_ptr > 0)):
+                raise invalid("data_ptr", f"must be an address > 0 or tensor.data_ptr, got {data_ptr!r}")
+            if not _is_int(length) or length <= 0:
+                raise invalid("length", f"must be an int > 0, got {length!r}")
+        except Exception as exc:
+            raise to_ems(exc) from None
+        self.data_ptr = data_ptr
+        self.length = length
+
+    def address(self) -> int:
+        """The buffer's address (calls ``data_ptr`` if it is a method)."""
+        ptr = self.data_ptr() if callable(self.data_ptr) else self.data_ptr
+        if not _is_int(ptr) or ptr <= 0:
+            raise invalid("data_ptr", f"resolved to {ptr!r}, not an address > 0")
+        return ptr
+
+    def __repr__(self) -> str:
+        return f"KvBufferWrapper(data_ptr={self.data_ptr!r}, length={self.length})"
+
+
+def check_key_text(name: str, value: object) -> str:
+    """A key part: a non-empty ``str`` shorter than :data:`MAX_KEY_CHARS`, without NUL."""
+    if not isinstance(value, str):
+        raise invalid(name, f"must be a str, got {type(value).__name__}")
+    if not 0 < len(value) < MAX_KEY_CHARS:
+        raise invalid(name, f"must have 1..{MAX_KEY_CHARS - 1} characters, got {len(value)}")
+    if "\x00" in value:
+        raise invalid(name, "must not contain NUL")
+    return value
+
+
+class PrimaryKey:
+    """A V0 key: values with the same ``distribute_key`` live on the same pool node."""
+
+    __slots__ = ("distribute_key", "attribute_key")
+
+    def __init__(self, distribute_key: str, attribute_key: str) -> None:
+        try:
+            check_key_text("distribute_key", distribute_key)
+            check_key_text("attribute_key", attribute_key)
+        except Exception as exc:
+            raise to_ems(exc) from None
+        self.distribute_key = distribute_key
+        self.attribute_key = attribute_key
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PrimaryKey):
+            return NotImplemented
+        return (self.distribute_key, self.attribute_key) == (other.distribute_key, other.attribute_key)
+
+    def __hash__(self) -> int:
+        return hash((self.distribute_key, self.attribute_key))
+
+    def __repr__(self) -> str:
+        return f"PrimaryKey({self.distribute_key!r}, {self.attribute_key!r})"

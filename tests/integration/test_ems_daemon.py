@@ -1,0 +1,332 @@
+"""The pool daemon with real processes: round trips, failures, restarts, disk tier."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ems_helpers import (ENV, check, daemon_factory, ems_cc, ems_daemon, init_cc, kvcache,  # noqa: E402,F401
+                         run_client)
+
+from ems import CcKvOption, Ems, EmsException, KvBufferWrapper, PrimaryKey  # noqa: E402
+from ems.common.exception import EmsErrorCode  # noqa: E402
+from ems.pool import wire  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+SAVER = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from ems_helpers import init_cc, kvcache
+cc = init_cc({server!r})
+kv = kvcache(seed=5)
+cc.register_kvcache(kv)
+r = cc.save(slot_mapping=list(range(8)), hashes=[11, 22], offsets=[4, 4])
+print(r.success, r.total)
+"""
+
+LOADER = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from ems_helpers import init_cc, kvcache
+cc = init_cc({server!r})
+kv = kvcache(seed=9)
+cc.register_kvcache(kv)
+ref = kvcache(seed=5)
+r = cc.load(slot_mapping=list(range(16, 24)), hashes=[11, 22], offsets=[4, 4])
+ok = all(torch.equal(kv[l][k][4:6], ref[l][k][0:2]) for l in range(2) for k in range(2))
+print(r.success, r.total, ok)
+"""
+
+TESTS = str(Path(__file__).resolve().parents[1])
+
+
+def test_two_processes_round_trip(ems_daemon):
+    out = check(run_client(SAVER.format(tests=TESTS, server=ems_daemon.dir)))
+    assert out.split() == ["2", "2"]
+    out = check(run_client(LOADER.format(tests=TESTS, server=ems_daemon.dir)))
+    assert out.split() == ["2", "2", "True"]
+
+
+def test_stats_command(ems_daemon, ems_cc):
+    ems_cc.register_kvcache(kvcache())
+    ems_cc.save(slot_mapping=[0, 1, 2, 3], hashes=[1], offsets=[4])
+    out = subprocess.run([sys.executable, "-m", "ems.server", "stats", "--dir", ems_daemon.dir, "--json"],
+                         capture_output=True, text=True, env=ENV, timeout=30)
+    stats = json.loads(check(out))
+    assert stats["committed"] == 1 and stats["values"] == 1 and stats["pid"] == ems_daemon.pid
+    table = check(subprocess.run([sys.executable, "-m", "ems.server", "stats", "--dir", ems_daemon.dir],
+                                 capture_output=True, text=True, env=ENV, timeout=30))
+    assert "committed" in table
+
+
+def test_sigkill_health_false_and_io_error(ems_daemon, ems_cc):
+    ems_cc.register_kvcache(kvcache())
+    assert Ems.check_health() is True
+    assert ems_cc.save(slot_mapping=[0, 1, 2, 3], hashes=[1], offsets=[4]).success == 1
+    ems_daemon.kill()
+    assert Ems.check_health() is False
+    with pytest.raises(EmsException) as ei:
+        ems_cc.load(slot_mapping=[0, 1, 2, 3], hashes=[1], offsets=[4])
+    assert ei.value.status_code() == EmsErrorCode.EMS_IO_ERROR
+    with pytest.raises(EmsException) as ei:
+        ems_cc.save(slot_mapping=[0, 1, 2, 3], hashes=[2], offsets=[4])
+    assert ei.value.status_code() == EmsErrorCode.EMS_IO_ERROR
+    fut = ems_cc.async_save(slot_mapping=[0, 1, 2, 3], hashes=[3], offsets=[4])
+    with pytest.raises(EmsException) as ei:
+        fut.result(30)
+    assert ei.value.status_code() == EmsErrorCode.EMS_IO_ERROR
+    # exists never raises for a pool fault: it reports no hits
+    assert ems_cc.exists([1]).success == 0
+
+
+def test_unreachable_address_fails_init_with_address(tmp_path):
+    Ems._shutdown()
+    missing = str(tmp_path / "nobody")
+    with pytest.raises(EmsException) as ei:
+        init_cc(missing)
+    assert ei.value.status_code() == EmsErrorCode.EMS_IO_ERROR
+    assert missing in ei.value.message()
+    assert Ems.get_cc() is None and Ems.check_health() is False
+
+
+def test_restart_reconnects(daemon_factory, tmp_path):
+    d = daemon_factory(directory=tmp_path / "pool", disk_dir=tmp_path / "disk")
+    cc = init_cc(d.dir)
+    try:
+        kv = kvcache(seed=1)
+        cc.register_kvcache(kv)
+        assert cc.save(slot_mapping=list(range(8)), hashes=[7, 8], offsets=[4, 4]).success == 2
+        assert d.stop() == 0  # graceful: memory spills to the disk tier
+        d.start()
+        assert Ems.check_health() is True
+        ref = [[t.clone() for t in layer] for layer in kv]
+        for layer in kv:
+            for t in layer:
+                t.zero_()
+        assert cc.load(slot_mapping=list(range(8)), hashes=[7, 8], offsets=[4, 4]).success == 2
+        assert all(torch.equal(kv[i][k][0:2], ref[i][k][0:2]) for i in range(2) for k in range(2))
+    finally:
+        Ems._shutdown()
+
+
+def test_disk_tier_survives_kill_for_spilled_values(daemon_factory, tmp_path):
+    # 1 MiB values in a 3 MiB arena: older values spill to disk as new ones arrive.
+    d = daemon_factory(directory=tmp_path / "pool", capacity="3M", disk_dir=tmp_path / "disk")
+    cc = init_cc(d.dir)
+    try:
+        bufs = [torch.full((1 << 18,), float(i)) for i in range(6)]
+        keys = [f"k{i}" for i in range(6)]
+        res = cc.save(CcKvOption(), keys, [[KvBufferWrapper(b.data_ptr, 1 << 20)] for b in bufs])
+        assert res.success == 6
+        d.kill()  # no graceful spill: only what was evicted is on disk
+        d.start()
+        out = torch.zeros(1 << 18)
+        res = cc.load(CcKvOption(), [keys[0]], [[KvBufferWrapper(out.data_ptr, 1 << 20)]])
+        assert res.success == 1 and torch.equal(out, bufs[0])
+    finally:
+        Ems._shutdown()
+
+
+def test_corrupted_value_on_disk_is_a_miss(daemon_factory, tmp_path):
+    disk = tmp_path / "disk"
+    d = daemon_factory(directory=tmp_path / "pool", disk_dir=disk)
+    cc = init_cc(d.dir)
+    try:
+        a, b = torch.arange(1024, dtype=torch.float32), torch.arange(1024, dtype=torch.float32) * 2
+        cc.save(CcKvOption(), ["a", "b"], [[KvBufferWrapper(a.data_ptr, 4096)], [KvBufferWrapper(b.data_ptr, 4096)]])
+        assert d.stop() == 0
+        files = sorted(disk.glob("*.val"))
+        assert len(files) == 2
+        for f in files:  # flip one byte of each value's payload
+            raw = bytearray(f.read_bytes())
+            raw[-100] ^= 0xFF
+            f.write_bytes(bytes(raw))
+        d.start()
+        out = torch.zeros(1024)
+        res = cc.load(CcKvOption(), ["a"], [[KvBufferWrapper(out.data_ptr, 4096)]])
+        assert res.success == 0
+        assert cc.exists(key_list=["a"]).success == 0  # dropped, not just skipped
+        assert len(list(disk.glob("*.val"))) == 1
+    finally:
+        Ems._shutdown()
+
+
+def test_corrupted_value_in_memory_is_a_miss_and_dropped(ems_daemon, ems_cc):
+    from ems.client.conn import MappedArena  # noqa: F401 - the arena is what a stray write hits
+
+    a = torch.arange(2048, dtype=torch.float32)
+    ems_cc.save(CcKvOption(), ["x"], [[KvBufferWrapper(a.data_ptr, a.numel() * 4)]])
+    arena = Ems._pool._arena
+    used = arena.array[:8192].copy()
+    assert used.any()
+    arena.array[100] ^= 0xFF  # a stray write into the shared arena
+    out = torch.zeros(2048)
+    assert ems_cc.load(CcKvOption(), ["x"], [[KvBufferWrapper(out.data_ptr, 8192)]]).success == 0
+    assert ems_cc.exists(key_list=["x"]).success == 0
+
+
+class _StallingServer:
+    """Answers HELLO (with an arena fd), then never answers anything: deadlines must fire."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(8)
+        self.fd = os.memfd_create("stall")
+        os.ftruncate(self.fd, 1 << 20)
+        self.conns = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.conns.append(c)
+            msg, _ = wire.recv_msg(c)
+            wire.send_msg(c, wire.HelloReply("stall", "", 1 << 20, 1 << 20, True), fds=[self.fd])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+        os.close(self.fd)
+
+
+def test_deadline_gives_io_timeout(tmp_path):
+    path = str(tmp_path / "ems.sock")
+    server = _StallingServer(path)
+    try:
+        cc = init_cc(str(tmp_path))
+        cc.register_kvcache(kvcache())
+        with pytest.raises(EmsException) as ei:
+            cc.save(slot_mapping=[0, 1, 2, 3], hashes=[1], offsets=[4], option=CcKvOption(timeout=200))
+        assert ei.value.status_code() == EmsErrorCode.EMS_IO_TIMEOUT
+        with pytest.raises(EmsException) as ei:
+            cc.load(slot_mapping=[0, 1, 2, 3], hashes=[1], offsets=[4], option=CcKvOption(timeout=200))
+        assert ei.value.status_code() == EmsErrorCode.EMS_IO_TIMEOUT
+        fut = cc.async_load(slot_mapping=[0, 1, 2, 3], hashes=[1], offsets=[4], option=CcKvOption(timeout=200))
+        assert cc.get_result.__self__ is cc
+        with pytest.raises(EmsException) as ei:
+            cc.get_result(fut)
+        assert ei.value.status_code() == EmsErrorCode.EMS_IO_TIMEOUT
+        assert cc.exists([1], CcKvOption(timeout=200)).success == 0  # never raises
+    finally:
+        Ems._shutdown()
+        server.close()
+
+
+def test_async_futures_and_profiling(ems_daemon, tmp_path, monkeypatch):
+    log_dir = tmp_path / "log" / "nested"
+    monkeypatch.setenv("ENABLE_CC_PROFILING", "1")
+    monkeypatch.setenv("EMS_SDK_LOG", str(log_dir))
+    cc = init_cc(ems_daemon.dir)
+    try:
+        cc.register_kvcache(kvcache())
+        futs = [cc.async_save(slot_mapping=[4 * i + j for j in range(4)], hashes=[100 + i], offsets=[4])
+                for i in range(4)]
+        assert all(cc.get_result(f).success == 1 for f in futs)
+        assert all(cc.is_ready(f) for f in futs)
+        f = cc.async_load(slot_mapping=list(range(16)), hashes=[100, 101, 102, 103], offsets=[4] * 4)
+        assert f.result(30).success == 4
+        assert cc.exists([100, 101, 999, 102]).success == 2
+        with pytest.raises(EmsException) as ei:
+            cc.is_ready("not a future")
+        assert ei.value.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT
+    finally:
+        Ems._shutdown()
+    files = list(log_dir.glob("*.jsonl"))
+    assert len(files) == 1
+    records = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert {r["op"] for r in records} == {"save", "load", "exists"}
+    load = next(r for r in records if r["op"] == "load")
+    assert load["keys"] == 4 and load["hits"] == 4 and load["bytes"] > 0 and load["mode"] == "async"
+    assert all({"latency_us", "form", "bytes", "keys", "hits"} <= set(r) for r in records)
+
+
+def test_profiling_unwritable_dir_warns_once(ems_daemon, tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("ENABLE_CC_PROFILING", "1")
+    monkeypatch.setenv("EMS_SDK_LOG", str(blocker / "sub"))
+    cc = init_cc(ems_daemon.dir)
+    try:
+        with pytest.warns(RuntimeWarning, match="profiling"):
+            assert cc.exists([1]).success == 0
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cc.exists([1]).success == 0  # no second warning, no failure
+    finally:
+        Ems._shutdown()
+
+
+def test_v0_overwrite_does_not_tear_a_pinned_reader(ems_daemon, ems_cc):
+    from ems.client.pool import PoolClient
+
+    a = torch.full((1024,), 1.0)
+    b = torch.full((1024,), 2.0)
+    ems_cc.save(CcKvOption(), [PrimaryKey("d", "a")], [[KvBufferWrapper(a.data_ptr, 4096)]])
+    # A raw reader pins the value, then the key is saved again with other bytes.
+    pool = Ems._pool
+    with pool.connection(None) as conn:
+        key = ems_cc._ns.primary_key("d", "a")
+        got = conn.call(wire.Get([key]), None)
+        off = got.offsets[0]
+        ems_cc.save(CcKvOption(), [PrimaryKey("d", "a")], [[KvBufferWrapper(b.data_ptr, 4096)]])
+        pinned = conn.arena.array[off:off + 4096].view("float32")
+        assert (pinned == 1.0).all()  # the old value is untouched while leased
+        conn.send(wire.Release(got.lease), None)
+    out = torch.zeros(1024)
+    assert ems_cc.load(CcKvOption(), [PrimaryKey("d", "a")], [[KvBufferWrapper(out.data_ptr, 4096)]]).success == 1
+    assert torch.equal(out, b)
+    assert isinstance(pool, PoolClient)
+
+
+def test_tcp_address_round_trip(daemon_factory):
+    d = daemon_factory(tcp=True)
+    cc = init_cc(d.tcp)
+    try:
+        kv = kvcache(seed=3)
+        cc.register_kvcache(kv)
+        assert cc.save(slot_mapping=list(range(8)), hashes=[5, 6], offsets=[4, 4]).success == 2
+        ref = [[t.clone() for t in layer] for layer in kv]
+        assert cc.load(slot_mapping=list(range(8, 16)), hashes=[5, 6], offsets=[4, 4]).success == 2
+        assert all(torch.equal(kv[i][k][2:4], ref[i][k][0:2]) for i in range(2) for k in range(2))
+        a = torch.arange(100, dtype=torch.float32)
+        out = torch.zeros(100)
+        assert cc.save(CcKvOption(), ["t"], [[KvBufferWrapper(a.data_ptr, 400)]]).success == 1
+        assert cc.load(CcKvOption(), ["t"], [[KvBufferWrapper(out.data_ptr, 400)]]).success == 1
+        assert torch.equal(a, out)
+    finally:
+        Ems._shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_kvcache_round_trip(ems_daemon):
+    try:
+        cc = init_cc(ems_daemon.dir)
+        kv = [[t.cuda() for t in layer] for layer in kvcache(seed=6)]
+        cc.register_kvcache(kv)
+        ref = [[t.clone() for t in layer] for layer in kv]
+        assert cc.save(slot_mapping=list(range(8)), hashes=[61, 62], offsets=[4, 4]).success == 2
+        assert cc.load(slot_mapping=list(range(8, 16)), hashes=[61, 62], offsets=[4, 4]).success == 2
+        assert all(torch.equal(kv[i][k][2:4], ref[i][k][0:2]) for i in range(2) for k in range(2))
+    finally:
+        Ems._shutdown()

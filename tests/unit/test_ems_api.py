@@ -1,0 +1,98 @@
+"""Validation of the client API's value types and configs: every invalid form raises
+EmsException(EMS_INVALID_ARGUMENT) naming the argument."""
+from __future__ import annotations
+
+import pytest
+
+from ems import (CcConfig, CcConfig_v1, CcKvOption, CcResult, EmsConfig, EmsException, KvBufferWrapper,
+                 PrimaryKey)
+from ems.common.exception import EmsErrorCode
+
+KEY = "k" * 32
+
+
+def _bad(fn, name):
+    with pytest.raises(EmsException) as ei:
+        fn()
+    assert ei.value.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT
+    assert name in ei.value.message(), ei.value.message()
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(rank_id=-1), "rank_id"), (dict(rank_id=True), "rank_id"), (dict(device_id="0"), "device_id"),
+    (dict(model_id="Upper"), "model_id"), (dict(model_id=""), "model_id"), (dict(model_id="a" * 513), "model_id"),
+    (dict(tp_world_size=0), "tp_world_size"), (dict(pp_world_size=1.0), "pp_world_size"),
+])
+def test_cc_config_fields(kwargs, name):
+    base = dict(rank_id=0, device_id=0, model_id="llama2-13b")
+    _bad(lambda: CcConfig(**{**base, **kwargs}), name)
+    _bad(lambda: CcConfig_v1(**{**base, **kwargs}), name)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(rank_in_tp_group=2, tp_world_size=2), "rank_in_tp_group"),
+    (dict(rank_in_pp_group=-1), "rank_in_pp_group"),
+    (dict(llm_engine=""), "llm_engine"), (dict(llm_engine=3), "llm_engine"),
+    (dict(kvcache_type="mha"), "kvcache_type"), (dict(kvcache_type="XYZ"), "kvcache_type"),
+])
+def test_cc_config_v1_fields(kwargs, name):
+    _bad(lambda: CcConfig_v1(rank_id=0, device_id=0, model_id="m", **kwargs), name)
+
+
+def test_cc_config_v1_defaults_and_types():
+    c = CcConfig_v1(rank_id=8, device_id=0, model_id="llama2-13b")
+    assert (c.tp_world_size, c.pp_world_size, c.rank_in_tp_group, c.llm_engine, c.kvcache_type) == \
+        (1, 1, 0, "vllm", "MHA")
+    for t in ("GQA", "MHA", "MLA", "MQA"):
+        CcConfig_v1(rank_id=0, device_id=0, model_id="m", kvcache_type=t)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(access_id="Bad!", access_key=KEY), "access_id"), (dict(access_id="a" * 513, access_key=KEY), "access_id"),
+    (dict(access_id="ok", access_key="short"), "access_key"), (dict(access_id="ok", access_key="k" * 257), "access_key"),
+    (dict(access_id="ok", access_key="k" * 31 + "!"), "access_key"), (dict(access_id="ok"), "access_key"),
+    (dict(access_key=KEY), "access_id"), (dict(cc_config="x"), "cc_config"),
+    (dict(server=""), "server"), (dict(connect_timeout=0), "connect_timeout"),
+])
+def test_ems_config_fields(kwargs, name):
+    _bad(lambda: EmsConfig(**kwargs), name)
+
+
+def test_ems_config_both_cc_configs_rejected():
+    c = CcConfig(rank_id=0, device_id=0, model_id="m")
+    _bad(lambda: EmsConfig(cc_config=c, cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="m")), "cc_config")
+    assert EmsConfig(cc_config_v1=c).cc() is c
+    EmsConfig(access_id="tenant.a-1_x", access_key="A+/=" * 8)
+
+
+def test_option_validation_and_mutation():
+    o = CcKvOption()
+    assert (o.write_rcache, o.read_local_only, o.timeout) == (True, False, 5000)
+    _bad(lambda: CcKvOption(timeout=-1), "timeout")
+    _bad(lambda: CcKvOption(timeout=1.5), "timeout")
+    _bad(lambda: CcKvOption(write_rcache=1), "write_rcache")
+    _bad(lambda: CcKvOption(read_local_only="no"), "read_local_only")
+    o.timeout = 1000  # the vendor's retry sample does this
+    assert o.validate().timeout == 1000
+    o.timeout = -5
+    _bad(o.validate, "timeout")
+
+
+def test_buffer_and_primary_key():
+    _bad(lambda: KvBufferWrapper(0, 4), "data_ptr")
+    _bad(lambda: KvBufferWrapper(16, 0), "length")
+    _bad(lambda: KvBufferWrapper("16", 4), "data_ptr")
+    assert KvBufferWrapper(lambda: 64, 4).address() == 64
+    _bad(lambda: PrimaryKey("", "a"), "distribute_key")
+    _bad(lambda: PrimaryKey("d", "x" * 128), "attribute_key")
+    _bad(lambda: PrimaryKey("d", 5), "attribute_key")
+    assert PrimaryKey("1", "123") == PrimaryKey("1", "123")
+
+
+def test_exception_and_result_shapes():
+    e = EmsException(EmsErrorCode.EMS_IO_TIMEOUT, "slow")
+    assert e.status_code() == EmsErrorCode.EMS_IO_TIMEOUT and e.message() == "slow"
+    assert "EMS_IO_TIMEOUT" in str(e) and f"{e.status_code()}" == "EMS_IO_TIMEOUT"
+    assert str(CcResult(1, 2)) == "CcResult(success=1, total=2)"
+    import pickle
+    assert pickle.loads(pickle.dumps(e)).status_code() == EmsErrorCode.EMS_IO_TIMEOUT
