@@ -6,13 +6,14 @@ import logging
 import threading
 import time
 import weakref
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ._cache_manager import CacheManager
+from ._comm import CommDomain, parse_comm_args
 from ._config import EngineOptions, parse_options
 from ._objects import LLMClusterInfo
 from ._status import LLMStatusCode, raise_error
-from ._types import LLMRole
+from ._types import LLMRole, RegisterMemStatus
 from .engine.core import MAX_LINK_CLUSTERS, Engine
 
 __all__ = ["LLMDataDist"]
@@ -48,6 +49,7 @@ class LLMDataDist:
         self._finalized = False
         self._options: Optional[EngineOptions] = None
         self._cache_manager = CacheManager(self)
+        self._comms: Dict[int, CommDomain] = {}
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -100,7 +102,13 @@ class LLMDataDist:
         engine, self._engine = self._engine, None
         self._finalized = True
         if engine is not None:
+            for domain in self._comms.values():
+                domain.cancel.set()
             engine.close()
+            for domain in self._comms.values():
+                if domain.thread is not None:
+                    domain.thread.join(5.0)
+            self._comms.clear()
         with _active_lock:
             if _active is not None and _active() is self:
                 _active = None
@@ -148,6 +156,69 @@ class LLMDataDist:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, [LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT] * len(clusters)
         results = [engine.unlink(c.remote_cluster_id, deadline, bool(force)) for c in clusters]
         return _overall(results), results
+
+    # -- comm domains (collective linking) ----------------------------------------------
+    def link(self, comm_name: str, cluster_rank_info: Dict[int, int], rank_table: str) -> int:
+        """Join comm domain ``comm_name`` (2 to 4 members, every member calls this with the
+        same arguments); returns its comm id at once, the links come up in the background
+        (``query_register_mem_status``).  Transfers before that: ``LLM_NOT_YET_LINK``."""
+        engine = self._engine_or_raise()
+        name, members, addresses = parse_comm_args(comm_name, cluster_rank_info, rank_table, self._cluster_id)
+        for other in self._comms.values():
+            if other.name == name:
+                raise_error(LLMStatusCode.LLM_ALREADY_LINK, f"comm {name!r} is already linked (comm id {other.comm_id})")
+        domain = CommDomain(name, members, addresses)
+        domain.start(engine, time.monotonic() + self._options.link_total_time_s)
+        self._comms[domain.comm_id] = domain
+        return domain.comm_id
+
+    def _comm(self, comm_id) -> CommDomain:
+        if isinstance(comm_id, bool) or not isinstance(comm_id, int):
+            raise TypeError(f"comm_id must be an int, got {type(comm_id).__name__}")
+        domain = self._comms.get(comm_id)
+        if domain is None:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"comm_id {comm_id} is not a linked comm domain of this engine")
+        return domain
+
+    def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
+        """``PREPARING`` while the domain's links come up, ``OK`` when all are, ``FAILED``
+        if they could not be made before ``link_total_time``."""
+        self._engine_or_raise()
+        return self._comm(comm_id).status
+
+    def unlink(self, comm_id: int) -> None:
+        """Leave a comm domain: its links are unlinked on both ends."""
+        engine = self._engine_or_raise()
+        domain = self._comm(comm_id)
+        domain.stop(engine, time.monotonic() + self._options.sync_kv_timeout_s + 3.0)
+        del self._comms[comm_id]
+
+    # -- roles -----------------------------------------------------------------------------
+    def switch_role(self, role: LLMRole, switch_options: Optional[dict] = None) -> None:
+        """Become ``role``; ``switch_options["llm.listenIpInfo"]`` also makes this engine a
+        server listening there.  Not while links exist (``LLM_EXIST_LINK``)."""
+        engine = self._engine_or_raise()
+        if isinstance(role, bool) or not isinstance(role, int):
+            raise TypeError(f"role must be an LLMRole, got {type(role).__name__}")
+        try:
+            new_role = LLMRole(role)
+        except ValueError:
+            raise ValueError(f"role = {role} is not an LLMRole") from None
+        if switch_options is not None and not isinstance(switch_options, dict):
+            raise TypeError(f"switch_options must be a dict or None, got {type(switch_options).__name__}")
+        listen = parse_options(switch_options).listen_address if switch_options else None
+        with engine._links_lock:
+            linked = sorted(engine.links)
+        if linked:
+            raise_error(LLMStatusCode.LLM_EXIST_LINK,
+                        f"cannot switch role while linked to cluster(s) {linked}; unlink them first")
+        if listen is not None and listen not in engine.agent.listeners:
+            try:
+                engine.agent.add_listener(listen)
+            except OSError as exc:
+                raise_error(LLMStatusCode.LLM_FAILED, f"switch_role cannot listen on {listen[0]}:{listen[1]}: {exc}")
+        self._role = new_role
+        engine.role = int(new_role)
 
     @property
     def listen_port(self) -> Optional[int]:

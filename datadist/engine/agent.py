@@ -10,6 +10,7 @@ broken and its sockets are shut down, which also wakes any call blocked on them.
 from __future__ import annotations
 
 import logging
+import queue
 import selectors
 import socket
 import threading
@@ -46,22 +47,63 @@ class Agent:
         self._calls: list[Callable[[], None]] = []
         self._calls_lock = threading.Lock()
         self._stop = False
-        self.listener: Optional[socket.socket] = None
+        self.listeners: dict[tuple[str, int], socket.socket] = {}
         if listen is not None:
-            ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                ls.bind(listen)
-                ls.listen(64)
-                ls.setblocking(False)
+                self._listen_now(listen)
             except OSError:
-                ls.close()
                 self._close_selector()
                 raise
-            self.listener = ls
-            self._sel.register(ls, selectors.EVENT_READ, "listen")
         self._thread = threading.Thread(target=self._run, name=f"datadist-agent-{engine.cluster_id}", daemon=True)
         self._thread.start()
+
+    @property
+    def listener(self) -> Optional[socket.socket]:
+        """The first listening socket (the ``listen_ip_info`` one), if any."""
+        return next(iter(self.listeners.values()), None)
+
+    def _listen_now(self, addr: tuple[str, int]) -> tuple[str, int]:
+        ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            ls.bind(addr)
+            ls.listen(64)
+            ls.setblocking(False)
+        except OSError:
+            ls.close()
+            raise
+        bound = ls.getsockname()[:2]
+        self.listeners[bound] = ls
+        self._sel.register(ls, selectors.EVENT_READ, "listen")
+        return bound
+
+    def add_listener(self, addr: tuple[str, int], timeout: float = 5.0) -> tuple[str, int]:
+        """Listen on ``addr`` as well (comm domains, switch_role); returns the bound address.
+        Raises ``OSError`` if the address cannot be bound."""
+        done: "queue.Queue" = queue.Queue()
+
+        def bind() -> None:
+            try:
+                done.put(self._listen_now(addr))
+            except OSError as exc:
+                done.put(exc)
+
+        self.call(bind)
+        got = done.get(timeout=timeout)
+        if isinstance(got, OSError):
+            raise got
+        return got
+
+    def remove_listener(self, addr: tuple[str, int]) -> None:
+        """Stop listening on ``addr`` (no-op if not listening there)."""
+
+        def close() -> None:
+            ls = self.listeners.pop(tuple(addr), None)
+            if ls is not None:
+                self._sel.unregister(ls)
+                ls.close()
+
+        self.call(close)
 
     # -- control from other threads -------------------------------------------------------
     def call(self, fn: Callable[[], None]) -> None:
@@ -109,10 +151,9 @@ class Agent:
         self._close_selector()
 
     def _close_selector(self) -> None:
-        for sock in (self.listener, self._wake_r, self._wake_w):
-            if sock is not None:
-                sock.close()
-        self.listener = None
+        for sock in (*self.listeners.values(), self._wake_r, self._wake_w):
+            sock.close()
+        self.listeners = {}
         self._sel.close()
 
     # -- the loop -------------------------------------------------------------------------
@@ -130,7 +171,7 @@ class Agent:
                 if key.data == "wake":
                     self._drain_wake()
                 elif key.data == "listen":
-                    self._accept()
+                    self._accept(key.fileobj)
                 else:
                     self._serve(key.data)
 
@@ -145,9 +186,9 @@ class Agent:
         for fn in calls:
             fn()
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         try:
-            sock, _ = self.listener.accept()
+            sock, _ = listener.accept()
         except (BlockingIOError, OSError):
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -67,6 +67,7 @@ class Engine:
         self.pid = os.getpid()
         self.links: dict[int, Link] = {}
         self._links_lock = threading.Lock()
+        self._links_changed = threading.Condition(self._links_lock)
         self.pools: dict[str, PoolAllocator] = {}
         self.arenas: list[Arena] = []
         self.registry: Optional[Registry] = None
@@ -216,6 +217,7 @@ class Engine:
         with self._links_lock:
             old = self.links.pop(link.remote_cluster_id, None)
             self.links[link.remote_cluster_id] = link
+            self._links_changed.notify_all()
         if old is not None:
             self.agent.unwatch(old)
             old.close()
@@ -283,6 +285,25 @@ class Engine:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         return sock
+
+    def wait_link(self, cluster_id: int, deadline: float, cancel: threading.Event) -> bool:
+        """Wait until ``cluster_id`` has linked to this engine and its link is ready;
+        False at the deadline or once ``cancel`` is set."""
+        while not cancel.is_set():
+            with self._links_lock:
+                link = self.links.get(cluster_id)
+                if link is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._links_changed.wait(min(left, 0.5))  # wakes early when a link installs
+                    continue
+            left = deadline - time.monotonic()
+            if link.ready.wait(max(0.0, min(left, 0.5))) and link.broken is None:
+                return True
+            if left <= 0:
+                return False
+        return False
 
     def get_link(self, cluster_id: int) -> Link:
         """The link to ``cluster_id`` ready for transfers; ``LLM_NOT_YET_LINK`` otherwise."""
