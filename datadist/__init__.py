@@ -3,6 +3,7 @@ CANN's ``llm_datadist`` (CacheManager mode), on CPU, CUDA or Ascend machines.
 
 ``from datadist import *`` gives the same names as ``from llm_datadist import *``.
 """
+from ._arrivals import Arrival
 from ._cache_manager import CacheManager
 from ._config import LLMConfig, LlmConfig
 from ._llm_datadist import LLMDataDist
@@ -10,6 +11,7 @@ from ._objects import (BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdA
                        MemInfo)
 from ._status import LLMException, LLMStatusCode, Status
 from ._tensors import create_tensors
+from ._transfer_async import CacheTask, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
 from ._types import DataType, LLMRole, Memtype, Placement, RegisterMemStatus
 
 __version__ = "0.1.0"
@@ -19,5 +21,6 @@ __all__ = [
     "LLMRole", "Placement", "DataType", "RegisterMemStatus", "Memtype",
     "LLMStatusCode", "LLMException", "Status",
     "CacheDesc", "Cache", "CacheKey", "CacheKeyByIdAndIndex", "BlocksCacheKey", "LLMClusterInfo", "MemInfo",
-    "create_tensors",
+    "create_tensors", "Arrival",
+    "LayerSynchronizer", "TransferConfig", "TransferWithCacheKeyConfig", "CacheTask",
 ]

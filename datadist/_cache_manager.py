@@ -5,10 +5,12 @@ contract's exceptions, nothing changed on failure), builds one coalesced plan wi
 from __future__ import annotations
 
 import operator
-from typing import Dict, List, Optional, Sequence
+import time
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ._arrivals import Arrival
 from ._objects import BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, as_tensor_addrs
 from ._status import LLMStatusCode, raise_error
 from ._tensors import tensor_at
@@ -18,6 +20,9 @@ from .engine.layout import Plan, block_offsets, layer_tensor_indices, plan_units
 from .engine.memory import PoolExhausted
 from .transports.base import RemoteCache
 from .transports.local import LocalTransport
+
+if TYPE_CHECKING:
+    from ._transfer_async import CacheTask, LayerSynchronizer
 
 __all__ = ["CacheManager"]
 
@@ -398,6 +403,69 @@ class CacheManager:
                                 src_layer_range, dst_layer_range, same_range=True)
 
         link.transfer(dst_cache_key, planner, push=True)
+
+    def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: "LayerSynchronizer", transfer_configs,
+                             src_block_indices: Optional[Sequence[int]] = None,
+                             dst_block_indices: Optional[Sequence[int]] = None,
+                             dst_block_memory_size: Optional[int] = None) -> "CacheTask":
+        """Push ``src_cache`` layer by layer, each layer once ``layer_synchronizer`` reports
+        it computed, to every destination of ``transfer_configs`` (``TransferConfig`` or
+        ``TransferWithCacheKeyConfig``); blocks ``src_block_indices[j] ->
+        dst_block_indices[j]``, ``dst_block_memory_size`` bytes each (0 or None: the source's).
+
+        Returns at once with a :class:`CacheTask`; see :mod:`datadist._transfer_async`.
+        Every argument is checked first and nothing starts if one is wrong: ``TypeError``,
+        ``LLM_PARAM_INVALID`` (also for role DECODER), ``LLM_KV_CACHE_NOT_EXIST`` (unknown
+        source cache), ``LLM_NOT_YET_LINK`` (a destination cluster not linked)."""
+        from ._transfer_async import start_task  # that module builds on this one's planners
+
+        self._role(_PUSH_ROLES, "transfer_cache_async")
+        src = self._local(src_cache)
+        eng = self._engine
+        return start_task(eng.get_link, eng.timeout_ms, src, src_cache.is_blocks_cache, lambda: self._local(src_cache),
+                          layer_synchronizer, transfer_configs, src_block_indices, dst_block_indices,
+                          dst_block_memory_size)
+
+    # -- arrivals (receiver side) ------------------------------------------------------
+    def _board(self, cache: Cache):
+        self._local(cache)
+        board = self._engine.registry.board(cache.cache_id)
+        if board is None:
+            raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {cache.cache_id} is not known to this engine")
+        return board
+
+    def wait_arrival(self, cache: Cache, layer_range: Optional[range] = None, timeout_in_millis: Optional[int] = None,
+                     *, tensor_num_per_layer: int = 2, src_cluster_id: Optional[int] = None) -> List[Arrival]:
+        """Wait until pushes into ``cache`` (from ``src_cluster_id``, if given) have covered
+        every layer of ``layer_range`` (None: all layers); returns their notices.
+
+        Each notice is consumed by the wait that returns it, so a receiver that waits per
+        layer sees each push once.  Raises ``LLM_TIMEOUT`` after ``timeout_in_millis``
+        (None: no deadline), the push's own status if a covering push failed, and
+        ``LLM_LINK_FAILED`` when the link to ``src_cluster_id`` breaks meanwhile.  Notices
+        are kept from the moment the cache exists, so waiting after the push is fine."""
+        board = self._board(cache)
+        n = _tnpl(tensor_num_per_layer, board.num_tensors, layer_range is not None)
+        layers = _layers("layer_range", layer_range, board.num_tensors // n)
+        if timeout_in_millis is not None:
+            timeout_in_millis = _int_arg("timeout_in_millis", timeout_in_millis)
+            if timeout_in_millis < 0:
+                raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"timeout_in_millis = {timeout_in_millis} must be >= 0")
+        if src_cluster_id is not None:
+            src_cluster_id = _int_arg("src_cluster_id", src_cluster_id)
+        deadline = None if timeout_in_millis is None else time.monotonic() + timeout_in_millis / 1000.0
+        return board.wait(range(layers.start * n, layers.stop * n), deadline, src_cluster_id)
+
+    def add_arrival_callback(self, cache: Cache, callback: Callable[[Arrival], None]) -> None:
+        """Call ``callback(arrival)`` for every push notice into ``cache`` (on the engine's
+        agent thread: keep it short, do not block in it).  Notices still go to waits."""
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+        self._board(cache).add_callback(callback)
+
+    def remove_arrival_callback(self, cache: Cache, callback: Callable[[Arrival], None]) -> None:
+        """Stop calling ``callback`` for ``cache`` (no-op if it was not registered)."""
+        self._board(cache).remove_callback(callback)
 
     # -- local copies --------------------------------------------------------------------
     def copy_cache(self, dst: Cache, src: Cache, dst_batch_index: int = 0, src_batch_index: int = 0,

@@ -18,7 +18,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .._status import LLMException, LLMStatusCode
+from .._arrivals import Arrival
+from .._status import LLMException, LLMStatusCode, to_status_code
 from . import native, wire
 from .layout import Plan
 from ..transports.base import ANY_CACHE, STALE
@@ -224,6 +225,7 @@ class Agent:
             elif reply is not None:
                 sock.sendall(wire.encode(reply))
             if isinstance(msg, wire.Unlink):
+                link.closing = True
                 self._unregister(link)
                 self.engine.drop_link(link, notify=False)
         except (OSError, RuntimeError, wire.WireError, ValueError) as exc:
@@ -275,6 +277,10 @@ class Agent:
             return wire.Reply()
         if isinstance(msg, wire.Unlink):
             return wire.Reply()
+        if isinstance(msg, wire.Notify):
+            reg.record_arrival(Arrival(cluster_id=msg.cluster_id, cache_id=msg.cache_id, tensors=range(msg.t_lo, msg.t_hi),
+                                       nbytes=msg.nbytes, status=to_status_code(msg.status), message=msg.message))
+            return None
         raise wire.WireError(f"unexpected request {type(msg).__name__}")
 
     def _serve_collective(self, link: Link, msg: wire.Push, sock: socket.socket, status: int,

@@ -162,7 +162,8 @@ class Engine:
                 return wire.HelloAck(status=int(LLMStatusCode.LLM_ALREADY_LINK),
                                      message=f"cluster {msg.cluster_id} is already linked", **fields)
         link = Link(remote_cluster_id=msg.cluster_id, remote_role=msg.role, peer_pid=msg.pid,
-                    timeout_ms=self.timeout_ms, is_client=False)
+                    timeout_ms=self.timeout_ms, is_client=False, local_cluster_id=self.cluster_id,
+                    on_broken=self._link_broken)
         try:
             self._make_transport(msg, link)
         except Exception as exc:  # reported to the peer, which raises it there
@@ -213,7 +214,12 @@ class Engine:
         link.transport = CollectiveTransport(self.backend, group, 1 - rank, store)
         log.info("link to cluster %d uses %s (rank %d)", link.remote_cluster_id, self.backend, rank)
 
+    def _link_broken(self, cluster_id: int, reason: str) -> None:
+        if self.registry is not None:
+            self.registry.source_lost(cluster_id, reason)
+
     def _install(self, link: Link) -> None:
+        self.registry.source_linked(link.remote_cluster_id)
         with self._links_lock:
             old = self.links.pop(link.remote_cluster_id, None)
             self.links[link.remote_cluster_id] = link
@@ -242,7 +248,8 @@ class Engine:
                 log.warning("link to cluster %d at %s:%d refused: %s", remote_cluster_id, ip, port, ack.message)
                 return LLMStatusCode(ack.status)
             link = Link(remote_cluster_id=remote_cluster_id, remote_role=ack.role, peer_pid=ack.pid,
-                        timeout_ms=self.timeout_ms, is_client=True)
+                        timeout_ms=self.timeout_ms, is_client=True, local_cluster_id=self.cluster_id,
+                        on_broken=self._link_broken)
             self._make_transport(ack, link)
             attach_sock = self._connect(ip, port, deadline)
             socks.append(attach_sock)
@@ -321,6 +328,7 @@ class Engine:
             return LLMStatusCode.LLM_NOT_YET_LINK
         if not link.lock.acquire(blocking=False):
             return LLMStatusCode.LLM_LINK_BUSY
+        link.closing = True
         try:
             if not force and link.broken is None:
                 try:

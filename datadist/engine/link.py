@@ -17,6 +17,8 @@ import logging
 import socket
 import threading
 import time
+
+import numpy as np
 from typing import Callable, NoReturn, Optional
 
 from .._status import LLMException, LLMStatusCode, raise_error
@@ -36,7 +38,10 @@ _RETRYABLE = (LLMStatusCode.LLM_PARAM_INVALID, LLMStatusCode.LLM_KV_CACHE_NOT_EX
 
 class Link:
     def __init__(self, *, remote_cluster_id: int, remote_role: int, peer_pid: int, timeout_ms: int,
-                 is_client: bool) -> None:
+                 is_client: bool, local_cluster_id: int = 0,
+                 on_broken: Optional[Callable[[int, str], None]] = None) -> None:
+        self.local_cluster_id = local_cluster_id
+        self.on_broken = on_broken   # told once when the link breaks (arrival waits fail)
         self.remote_cluster_id = remote_cluster_id
         self.remote_role = remote_role
         self.peer_pid = peer_pid
@@ -53,6 +58,7 @@ class Link:
         self._lookups: dict[tuple, RemoteCache] = {}
         self._closed = False
         self._close_when_idle = False
+        self.closing = False         # set by unlink: the end of the streams is expected
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -62,7 +68,11 @@ class Link:
     def mark_broken(self, reason: str) -> None:
         if self.broken is None:
             self.broken = reason
-            log.warning("link to cluster %d broken: %s", self.remote_cluster_id, reason)
+            # An unlink in progress ends the connection on purpose: not worth a warning.
+            log.log(logging.INFO if self.closing else logging.WARNING, "link to cluster %d %s: %s",
+                    self.remote_cluster_id, "closed" if self.closing else "broken", reason)
+            if self.on_broken is not None:
+                self.on_broken(self.remote_cluster_id, reason)
 
     def check_alive(self) -> None:
         """Raise ``LLM_LINK_FAILED`` if the link is broken (peer gone, stream lost)."""
@@ -169,7 +179,15 @@ class Link:
                 cached = True
                 try:
                     plan = planner(remote)
+                except LLMException as exc:
+                    if not from_cache or exc.status_code not in _RETRYABLE:
+                        raise
+                    cached = False
+                    continue
+                try:
                     (self.transport.push if push else self.transport.pull)(self, plan, remote, deadline)
+                    if push:
+                        self._notify(remote, plan, LLMStatusCode.LLM_SUCCESS, "")
                     return remote
                 except StaleLookup:
                     # The peer's caches changed between lookup and request: look again.
@@ -183,12 +201,29 @@ class Link:
                     # (socket peers share no epoch to check before planning): ask once
                     # more before reporting the error.
                     if not from_cache or exc.status_code not in _RETRYABLE:
+                        if push:
+                            self._notify(remote, plan, exc.status_code, str(exc))
                         raise
                     cached = False
         finally:
             self.lock.release()
             if self._close_when_idle:
                 self.retire(self.broken or "peer gone")
+
+    def _notify(self, remote: RemoteCache, plan: Plan, status: LLMStatusCode, message: str) -> None:
+        """Tell the receiver what a push wrote (one-way; see ``datadist._arrivals``).  A
+        notice that cannot be sent is dropped: the link is broken then, and the receiver's
+        waits on this cluster fail by that."""
+        if self.broken is not None or self.req_sock is None or plan.lens.shape[0] == 0:
+            return
+        lo, hi = touched_tensors(remote, plan)
+        frame = wire.encode(wire.Notify(cluster_id=self.local_cluster_id, cache_id=remote.cache_id, t_lo=lo, t_hi=hi,
+                                        nbytes=plan.nbytes, status=int(status), message=message[:200]))
+        try:
+            self.req_sock.settimeout(self.timeout_ms / 1000.0)
+            self.req_sock.sendall(frame)
+        except OSError as exc:
+            self.mark_broken(f"connection failed: {exc}")
 
     def release_key(self, key) -> None:
         """Tell the owner that ``key`` was consumed (pull_cache through a CacheKey)."""
@@ -251,6 +286,25 @@ class Link:
         if self.transport is not None:
             self.transport.close()
         self.store = None
+
+
+def touched_tensors(remote: RemoteCache, plan: Plan) -> tuple[int, int]:
+    """The range of the remote cache's tensor indices that ``plan`` writes.  A plan over
+    tensor bases names them exactly; a flat plan (tensors merged back to back) is mapped
+    through the sorted tensor addresses."""
+    addrs = remote.addrs
+    index = {int(a): i for i, a in enumerate(addrs.tolist())}
+    bases = plan.dst_bases.tolist()
+    if all(b in index for b in bases):
+        idx = [index[b] for b in bases]
+        return min(idx), max(idx) + 1
+    order = np.argsort(addrs)
+    sorted_addrs = addrs[order]
+    first = int(plan.dst_bases.min() + plan.dst_offs.min())
+    last = int(plan.dst_bases.max() + (plan.dst_offs + plan.lens).max()) - 1
+    lo, hi = np.searchsorted(sorted_addrs, [first, last], side="right") - 1
+    picked = order[max(lo, 0): hi + 1]
+    return int(picked.min()), int(picked.max()) + 1
 
 
 def _lookup_key(key) -> tuple:

@@ -16,6 +16,7 @@ from typing import Optional
 
 import numpy as np
 
+from .._arrivals import Arrival, ArrivalBoard
 from .._status import LLMStatusCode, raise_error
 from .memory import Arena
 
@@ -62,6 +63,7 @@ class Registry:
         self._keys: dict[tuple, tuple[int, int]] = {}       # (req_id, model_id, prefix_id) -> (cache_id, row)
         self._blocks_keys: dict[tuple, int] = {}           # (cluster_id, model_id) -> cache_id
         self._next_id = 1
+        self._boards: dict[int, ArrivalBoard] = {}
         self.page = Arena(f"datadist-epoch-{cluster_id}", EPOCH_PAGE_SIZE)
         self._epoch = ctypes.c_uint64.from_address(self.page.base)
         ctypes.c_uint64.from_address(self.page.base + _NONCE_OFFSET).value = nonce
@@ -122,6 +124,7 @@ class Registry:
         """Forget a cache and its keys; returns it, or None if unknown (no-op)."""
         with self._lock:
             rec = self._caches.pop(cache_id, None)
+            self._boards.pop(cache_id, None)
             if rec is None:
                 return None
             for k in rec.keys:
@@ -152,6 +155,35 @@ class Registry:
     def all(self) -> list[CacheRecord]:
         with self._lock:
             return list(self._caches.values())
+
+    # -- arrival notices ---------------------------------------------------------------
+    def board(self, cache_id: int) -> Optional[ArrivalBoard]:
+        """The arrival board of a cache (made on first use); None for an unknown cache."""
+        with self._lock:
+            board = self._boards.get(cache_id)
+            if board is None:
+                rec = self._caches.get(cache_id)
+                if rec is None:
+                    return None
+                board = self._boards[cache_id] = ArrivalBoard(cache_id, rec.num_tensors)
+            return board
+
+    def record_arrival(self, arrival: Arrival) -> None:
+        board = self.board(arrival.cache_id)
+        if board is not None:  # a notice for a cache freed meanwhile is moot
+            board.record(arrival)
+
+    def source_lost(self, cluster_id: int, reason: str) -> None:
+        with self._lock:
+            boards = list(self._boards.values())
+        for board in boards:
+            board.source_lost(cluster_id, reason)
+
+    def source_linked(self, cluster_id: int) -> None:
+        with self._lock:
+            boards = list(self._boards.values())
+        for board in boards:
+            board.source_linked(cluster_id)
 
     # -- lookups for peers ---------------------------------------------------------------
     def resolve(self, kind: str, *, cluster_id: int, cache_id: int = 0, batch_index: int = 0,

@@ -24,7 +24,7 @@ import numpy as np
 
 __all__ = [
     "VERSION", "U64", "MsgType", "Message", "Hello", "HelloAck", "Attach", "Resolve", "Resolved",
-    "ReleaseKey", "Push", "Pull", "Reply", "Unlink", "encode", "read_message", "WireError",
+    "ReleaseKey", "Push", "Pull", "Reply", "Unlink", "Notify", "encode", "read_message", "WireError",
 ]
 
 #: Annotation of fields that hold unsigned 64-bit values (keys, cluster ids).
@@ -52,6 +52,7 @@ class MsgType(IntEnum):
     PULL = 8
     REPLY = 9
     UNLINK = 10
+    NOTIFY = 11
 
 
 @dataclass
@@ -161,13 +162,28 @@ class Reply(Message):
 
 
 @dataclass
+class Notify(Message):
+    """One-way, initiator -> receiver after a push: tensors [t_lo, t_hi) of ``cache_id``
+    were written (``status`` 0) or a push into them failed.  Never answered."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NOTIFY
+    cluster_id: U64 = 0
+    cache_id: int = 0
+    t_lo: int = 0
+    t_hi: int = 0
+    nbytes: U64 = 0
+    status: int = 0
+    message: str = ""
+
+
+@dataclass
 class Unlink(Message):
     TYPE: ClassVar[MsgType] = MsgType.UNLINK
     cluster_id: U64 = 0
 
 
 _TYPES: dict[int, type[Message]] = {
-    cls.TYPE: cls for cls in (Hello, HelloAck, Attach, Resolve, Resolved, ReleaseKey, Push, Pull, Reply, Unlink)
+    cls.TYPE: cls for cls in (Hello, HelloAck, Attach, Resolve, Resolved, ReleaseKey, Push, Pull, Reply, Unlink, Notify)
 }
 
 

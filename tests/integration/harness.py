@@ -35,12 +35,13 @@ from harness_child import child_main
 from harness_oracle import (as_array, expect_blocks, expect_row_to_blocks, expect_rows,
                             layer_tensors, random_bytes)
 from harness_specs import (DECODER_ID, POOL_CFG, PROMPT_ID, SYNC_KV_TIMEOUT_MS, TRANSPORTS, Desc,
-                           Key, Ref, base_config, blocks_key, cache_key, id_key)
+                           Key, Ref, base_config, blocks_key, cache_key, id_key, key_config,
+                           transfer_config)
 
 __all__ = [
     "TRANSPORTS", "PROMPT_ID", "DECODER_ID", "POOL_CFG", "SYNC_KV_TIMEOUT_MS",
     "Key", "Ref", "Desc", "PeerError", "PeerDied", "Peer", "Pair", "Pending", "PairHolder",
-    "cache_key", "id_key", "blocks_key", "free_port", "base_config", "start_pair",
+    "cache_key", "id_key", "blocks_key", "transfer_config", "key_config", "free_port", "base_config", "start_pair",
     "expect_llm", "expect_exc", "random_bytes", "layer_tensors", "expect_blocks",
     "expect_row_to_blocks", "expect_rows", "as_array", "shm_listing", "wait_until",
     "wait_empty", "peer_factory", "pair_holder", "pair",

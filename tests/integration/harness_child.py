@@ -20,7 +20,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from harness_specs import DTYPES, Desc, Key, Ref
 
-__all__ = ["child_main"]
+__all__ = ["child_main", "GATE_HOLD_S"]
+
+#: How long a :class:`_Gate` holds a layer that the test never opens.
+GATE_HOLD_S = 60.0
 
 
 def child_main(conn: multiprocessing.connection.Connection, role: str, cluster_id: int,
@@ -86,6 +89,29 @@ def _plain(value: Any) -> Any:
     return value
 
 
+class _Gate:
+    """The layer synchronizer of the async tests (registered as a ``LayerSynchronizer``):
+    ``synchronize_layer(i)`` blocks until the test opens layer i, then answers what the test
+    chose for it (True: computed, False: never will be).  Like a compute step that overruns,
+    it ignores the timeout it is given; a layer never opened raises ``TimeoutError`` after
+    :data:`GATE_HOLD_S`, so its thread ends even if a test forgets it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._answers: Dict[int, bool] = {}
+
+    def open(self, layers: Sequence[int], answer: bool) -> None:
+        with self._cond:
+            self._answers.update((layer, answer) for layer in layers)
+            self._cond.notify_all()
+
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+        with self._cond:
+            if not self._cond.wait_for(lambda: layer_index in self._answers, GATE_HOLD_S):
+                raise TimeoutError(f"layer {layer_index} was never opened")
+            return self._answers[layer_index]
+
+
 class _Child:
     """State of one engine process: the engine, its caches and the memory it registered."""
 
@@ -104,6 +130,8 @@ class _Child:
         self.caches: Dict[str, Any] = {}
         self.kinds: Dict[str, str] = {}
         self.memory: Dict[str, List[Any]] = {}
+        self.tasks: Dict[str, Tuple[Any, _Gate]] = {}
+        datadist.LayerSynchronizer.register(_Gate)
 
     # building datadist objects
 
@@ -114,7 +142,7 @@ class _Child:
 
     def _resolve(self, value: Any) -> Any:
         if isinstance(value, Key):
-            return getattr(self.dd, value.kind)(*value.args)
+            return getattr(self.dd, value.kind)(*self._resolve(value.args))
         if isinstance(value, Ref):
             return self.caches[value.name]
         if isinstance(value, Desc):
@@ -291,6 +319,27 @@ class _Child:
             if done == 1:
                 self.conn.send(("note", "running"))
         return {"iterations": done, "error": None, "t_error": None}
+
+    def op_transfer_async(self, name: str, src: str, configs: Sequence[Key], *, gate: bool = True,
+                          **kwargs: Any) -> None:
+        """``transfer_cache_async`` of cache ``src`` with a fresh :class:`_Gate` (``gate=False``:
+        a plain object instead, which the call must refuse); the task is kept as ``name``."""
+        synchronizer = _Gate() if gate else object()
+        task = self.engine.cache_manager.transfer_cache_async(self.caches[src], synchronizer,
+                                                              self._resolve(list(configs)),
+                                                              **self._resolve(kwargs))
+        self.tasks[name] = (task, synchronizer)
+
+    def op_open_layers(self, name: str, layers: Sequence[int], answer: bool = True) -> None:
+        """Let task ``name``'s synchronizer answer ``answer`` for ``layers``."""
+        self.tasks[name][1].open(layers, answer)
+
+    def op_task(self, name: str, method: str, timeout_ms: Optional[int]) -> Dict[str, Any]:
+        """``synchronize`` or ``get_results`` of task ``name``; statuses as ints, and the
+        seconds the call took."""
+        t0 = time.monotonic()
+        result = getattr(self.tasks[name][0], method)(timeout_ms)
+        return {"result": _plain(result), "elapsed": time.monotonic() - t0}
 
     def op_write(self, name: str, data: Sequence[bytes]) -> None:
         import torch

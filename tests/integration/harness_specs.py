@@ -7,13 +7,14 @@ needs a live datadist object to describe a call.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 __all__ = [
     "TRANSPORTS", "PROMPT_ID", "DECODER_ID", "POOL_CFG", "SYNC_KV_TIMEOUT_MS", "DTYPES",
-    "ITEMSIZE", "Key", "Ref", "Desc", "cache_key", "id_key", "blocks_key", "base_config",
+    "ITEMSIZE", "Key", "Ref", "Desc", "cache_key", "id_key", "blocks_key", "transfer_config",
+    "key_config", "base_config",
 ]
 
 TRANSPORTS: Tuple[str, ...] = ("shm", "tcp", "gloo")
@@ -36,10 +37,11 @@ ITEMSIZE = {"fp16": 2, "bf16": 2, "int8": 1, "fp32": 4, "int32": 4, "uint8": 1}
 
 @dataclasses.dataclass(frozen=True)
 class Key:
-    """A datadist key to build in the child: ``getattr(datadist, kind)(*args)``."""
+    """A datadist value (a key, a transfer config) to build in the child:
+    ``getattr(datadist, kind)(*args)``, with Keys among ``args`` built first."""
 
     kind: str
-    args: Tuple[int, ...]
+    args: Tuple[Any, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,17 @@ def id_key(cluster_id: int, cache_id: int, batch_index: int = 0) -> Key:
 def blocks_key(cluster_id: int, model_id: int = 0) -> Key:
     """``BlocksCacheKey(cluster_id, model_id)``."""
     return Key("BlocksCacheKey", (cluster_id, model_id))
+
+
+def transfer_config(cluster_id: int, dst_addrs: List[int], src_layers: Optional[range] = None,
+                    src_batch_index: int = 0) -> Key:
+    """``TransferConfig(cluster_id, dst_addrs, src_layers, src_batch_index)``: raw addresses."""
+    return Key("TransferConfig", (cluster_id, list(dst_addrs), src_layers, src_batch_index))
+
+
+def key_config(key: Key, src_layers: range, dst_layers: range, src_batch_index: int = 0) -> Key:
+    """``TransferWithCacheKeyConfig(key, src_layers, dst_layers, src_batch_index)``."""
+    return Key("TransferWithCacheKeyConfig", (key, src_layers, dst_layers, src_batch_index))
 
 
 def base_config(transport: str, *, listen_port: Optional[int] = None,

@@ -1,0 +1,483 @@
+"""Layer-wise asynchronous pushes: ``CacheManager.transfer_cache_async`` (SPEC section 5, "Async.").
+
+A prefill loop computes its layers one after another; a task sends each layer as soon as the
+caller's :class:`LayerSynchronizer` reports it computed, so sending layer i overlaps computing
+layer i+1.  A layer is 2 consecutive tensors (K, V), as in CANN, where this call has no
+``tensor_num_per_layer``.
+
+Threads of one task (daemon threads; all end with the task):
+
+* the *synchronizer thread* calls ``synchronize_layer(i, sync_kv_timeout)`` for each source
+  layer that some config sends, in ascending order, and publishes each answer as a future;
+* the *coordinator* waits for each answer, at most ``sync_kv_timeout`` per layer, turns it
+  into a verdict (send it; ``LLM_PARAM_INVALID`` for False; ``LLM_TIMEOUT`` when no answer
+  came in time; the status of what the synchronizer raised) and hands the layer with its
+  verdict to the worker of every destination link;
+* one *link worker* per destination link sends the layer to each of that link's configs
+  that contains it (``Link.transfer``: its own ``sync_kv_timeout`` deadline per send).
+  Workers of different links run at the same time, so several decoders receive a layer
+  concurrently, and a slow or dead one delays no other.
+
+The synchronizer has a thread of its own so that one that overruns its timeout cannot hold
+the task: the coordinator stops waiting and reports the layer.  A config fails at its first
+failed layer (its later layers are not sent) and never stops the other configs.  Each
+config's result is a ``concurrent.futures.Future`` resolved to an :class:`LLMStatusCode`
+once final; :class:`CacheTask` waits on those futures.
+
+Destinations.  A :class:`TransferWithCacheKeyConfig` names a peer cache by key, like
+``push_blocks``/``push_cache``.  A :class:`TransferConfig` gives raw peer addresses, one per
+destination tensor; they reach the transports as a ``RemoteCache`` whose ``cache_id`` is
+``ANY_CACHE``: a socket peer accepts them only inside one of its caches, and a same-host link
+copies them directly only where they lie in the peer's mapped pool arenas (elsewhere they go
+over the socket and the peer checks them).
+
+Block mapping (the task's ``src_block_indices``/``dst_block_indices``): a blocks source sends
+block ``src_block_indices[j]`` to destination block ``dst_block_indices[j]``; a contiguous
+source sends row ``src_batch_index`` of each config, whole into a contiguous destination row,
+or cut in destination blocks (chunk j -> ``dst_block_indices[j]``).  A blocks source into a
+contiguous destination is rejected, as in CANN.
+
+The source cache must stay allocated until the task is done; a layer sent after it was freed
+fails its configs with ``LLM_KV_CACHE_NOT_EXIST``.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+import queue
+import threading
+from concurrent.futures import Future, wait
+from typing import Callable, Dict, List, Optional, Sequence, Union
+
+import numpy as np
+
+from ._cache_manager import _blocks, _blocks_plan, _int_arg, _layers, _row_blocks_plan, _row_plan, _row_size, _Side
+from ._objects import _UINT32_MAX, _UINT64_MAX, BlocksCacheKey, CacheKeyByIdAndIndex, _check_type, _int_in, _Value
+from ._status import LLMStatusCode, ParamInvalidError, raise_error, status_of
+from .engine.layout import Plan
+from .engine.link import Link
+from .transports.base import ANY_CACHE, RemoteCache
+
+__all__ = ["LayerSynchronizer", "TransferConfig", "TransferWithCacheKeyConfig", "CacheTask"]
+
+log = logging.getLogger("datadist")
+
+_S = LLMStatusCode
+#: Tensors per layer (K, V): transfer_cache_async takes no tensor_num_per_layer.
+_TNPL = 2
+#: Destination block indices of raw addresses have no known upper bound.
+_ANY_BLOCK = 2**62
+#: The one destination layer of a raw-address description (it holds one layer's tensors).
+_FIRST_LAYER = range(0, 1)
+
+
+def _range_arg(name: str, value, optional: bool) -> Optional[range]:
+    if value is None and optional:
+        return None
+    if not isinstance(value, range):
+        raise TypeError(f"{name} must be a range{' or None' if optional else ''}, got {type(value).__name__}")
+    if value.step != 1 or not 0 <= value.start < value.stop:
+        raise ParamInvalidError(f"{name} = {value} is invalid: step must be 1 and 0 <= start < stop")
+    return value
+
+
+# ------------------------------------------------------------------------ public objects
+
+
+class LayerSynchronizer(abc.ABC):
+    """Tells a ``transfer_cache_async`` task when a layer of the source cache is computed.
+
+    The task calls :meth:`synchronize_layer` from a thread of its own, once per layer that
+    some config sends, in ascending layer order.
+    """
+
+    @abc.abstractmethod
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+        """Wait until layer ``layer_index`` of the source cache holds its final bytes, then
+        return True; return False if it never will (the configs that send the layer fail with
+        ``LLM_PARAM_INVALID``).  Should return within ``timeout_in_millis`` (the engine's
+        ``sync_kv_timeout``): after that the task stops waiting and those configs fail with
+        ``LLM_TIMEOUT``, as they do when this raises ``TimeoutError``."""
+
+
+class TransferConfig(_Value):
+    """Push to raw addresses of cluster ``dst_cluster_id``.
+
+    ``dst_addrs``: one address per destination tensor of the layers sent (2 per layer: K, V),
+    in the peer's address space.  Into a contiguous destination they point at the
+    destination row (offset to it by the caller, as in CANN); into a blocks destination
+    (``dst_block_indices`` given to ``transfer_cache_async``) at block 0 of each tensor.
+    ``src_layer_range``: the source layers to send (None: all); ``src_batch_index``: the
+    source row when the source is contiguous.
+
+    Raises ``TypeError`` for a wrong type and :class:`ParamInvalidError` (a ``ValueError``
+    and an ``LLMException(LLM_PARAM_INVALID)``) for an out-of-domain value or range.
+    """
+
+    __slots__ = ("_dst_cluster_id", "_dst_addrs", "_src_layer_range", "_src_batch_index")
+    _fields = ("dst_cluster_id", "dst_addrs", "src_layer_range", "src_batch_index")
+
+    def __init__(self, dst_cluster_id: int, dst_addrs: Sequence[int], src_layer_range: Optional[range] = None,
+                 src_batch_index: int = 0):
+        self._dst_cluster_id = _int_in("dst_cluster_id", dst_cluster_id, 0, _UINT64_MAX)
+        _check_type("dst_addrs", dst_addrs, (list, tuple))
+        if not dst_addrs:
+            raise ParamInvalidError("dst_addrs is empty: give one address per destination tensor")
+        self._dst_addrs = tuple(_int_in(f"dst_addrs[{i}]", a, 1, _UINT64_MAX) for i, a in enumerate(dst_addrs))
+        self._src_layer_range = _range_arg("src_layer_range", src_layer_range, optional=True)
+        self._src_batch_index = _int_in("src_batch_index", src_batch_index, 0, _UINT32_MAX)
+
+    def _values(self) -> tuple:
+        return (self._dst_cluster_id, self._dst_addrs, self._src_layer_range, self._src_batch_index)
+
+    @property
+    def dst_cluster_id(self) -> int:
+        return self._dst_cluster_id
+
+    @property
+    def dst_addrs(self) -> List[int]:
+        return list(self._dst_addrs)
+
+    @property
+    def src_layer_range(self) -> Optional[range]:
+        return self._src_layer_range
+
+    @property
+    def src_batch_index(self) -> int:
+        return self._src_batch_index
+
+
+class TransferWithCacheKeyConfig(_Value):
+    """Push into the peer cache that ``cache_key`` names (a ``BlocksCacheKey`` or a
+    ``CacheKeyByIdAndIndex``, whose ``batch_index`` is the destination row of a contiguous
+    cache), like ``push_blocks``/``push_cache``.
+
+    Source layers ``src_layer_range`` go to destination layers ``dst_layer_range``, which must
+    be the same range (as for every push).  ``src_batch_index``: the source row when the
+    source is contiguous; 0 with a ``BlocksCacheKey``.
+
+    Raises ``TypeError`` for a wrong type and :class:`ParamInvalidError` for an invalid or
+    unequal range or a row with a ``BlocksCacheKey``.
+    """
+
+    __slots__ = ("_cache_key", "_src_layer_range", "_dst_layer_range", "_src_batch_index")
+    _fields = ("cache_key", "src_layer_range", "dst_layer_range", "src_batch_index")
+
+    def __init__(self, cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex], src_layer_range: range,
+                 dst_layer_range: range, src_batch_index: int = 0):
+        _check_type("cache_key", cache_key, (BlocksCacheKey, CacheKeyByIdAndIndex))
+        self._cache_key = cache_key
+        self._src_layer_range = _range_arg("src_layer_range", src_layer_range, optional=False)
+        self._dst_layer_range = _range_arg("dst_layer_range", dst_layer_range, optional=False)
+        if src_layer_range != dst_layer_range:
+            raise ParamInvalidError(f"a push needs the same layer range on both sides, got "
+                                    f"src_layer_range={src_layer_range} and dst_layer_range={dst_layer_range}")
+        self._src_batch_index = _int_in("src_batch_index", src_batch_index, 0, _UINT32_MAX)
+        if isinstance(cache_key, BlocksCacheKey) and self._src_batch_index:
+            raise ParamInvalidError(f"src_batch_index = {self._src_batch_index} with a BlocksCacheKey; it must be 0")
+
+    @property
+    def cache_key(self) -> Union[BlocksCacheKey, CacheKeyByIdAndIndex]:
+        return self._cache_key
+
+    @property
+    def src_layer_range(self) -> range:
+        return self._src_layer_range
+
+    @property
+    def dst_layer_range(self) -> range:
+        return self._dst_layer_range
+
+    @property
+    def src_batch_index(self) -> int:
+        return self._src_batch_index
+
+
+class CacheTask:
+    """A running ``transfer_cache_async``: one result per transfer config, in config order.
+
+    A config's result is final once all its layers are sent (``LLM_SUCCESS``) or one failed
+    (that layer's status).  Made by the cache manager, never by users.
+    """
+
+    def __init__(self, results: Sequence["Future[LLMStatusCode]"]) -> None:
+        self._results = list(results)
+
+    def synchronize(self, timeout_in_millis: Optional[int] = None) -> LLMStatusCode:
+        """Wait up to ``timeout_in_millis`` (None: until done) for every config.
+
+        Returns ``LLM_TIMEOUT`` if some config is still running then, else ``LLM_SUCCESS`` if
+        all succeeded, else the status of the first failed config.  Raises ``TypeError`` for a
+        non-int timeout and :class:`ParamInvalidError` for a negative one."""
+        if not self._wait(timeout_in_millis):
+            return _S.LLM_TIMEOUT
+        for result in self._results:
+            code = result.result()
+            if code != _S.LLM_SUCCESS:
+                return code
+        return _S.LLM_SUCCESS
+
+    def get_results(self, timeout_in_millis: Optional[int] = None) -> List[LLMStatusCode]:
+        """Wait as :meth:`synchronize` does, then return one status per config: the final
+        one, or ``LLM_TIMEOUT`` for a config still running."""
+        self._wait(timeout_in_millis)
+        return [r.result() if r.done() else _S.LLM_TIMEOUT for r in self._results]
+
+    def _wait(self, timeout_in_millis: Optional[int]) -> bool:
+        timeout = None
+        if timeout_in_millis is not None:
+            ms = _int_arg("timeout_in_millis", timeout_in_millis)
+            if ms < 0:
+                raise_error(_S.LLM_PARAM_INVALID, f"timeout_in_millis = {ms} must be >= 0 or None")
+            timeout = ms / 1000.0
+        _, running = wait(self._results, timeout=timeout)
+        return not running
+
+
+# ------------------------------------------------------------------------ validation
+
+
+class _Source:
+    """The source cache and the block mapping that every config of a task shares."""
+
+    __slots__ = ("side", "is_blocks", "src_blocks", "dst_blocks", "block_size", "num_layers")
+
+    def __init__(self, side: _Side, is_blocks: bool, src_block_indices, dst_block_indices,
+                 dst_block_memory_size) -> None:
+        if side.num_tensors % _TNPL:
+            raise_error(_S.LLM_PARAM_INVALID,
+                        f"src_cache has {side.num_tensors} tensors; transfer_cache_async sends layers of "
+                        f"{_TNPL} tensors (K, V)")
+        size = None if dst_block_memory_size is None else _int_arg("dst_block_memory_size", dst_block_memory_size)
+        if size is not None and size < 0:
+            raise_error(_S.LLM_PARAM_INVALID, f"dst_block_memory_size = {size} must be >= 0 (0: not given)")
+        size = size or None  # 0 means "not given", as in CANN
+        sb = None if src_block_indices is None else _blocks("src_block_indices", src_block_indices, side.batch_size)
+        db = None if dst_block_indices is None else _blocks("dst_block_indices", dst_block_indices, _ANY_BLOCK)
+        if is_blocks:
+            if sb is None or db is None:
+                raise_error(_S.LLM_PARAM_INVALID,
+                            "src_cache is a blocks cache: give src_block_indices and dst_block_indices "
+                            f"(got {src_block_indices!r:.60} and {dst_block_indices!r:.60})")
+            if sb.shape != db.shape:
+                raise_error(_S.LLM_PARAM_INVALID, f"src_block_indices has {sb.shape[0]} entries, "
+                                                  f"dst_block_indices {db.shape[0]}; they must be equal")
+            if size is not None and size != side.stride:
+                raise_error(_S.LLM_PARAM_INVALID,
+                            f"dst_block_memory_size = {size} differs from the source's {side.stride}-byte blocks; "
+                            "blocks are sent whole")
+            size = side.stride
+        else:
+            if sb is not None:
+                raise_error(_S.LLM_PARAM_INVALID,
+                            f"src_block_indices = {src_block_indices!r:.60} given, but src_cache is not a blocks cache")
+            if db is not None and size is not None and db.shape[0] * size > side.stride:
+                raise_error(_S.LLM_PARAM_INVALID,
+                            f"{db.shape[0]} destination blocks of dst_block_memory_size = {size} bytes exceed "
+                            f"the source row of {side.stride} bytes")
+        self.side, self.is_blocks, self.src_blocks, self.dst_blocks = side, is_blocks, sb, db
+        self.block_size: Optional[int] = size  # of a destination block, where known before any lookup
+        self.num_layers = side.num_tensors // _TNPL
+
+    def plan(self, row: int, remote: RemoteCache, src_layers: range, dst_layers: range) -> Plan:
+        """Plan source layers ``src_layers`` (row ``row`` of a contiguous source) into
+        ``dst_layers`` of ``remote``; raises ``LLM_PARAM_INVALID`` if they do not fit."""
+        dst = _Side.of_remote(remote)
+        if self.dst_blocks is None:
+            if remote.is_blocks:
+                raise_error(_S.LLM_PARAM_INVALID,
+                            f"cache {remote.cache_id} is a blocks cache: give dst_block_indices")
+            return _row_plan(self.side, row, dst, remote.row, _row_size(-1, self.side, dst), 0, _TNPL,
+                             src_layers, dst_layers)
+        if not remote.is_blocks:
+            raise_error(_S.LLM_PARAM_INVALID,
+                        f"dst_block_indices given, but cache {remote.cache_id} is not a blocks cache")
+        if self.block_size is not None and self.block_size != dst.stride:
+            raise_error(_S.LLM_PARAM_INVALID,
+                        f"cache {remote.cache_id} has {dst.stride}-byte blocks, the transfer {self.block_size}")
+        if self.is_blocks:
+            return _blocks_plan(self.side, dst, self.src_blocks, self.dst_blocks, _TNPL, src_layers, dst_layers)
+        return _row_blocks_plan(self.side, row, dst, self.dst_blocks, _TNPL, src_layers, dst_layers)
+
+
+class _Route:
+    """One transfer config, validated: its link, its source layers and how a layer is sent."""
+
+    def __init__(self, index: int, config, src: _Source, get_link: Callable[[int], Link]) -> None:
+        name = f"transfer_configs[{index}]"
+        if not isinstance(config, (TransferConfig, TransferWithCacheKeyConfig)):
+            raise TypeError(f"{name} must be a TransferConfig or TransferWithCacheKeyConfig, "
+                            f"got {type(config).__name__}")
+        self.index = index
+        self.layers = _layers(f"{name}.src_layer_range", config.src_layer_range, src.num_layers)
+        self.row = config.src_batch_index
+        if src.is_blocks and self.row:
+            raise_error(_S.LLM_PARAM_INVALID,
+                        f"{name}.src_batch_index = {self.row}, but src_cache is a blocks cache: it must be 0")
+        if not src.is_blocks and self.row >= src.side.batch_size:
+            raise_error(_S.LLM_PARAM_INVALID,
+                        f"{name}.src_batch_index = {self.row} outside [0, {src.side.batch_size})")
+        self.key: Optional[Union[BlocksCacheKey, CacheKeyByIdAndIndex]] = None
+        self.raw: Optional[RemoteCache] = None
+        if isinstance(config, TransferWithCacheKeyConfig):
+            self.key = config.cache_key
+            cluster = config.cache_key.cluster_id
+        else:
+            self.raw = self._describe_raw(name, config, src)
+            cluster = config.dst_cluster_id
+        self.link = get_link(cluster)
+        self.result: "Future[LLMStatusCode]" = Future()
+
+    def _describe_raw(self, name: str, config: TransferConfig, src: _Source) -> RemoteCache:
+        """Raw destination addresses described as a peer cache of all the layers sent: each
+        tensor one source row long, or reaching to the highest destination block."""
+        need = _TNPL * len(self.layers)
+        if len(config.dst_addrs) != need:
+            raise_error(_S.LLM_PARAM_INVALID,
+                        f"{name}.dst_addrs has {len(config.dst_addrs)} addresses; {len(self.layers)} layers "
+                        f"need {need} (one per destination tensor)")
+        if src.dst_blocks is None:
+            tensor_size, batch_size = src.side.stride, 1
+        elif src.block_size is None:
+            raise_error(_S.LLM_PARAM_INVALID,
+                        f"{name} sends a row into destination blocks at raw addresses: give dst_block_memory_size")
+        else:
+            batch_size = int(src.dst_blocks.max()) + 1 if src.dst_blocks.shape[0] else 1
+            tensor_size = batch_size * src.block_size
+        return RemoteCache(cache_id=ANY_CACHE, row=0, num_tensors=need, tensor_size=tensor_size,
+                           batch_size=batch_size, is_blocks=src.dst_blocks is not None, dtype="",
+                           addrs=np.asarray(config.dst_addrs, dtype=np.uint64), epoch=0)
+
+    def send(self, src: _Source, layer: int) -> None:
+        """Send source layer ``layer`` to this config's destination (raises on failure)."""
+        src_layers = range(layer, layer + 1)
+        if self.raw is None:
+            target, dst_layers = self.key, src_layers
+        else:
+            # Describe only this layer's two tensors: the shm path then needs just them to
+            # lie in one mapped arena.
+            k = (layer - self.layers.start) * _TNPL
+            target = dataclasses.replace(self.raw, num_tensors=_TNPL, addrs=self.raw.addrs[k:k + _TNPL])
+            dst_layers = _FIRST_LAYER
+        self.link.transfer(target, lambda remote: src.plan(self.row, remote, src_layers, dst_layers), push=True)
+
+
+# ------------------------------------------------------------------------ the task
+
+
+class _Task:
+    """The threads of one task; see the module docstring."""
+
+    def __init__(self, routes: List[_Route], synchronizer: LayerSynchronizer, timeout_ms: int, src: _Source,
+                 check_src: Callable[[], object]) -> None:
+        self._sync = synchronizer
+        self._timeout_ms = timeout_ms
+        self._src = src
+        self._check_src = check_src
+        self._layers = sorted(set().union(*(r.layers for r in routes)))
+        self._answers: Dict[int, "Future[bool]"] = {i: Future() for i in self._layers}
+        by_cluster: Dict[int, List[_Route]] = {}
+        for r in routes:
+            by_cluster.setdefault(r.link.remote_cluster_id, []).append(r)
+        self._inboxes = [(queue.SimpleQueue(), group) for group in by_cluster.values()]
+        self._finished = threading.Event()
+
+    def start(self) -> None:
+        """Start the threads: workers first, so every layer handed out has a taker."""
+        threads = [threading.Thread(target=self._send, args=(inbox, group), daemon=True,
+                                    name=f"datadist-async-link-{group[0].link.remote_cluster_id}")
+                   for inbox, group in self._inboxes]
+        threads.append(threading.Thread(target=self._coordinate, daemon=True, name="datadist-async-coordinator"))
+        threads.append(threading.Thread(target=self._ask, daemon=True, name="datadist-async-synchronizer"))
+        started = 0
+        try:
+            for t in threads:
+                t.start()
+                started += 1
+        except RuntimeError as exc:  # the process is out of threads
+            self._finished.set()  # a started coordinator stops at its next layer
+            for inbox, _ in self._inboxes:
+                inbox.put(None)  # started workers leave, failing their configs
+            raise_error(_S.LLM_FAILED, f"transfer_cache_async could not start its threads "
+                                       f"({started} of {len(threads)} started): {exc}")
+
+    def _ask(self) -> None:
+        for i in self._layers:
+            if self._finished.is_set():
+                return  # the coordinator is done (it gave up waiting for an earlier answer)
+            answer = self._answers[i]
+            try:
+                answer.set_result(bool(self._sync.synchronize_layer(i, self._timeout_ms)))
+            except Exception as exc:  # the layer's verdict, reported by the coordinator
+                answer.set_exception(exc)
+
+    def _coordinate(self) -> None:
+        try:
+            for i in self._layers:
+                if self._finished.is_set():
+                    return
+                answer = self._answers[i]
+                try:
+                    verdict = _S.LLM_SUCCESS if answer.result(self._timeout_ms / 1000.0) else _S.LLM_PARAM_INVALID
+                    why = "synchronize_layer returned False"
+                except Exception as exc:  # no answer in time (TimeoutError), or what the synchronizer raised
+                    verdict = status_of(exc)
+                    why = (f"synchronize_layer raised {exc!r}" if answer.done()
+                           else f"no answer from synchronize_layer within {self._timeout_ms} ms")
+                if verdict != _S.LLM_SUCCESS:
+                    log.warning("transfer_cache_async: layer %d not sent: %s", i, why)
+                for inbox, _ in self._inboxes:
+                    inbox.put((i, verdict))
+        finally:
+            self._finished.set()
+            for inbox, _ in self._inboxes:
+                inbox.put(None)
+
+    def _send(self, inbox: "queue.SimpleQueue", routes: List[_Route]) -> None:
+        # The coordinator bounds this wait: it hands out a layer at least every
+        # sync_kv_timeout and always ends with None.
+        try:
+            while (item := inbox.get()) is not None:
+                layer, verdict = item
+                for r in routes:
+                    if layer in r.layers and not r.result.done():
+                        self._send_layer(r, layer, verdict)
+        finally:
+            for r in routes:
+                if not r.result.done():  # the task was cut short before this config's last layer
+                    r.result.set_result(_S.LLM_FAILED)
+
+    def _send_layer(self, route: _Route, layer: int, verdict: LLMStatusCode) -> None:
+        if verdict == _S.LLM_SUCCESS:
+            try:
+                self._check_src()
+                route.send(self._src, layer)
+            except Exception as exc:  # this config fails; the others go on
+                verdict = status_of(exc)
+                log.warning("transfer_cache_async: transfer_configs[%d] failed at layer %d: %s",
+                            route.index, layer, exc)
+        if verdict != _S.LLM_SUCCESS:
+            route.result.set_result(verdict)
+        elif layer == route.layers[-1]:
+            route.result.set_result(_S.LLM_SUCCESS)
+
+
+def start_task(get_link: Callable[[int], Link], timeout_ms: int, src_side: _Side, src_is_blocks: bool,
+               check_src: Callable[[], object], layer_synchronizer: LayerSynchronizer, transfer_configs,
+               src_block_indices, dst_block_indices, dst_block_memory_size) -> CacheTask:
+    """Validate ``transfer_cache_async``'s arguments against the source cache and the links,
+    then start the task.  Raises before anything starts: ``TypeError`` for wrong types,
+    ``LLM_PARAM_INVALID`` for invalid values, ``LLM_NOT_YET_LINK`` for an unlinked cluster.
+    ``check_src`` raises once the source cache is gone; it runs before each send."""
+    if not isinstance(layer_synchronizer, LayerSynchronizer):
+        raise TypeError(f"layer_synchronizer must be a LayerSynchronizer, got {type(layer_synchronizer).__name__}")
+    if not isinstance(transfer_configs, (list, tuple)):
+        raise TypeError(f"transfer_configs must be a list or tuple of transfer configs, "
+                        f"got {type(transfer_configs).__name__}")
+    if not transfer_configs:
+        raise_error(_S.LLM_PARAM_INVALID, "transfer_configs is empty")
+    src = _Source(src_side, src_is_blocks, src_block_indices, dst_block_indices, dst_block_memory_size)
+    routes = [_Route(i, config, src, get_link) for i, config in enumerate(transfer_configs)]
+    _Task(routes, layer_synchronizer, timeout_ms, src, check_src).start()
+    return CacheTask([r.result for r in routes])

@@ -1,0 +1,177 @@
+"""push_by_layer: the prompt engine sends each layer's KV while it computes the next one.
+
+Two engine processes on this host.  The prompt engine runs a stack of layers with real
+torch compute (a residual MLP over the hidden states; that layer's K and V, written into
+its blocks of the paged cache, are cheap functions of the result).  ``transfer_cache_async``
+pushes the cache into the decoder's blocks cache layer by layer: its ``LayerSynchronizer``
+is fed by the compute loop, so layer i travels while layer i+1 is computed.
+
+After an untimed warm-up, the prompt times rounds of three runs: the compute alone, the
+transfer alone (every layer already computed), and both overlapped; it reports the medians.
+Before each overlapped run its cache is zeroed, and before the last one the decoder's too,
+so a layer sent before it was computed would arrive as zeros.  The decoder then compares
+every block with the prompt's (SHA-256 per tensor, through the block mapping).  Prints the
+timings and "push_by_layer: bytes match", exits 0; exits 1 on any failure.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from _by_layer import (add_size_args, cache_desc, digests, dst_blocks, kv_bytes, medians, pool_bytes, report,
+                       src_blocks, timed)
+from _launch import ChildFailed, Launcher, Peer, init_llm_datadist, link_clusters, unlink_clusters
+from datadist import (BlocksCacheKey, CacheTask, LayerSynchronizer, LLMException, LLMRole, LLMStatusCode,
+                      TransferWithCacheKeyConfig)
+
+PROMPT_CLUSTER_ID = 1
+DECODER_CLUSTER_ID = 2
+
+
+class ComputedLayers(LayerSynchronizer):
+    """Fed by the compute loop: layer i is ready once :meth:`computed` was called for it.
+    (On CPU a layer's tensors are final when the loop moves on; on an accelerator the loop
+    would record an event on its stream here and ``synchronize_layer`` would wait on it.)"""
+
+    def __init__(self, num_layers: int, all_computed: bool = False) -> None:
+        self._done = [threading.Event() for _ in range(num_layers)]
+        if all_computed:
+            for event in self._done:
+                event.set()
+
+    def computed(self, layer: int) -> None:
+        self._done[layer].set()
+
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+        return self._done[layer_index].wait(None if timeout_in_millis is None else timeout_in_millis / 1000)
+
+
+class Prefill:
+    """Layers of real compute whose K and V land in the paged cache, block b holding
+    tokens ``[b * block_tokens, (b + 1) * block_tokens)``.  A layer is a residual MLP of
+    width ``--hidden`` over the hidden states, which sets its cost; K and V are cheap
+    functions of the result."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        gen = torch.Generator().manual_seed(args.seed)
+        tokens, width = args.blocks * args.block_tokens, args.kv_heads * args.head_dim
+        self.shape = (args.blocks, args.block_tokens, args.kv_heads, args.head_dim)
+        self.x = torch.randn(tokens, width, generator=gen)
+        self.layers = [(torch.randn(width, args.hidden, generator=gen) * width ** -0.5,
+                        torch.randn(args.hidden, width, generator=gen) * args.hidden ** -0.5)
+                       for _ in range(args.layers)]
+
+    def run(self, kv: Sequence[torch.Tensor], computed: Callable[[int], None] = lambda layer: None) -> None:
+        """Compute every layer into ``kv`` (K0, V0, K1, V1, ...), calling ``computed(i)``
+        as soon as layer i's K and V are written."""
+        h = self.x
+        for i, (w_up, w_down) in enumerate(self.layers):
+            h = h + torch.tanh(h @ w_up) @ w_down
+            kv[2 * i].copy_(h.view(self.shape))
+            kv[2 * i + 1].copy_(torch.tanh(h).view(self.shape))
+            computed(i)
+
+
+def prompt_process(peer: Peer, args: argparse.Namespace) -> Tuple[float, float, float]:
+    """Returns the seconds of the compute alone, the transfer alone and both overlapped
+    (medians of ``--rounds`` rounds)."""
+    torch.set_num_threads(args.threads)
+    datadist = init_llm_datadist(LLMRole.PROMPT, PROMPT_CLUSTER_ID, args.transport, listen=True,
+                                 pool_bytes=pool_bytes(args))
+    try:
+        cache_manager = datadist.cache_manager
+        cache = cache_manager.allocate_blocks_cache(cache_desc(args))
+        kv = cache_manager.get_cache_tensors(cache)
+        model = Prefill(args)
+        every_layer = range(0, args.layers)
+        configs = [TransferWithCacheKeyConfig(BlocksCacheKey(DECODER_CLUSTER_ID, 0), every_layer, every_layer)]
+        peer.barrier("listening", datadist.listen_port)
+        peer.barrier("linked")
+
+        def push(synchronizer: ComputedLayers) -> CacheTask:
+            return cache_manager.transfer_cache_async(cache, synchronizer, configs, src_blocks(args), dst_blocks(args))
+
+        def finish(task: CacheTask) -> None:
+            status = task.synchronize(args.timeout * 1000)
+            if status != LLMStatusCode.LLM_SUCCESS:
+                raise LLMException(f"transfer_cache_async ended with {status!r}: {task.get_results(0)}",
+                                   status_code=status)
+
+        def compute_alone() -> None:
+            model.run(kv)
+
+        def transfer_alone() -> None:
+            finish(push(ComputedLayers(args.layers, all_computed=True)))
+
+        def overlapped() -> None:
+            synchronizer = ComputedLayers(args.layers)
+            task = push(synchronizer)
+            model.run(kv, synchronizer.computed)
+            finish(task)
+
+        compute_alone()  # an untimed round first: torch's kernels and the link's lookup are set up once
+        transfer_alone()
+        rounds: List[Tuple[float, float, float]] = []
+        for r in range(args.rounds):
+            compute_s, transfer_s = timed(compute_alone), timed(transfer_alone)
+            for tensor in kv:
+                tensor.zero_()  # a layer sent before it was computed would arrive as zeros
+            if r == args.rounds - 1:
+                peer.barrier("zeroed")  # the decoder zeroed its copy: the last run is the one checked
+            rounds.append((compute_s, transfer_s, timed(overlapped)))
+        peer.barrier("pushed", digests(kv, src_blocks(args)))
+        peer.barrier("checked")  # the decoder has unlinked
+        cache_manager.deallocate_blocks_cache(cache)
+        return medians(rounds)
+    finally:
+        datadist.finalize()
+
+
+def decoder_process(peer: Peer, args: argparse.Namespace) -> None:
+    datadist = init_llm_datadist(LLMRole.DECODER, DECODER_CLUSTER_ID, args.transport, pool_bytes=pool_bytes(args))
+    try:
+        cache_manager = datadist.cache_manager
+        cache = cache_manager.allocate_blocks_cache(cache_desc(args), BlocksCacheKey(DECODER_CLUSTER_ID, 0))
+        kv = cache_manager.get_cache_tensors(cache)
+        ports = peer.barrier("listening")
+        link_clusters(datadist, {PROMPT_CLUSTER_ID: ports["prompt"]})
+        peer.barrier("linked")
+        for tensor in kv:
+            tensor.zero_()
+        peer.barrier("zeroed")
+        sent = peer.barrier("pushed")["prompt"]
+        got = digests(kv, dst_blocks(args))
+        wrong = [i for i, (a, b) in enumerate(zip(sent, got)) if a != b]
+        if wrong:
+            raise AssertionError(f"decoder tensors {wrong} differ from the prompt's")
+        unlink_clusters(datadist, [PROMPT_CLUSTER_ID])
+        peer.barrier("checked")
+        cache_manager.deallocate_blocks_cache(cache)
+    finally:
+        datadist.finalize()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_size_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        with Launcher(args.timeout) as procs:
+            procs.start("prompt", prompt_process, args)
+            procs.start("decoder", decoder_process, args)
+            timings = procs.serve()["prompt"]
+    except ChildFailed as exc:
+        print(f"push_by_layer: FAILED: {exc}", file=sys.stderr)
+        return 1
+    report(f"push_by_layer ({args.layers} layers, {kv_bytes(args) / (1 << 20):.1f} MiB of KV, {args.transport})",
+           *timings)
+    print("push_by_layer: bytes match")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The daemon's store with a fake tier: two-phase puts, leases, LRU, checksums."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pytest
+
+from ems.pool.checksum import checksum
+from ems.pool.wire import NO_SPACE, SKIPPED
+from ems.server.arena import Allocator
+from ems.server.store import Store
+from ems.server.tiers.base import Sink, Tier
+
+PAGE = 4096
+
+
+class FakeTier(Tier):
+    """A dict of values; ``corrupt`` flips a byte of what it returns."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.data: Dict[Tuple[str, str], Tuple[bytes, int]] = {}
+        self.corrupt = False
+        self.discarded: List[str] = []
+
+    def store(self, ns: str, key: str, data: memoryview, crc: int) -> bool:
+        self.data[(ns, key)] = (bytes(data), crc)
+        return True
+
+    def exists(self, ns: str, keys: Sequence[str]) -> List[bool]:
+        return [(ns, k) in self.data for k in keys]
+
+    def load(self, ns: str, key: str, sink: Sink) -> Optional[int]:
+        if (ns, key) not in self.data:
+            return None
+        raw, crc = self.data[(ns, key)]
+        dest = sink(len(raw))
+        if dest is None:
+            return None
+        dest[:] = raw
+        if self.corrupt:
+            dest[0] ^= 0xFF
+        return crc
+
+    def discard(self, ns: str, key: str) -> None:
+        self.discarded.append(key)
+        self.data.pop((ns, key), None)
+
+
+def put(store, owner, ts, key, fill, size=PAGE):
+    (off,) = store.reserve(owner, ts, [key], [size], False)
+    if off < 0:
+        return off
+    ts.arena.array[off:off + size] = fill
+    assert store.commit(owner, ts, [key], [off], [checksum(ts.arena.array[off:off + size])]) == [True]
+    return off
+
+
+@pytest.fixture
+def store():
+    s = Store(4 * PAGE, arena_size=8 * PAGE)
+    yield s
+    s.close(spill=False)
+
+
+def test_reserved_is_invisible_until_commit(store):
+    ts, owner = store.space(""), store.new_owner()
+    (off,) = store.reserve(owner, ts, ["k"], [PAGE], False)
+    assert store.exists(ts, ["k"], False) == 0
+    _lease, got = store.get(owner, ts, ["k"], False)
+    assert got == []
+    store.commit(owner, ts, ["k"], [off], [1])
+    assert store.exists(ts, ["k"], False) == 1
+    # commits only what this owner reserved, once
+    assert store.commit(store.new_owner(), ts, ["k"], [off], [1]) == [False]
+
+
+def test_skip_existing_and_leading_counts(store):
+    ts, owner = store.space(""), store.new_owner()
+    put(store, owner, ts, "a", 1)
+    assert store.reserve(owner, ts, ["a"], [PAGE], True) == [SKIPPED]
+    assert store.exists(ts, ["a", "b", "a"], False) == 1
+
+
+def test_lru_eviction_skips_pinned(store):
+    ts, owner = store.space(""), store.new_owner()
+    for i in range(4):
+        put(store, owner, ts, f"k{i}", i)
+    lease, got = store.get(owner, ts, ["k0"], False)  # k0 is oldest but pinned
+    assert len(got) == 1
+    put(store, owner, ts, "k4", 4)
+    assert store.exists(ts, ["k0"], False) == 1 and store.exists(ts, ["k1"], False) == 0
+    store.release(owner, lease)
+    put(store, owner, ts, "k5", 5)  # now the LRU is k2 (k0 was touched by the get)
+    assert store.exists(ts, ["k2"], False) == 0 and store.exists(ts, ["k0"], False) == 1
+    assert store.used <= store.capacity
+
+
+def test_overwrite_while_leased_keeps_old_bytes(store):
+    ts, owner = store.space(""), store.new_owner()
+    off_old = put(store, owner, ts, "k", 7)
+    lease, (entry,) = store.get(owner, ts, ["k"], False)
+    off_new = put(store, owner, ts, "k", 9)
+    assert off_new != off_old and (ts.arena.array[off_old:off_old + PAGE] == 7).all()
+    used = store.used
+    store.release(owner, lease)
+    assert store.used == used - PAGE  # the old value is freed when its last pin goes
+
+
+def test_all_pinned_means_no_space(store):
+    ts, owner = store.space(""), store.new_owner()
+    for i in range(4):
+        put(store, owner, ts, f"k{i}", i)
+    store.get(owner, ts, [f"k{i}" for i in range(4)], False)
+    assert store.reserve(owner, ts, ["x"], [PAGE], False) == [NO_SPACE]
+    store.close_owner(owner)  # a closed connection releases its leases
+    assert store.reserve(store.new_owner(), ts, ["x"], [PAGE], False)[0] >= 0
+
+
+def test_spill_to_tier_and_fill_back_and_corruption():
+    disk = FakeTier()
+    s = Store(2 * PAGE, arena_size=4 * PAGE, disk=disk)
+    try:
+        ts, owner = s.space("t"), s.new_owner()
+        put(s, owner, ts, "a", 1)
+        put(s, owner, ts, "b", 2)
+        put(s, owner, ts, "c", 3)  # evicts a -> disk
+        assert ("t", "a") in disk.data and s.counters["spills"] == 1
+        assert s.exists(ts, ["a", "b", "c"], False) == 3
+        lease, got = s.get(owner, ts, ["a"], False)
+        assert len(got) == 1 and (ts.arena.array[got[0].off:got[0].off + PAGE] == 1).all()
+        s.release(owner, lease)
+        disk.data[("t", "z")] = (bytes(PAGE), checksum(np.zeros(PAGE, np.uint8)))
+        disk.corrupt = True
+        _lease, got = s.get(owner, ts, ["z"], False)
+        assert got == [] and disk.discarded == ["z"] and s.counters["corrupt"] == 1
+    finally:
+        s.close(spill=False)
+
+
+def test_tenants_have_separate_arenas(store):
+    a, b = store.space("a"), store.space("b")
+    owner = store.new_owner()
+    put(store, owner, a, "k", 1)
+    assert store.exists(b, ["k"], False) == 0 and a.arena.fd != b.arena.fd
+
+
+def test_allocator_first_fit_and_coalescing():
+    al = Allocator(10 * PAGE)
+    offs = [al.alloc(PAGE) for _ in range(10)]
+    assert offs == [i * PAGE for i in range(10)] and al.alloc(PAGE) is None
+    for o in offs[2:5]:
+        al.free(o, PAGE)
+    assert al.largest_free == 3 * PAGE and al.alloc(3 * PAGE) == 2 * PAGE
+    with pytest.raises(AssertionError):
+        al.free(0, PAGE) or al.free(0, PAGE)

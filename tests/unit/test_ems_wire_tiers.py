@@ -1,0 +1,60 @@
+"""Wire codec, checksum and the disk tier on its own."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ems._errors import ProtocolError
+from ems.pool import wire
+from ems.pool.checksum import checksum
+from ems.server.tiers import make_tier
+from ems.server.tiers.disk import DiskTier, parse_size
+
+
+def test_codec_round_trip_and_errors():
+    msg = wire.Reserve(["a\x00b"], [10], True)
+    frame = wire.encode(msg)
+    assert wire.decode(frame[4:]) == msg
+    with pytest.raises(ProtocolError):
+        wire.decode(b"[999, {}]")
+    with pytest.raises(ProtocolError):
+        wire.decode(b"[7, {\"bogus\": 1}]")
+    with pytest.raises(ProtocolError):
+        wire.decode(b"not json")
+    with pytest.raises(TypeError):
+        class Dup(wire.Message):  # noqa: F841 - registering an op twice is refused
+            OP = wire.Op.PING
+
+
+def test_checksum_detects_changes():
+    data = np.random.default_rng(0).integers(0, 255, 3 * 4096 + 17, dtype=np.uint8)
+    base = checksum(data)
+    assert checksum(data.copy()) == base and checksum(bytes(data)) == base
+    for pos in (0, 4095, 5000, len(data) - 1):
+        d = data.copy()
+        d[pos] ^= 1
+        assert checksum(d) != base
+    swapped = np.concatenate([data[4096:8192], data[:4096], data[8192:]])
+    assert checksum(swapped) != base  # block order matters
+    assert checksum(data[:-1]) != base
+
+
+def test_disk_tier_store_scan_corrupt_capacity(tmp_path):
+    disk = DiskTier(str(tmp_path), 3 * 4096)
+    vals = {f"k{i}": np.full(4096, i, np.uint8) for i in range(4)}
+    for k, v in vals.items():
+        assert disk.store("t", k, memoryview(v), checksum(v))
+    assert disk.exists("t", ["k0", "k1", "k2", "k3"]) == [False, True, True, True]  # LRU evicted k0
+    again = DiskTier(str(tmp_path), 3 * 4096)  # a restart finds the values again
+    buf = bytearray(4096)
+    assert again.load("t", "k2", lambda n: memoryview(buf)) == checksum(vals["k2"])
+    assert bytes(buf) == bytes(vals["k2"])
+    assert again.load("other", "k2", lambda n: memoryview(buf)) is None  # tenants apart
+    path = next(p for p in tmp_path.glob("*.val") if p.stat().st_size > 0)
+    path.write_bytes(path.read_bytes()[:-10])  # truncated file: unreadable, dropped
+    misses = [again.load("t", k, lambda n: memoryview(bytearray(n))) for k in ("k1", "k2", "k3")]
+    assert misses.count(None) == 1 and len(list(tmp_path.glob("*.val"))) == 2
+    assert parse_size("64M") == 64 << 20 and parse_size("1GiB") == 1 << 30
+    assert isinstance(make_tier(f"disk://{tmp_path}?capacity=1M"), DiskTier)
+    with pytest.raises(ValueError):
+        make_tier("ftp://x")
