@@ -69,13 +69,13 @@ static void cursor_advance(const plan_t *p, cursor_t *c, uint64_t bytes) {
     cursor_skip_empty(p, c);
 }
 
-/* Fill up to DD_IOV_BATCH iovecs from the cursor without moving it; returns the count. */
+/* Fill up to `max` iovecs from the cursor without moving it; returns the count. */
 static size_t fill_iov(const plan_t *p, const cursor_t *c, struct iovec *a, struct iovec *b,
-                       uint64_t *bytes) {
+                       uint64_t *bytes, size_t max) {
     size_t k = 0, t = c->t, u = c->u;
     uint64_t done = c->done;
     *bytes = 0;
-    while (t < p->nt && k < DD_IOV_BATCH) {
+    while (t < p->nt && k < max) {
         uint64_t l = p->len[u] - done;
         if (l) {
             a[k].iov_base = (void *)(uintptr_t)(p->a_base[t] + p->a_off[u] + done);
@@ -169,7 +169,7 @@ static int64_t dd_cma_plan(int pid, int write, size_t nt, const uint64_t *lbase,
     cursor_skip_empty(&p, &c);
     while (!cursor_end(&p, &c)) {
         uint64_t want;
-        size_t k = fill_iov(&p, &c, liov, riov, &want);
+        size_t k = fill_iov(&p, &c, liov, riov, &want, DD_IOV_BATCH);
         ssize_t r = write ? process_vm_writev(pid, liov, k, riov, k, 0)
                           : process_vm_readv(pid, liov, k, riov, k, 0);
         if (r < 0) {
@@ -210,7 +210,7 @@ static int64_t dd_sock_plan(int fd, int send, int64_t timeout_ms, size_t nt, con
                      size_t head_len) {
     plan_t p = {base, base, off, off, len, nt, nu};
     int64_t deadline = now_ms() + timeout_ms;
-    struct iovec iov[DD_IOV_BATCH + 1];
+    struct iovec iov[DD_IOV_BATCH];
     cursor_t c = {0, 0, 0};
     int64_t moved = 0;
     size_t head_done = 0; /* a frame header sent in the same writev as the first runs */
@@ -222,7 +222,7 @@ static int64_t dd_sock_plan(int fd, int send, int64_t timeout_ms, size_t nt, con
             iov[0].iov_base = (void *)(head + head_done);
             iov[0].iov_len = head_len - head_done;
         }
-        size_t k = h + fill_iov(&p, &c, iov + h, NULL, &want);
+        size_t k = h + fill_iov(&p, &c, iov + h, NULL, &want, DD_IOV_BATCH - h);  /* IOV_MAX in all */
         ssize_t r = send ? writev(fd, iov, k) : readv(fd, iov, k);
         if (r < 0) {
             if (errno == EINTR) continue;

@@ -165,6 +165,26 @@ def test_large_scattered_blocks(pair: Pair) -> None:
     np.testing.assert_array_equal(pair.decoder.read("dst"), pushed)
 
 
+@pytest.mark.parametrize("kind", ["alloc", "reg"])
+def test_more_runs_than_one_system_call(pair: Pair, kind: str) -> None:
+    """3000 uncoalescible runs (above IOV_MAX, 1024): every executor splits the plan into
+    several system calls (writev/readv, process_vm_writev/readv) and loses no run."""
+    desc = Desc(2, (1500, 16, 16), "int8")  # 256-byte blocks
+    made = _setup(pair.prompt, "src", desc, kind, 31, blocks=True, bkey=blocks_key(PROMPT_ID, 11))[0]
+    dst_made, dst0 = _setup(pair.decoder, "dst", desc, kind, 32, blocks=True, bkey=blocks_key(DECODER_ID, 11))
+    src = pair.prompt.read("src")
+    perm = np.random.default_rng(33).permutation(1500).tolist()
+    key = id_key(PROMPT_ID, made["cache_id"]) if kind == "reg" else blocks_key(PROMPT_ID, 11)
+    pair.decoder.cm("pull_blocks", key, Ref("dst"), list(range(1500)), perm)
+    pulled = expect_blocks(dst0, src, list(range(1500)), perm, desc.row_bytes)
+    np.testing.assert_array_equal(pair.decoder.read("dst"), pulled)
+    fresh = pair.prompt.fill("src", desc, 34)
+    dst_key = id_key(DECODER_ID, dst_made["cache_id"]) if kind == "reg" else blocks_key(DECODER_ID, 11)
+    pair.prompt.cm("push_blocks", dst_key, Ref("src"), perm, list(range(1500)))
+    np.testing.assert_array_equal(pair.decoder.read("dst"),
+                                  expect_blocks(pulled, fresh, perm, list(range(1500)), desc.row_bytes))
+
+
 # ------------------------------------------------------------------ rows -> blocks
 
 
