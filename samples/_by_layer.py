@@ -12,7 +12,7 @@ import argparse
 import hashlib
 import statistics
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
@@ -22,8 +22,9 @@ __all__ = ["add_size_args", "cache_desc", "kv_bytes", "pool_bytes", "src_blocks"
            "medians", "report"]
 
 
-def add_size_args(parser: argparse.ArgumentParser) -> None:
-    """The flags both samples take (sizes default small: the run takes a few seconds)."""
+def add_size_args(parser: argparse.ArgumentParser, hidden: int) -> None:
+    """The flags both samples take (sizes default small: a run takes a few seconds);
+    ``hidden`` is the sample's default MLP width."""
 
     def positive(text: str) -> int:
         value = int(text)
@@ -32,12 +33,12 @@ def add_size_args(parser: argparse.ArgumentParser) -> None:
         return value
 
     parser.add_argument("--layers", type=positive, default=8, help="layers (default 8)")
-    parser.add_argument("--blocks", type=positive, default=32, help="KV blocks per tensor (default 32)")
+    parser.add_argument("--blocks", type=positive, default=128, help="KV blocks per tensor (default 128)")
     parser.add_argument("--block-tokens", type=positive, default=16, help="tokens per block (default 16)")
     parser.add_argument("--kv-heads", type=positive, default=4, help="KV heads (default 4)")
     parser.add_argument("--head-dim", type=positive, default=64, help="head dimension (default 64)")
-    parser.add_argument("--hidden", type=positive, default=1024,
-                        help="width of each layer's MLP: sets the compute per layer (default 1024)")
+    parser.add_argument("--hidden", type=positive, default=hidden,
+                        help=f"width of each layer's MLP: sets the compute per layer (default {hidden})")
     parser.add_argument("--rounds", type=positive, default=5,
                         help="timed rounds; the medians are reported (default 5)")
     parser.add_argument("--threads", type=positive, default=1,
@@ -93,8 +94,7 @@ def medians(rounds: Sequence[Tuple[float, ...]]) -> Tuple[float, ...]:
     return tuple(statistics.median(column) for column in zip(*rounds))
 
 
-def report(title: str, compute_s: float, transfer_s: float, overlapped_s: float,
-           note: Optional[str] = None) -> None:
+def report(title: str, compute_s: float, transfer_s: float, overlapped_s: float) -> None:
     """Print the four timings and what overlapping saved."""
     serial = compute_s + transfer_s
     print(f"{title}:")
@@ -103,5 +103,3 @@ def report(title: str, compute_s: float, transfer_s: float, overlapped_s: float,
     print(f"  serial sum         {serial * 1000:9.1f} ms")
     print(f"  overlapped (wall)  {overlapped_s * 1000:9.1f} ms   (saves {(1 - overlapped_s / serial) * 100:.0f}% "
           "of the serial time)")
-    if note:
-        print(f"  {note}")

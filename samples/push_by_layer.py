@@ -155,9 +155,9 @@ def decoder_process(peer: Peer, args: argparse.Namespace) -> None:
         datadist.finalize()
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_size_args(parser)
+    add_size_args(parser, hidden=64)
     args = parser.parse_args(argv)
     try:
         with Launcher(args.timeout) as procs:

@@ -36,6 +36,8 @@ CASES = [
     pytest.param("pull_from_cache_to_blocks.py", [], "pull_from_cache_to_blocks: bytes match",
                  id="pull_from_cache_to_blocks"),
     pytest.param("xpyd.py", [], "xpyd: bytes match", id="xpyd"),
+    pytest.param("push_by_layer.py", [], "push_by_layer: bytes match", id="push_by_layer"),
+    pytest.param("pull_by_layer.py", [], "pull_by_layer: bytes match", id="pull_by_layer"),
 ]
 
 

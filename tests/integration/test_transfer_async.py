@@ -69,6 +69,7 @@ def _close(spawned: List[Peer]) -> None:
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def trio_holder(request: pytest.FixtureRequest) -> Iterator[Trio]:
+    """The module's engines, once per transport."""
     spawned: List[Peer] = []
     try:
         yield _start_trio(request.param, spawned)
@@ -85,7 +86,7 @@ def trio(trio_holder: Trio) -> Iterator[Trio]:
 
 
 @pytest.fixture
-def own_trio(request: pytest.FixtureRequest) -> Iterator[Any]:
+def own_trio() -> Iterator[Any]:
     """``make(transport, timeout_ms)``: engines of this test alone (it freezes or kills one)."""
     spawned: List[Peer] = []
     try:
