@@ -427,9 +427,16 @@ class CacheManager:
                           dst_block_memory_size)
 
     # -- arrivals (receiver side) ------------------------------------------------------
+    def watch_arrivals(self, cache: Cache) -> None:
+        """Keep arrival notices for ``cache`` from now on: every later push into it (any
+        transport, any peer) is recorded for ``wait_arrival`` and the callbacks.  Call it
+        before the peer pushes (e.g. right after allocating the blocks for a request);
+        pushes into caches nobody watches cost no notice at all.  Idempotent."""
+        self._board(cache)
+
     def _board(self, cache: Cache):
         self._local(cache)
-        board = self._engine.registry.board(cache.cache_id)
+        board = self._engine.registry.watch(cache.cache_id)
         if board is None:
             raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {cache.cache_id} is not known to this engine")
         return board
@@ -443,7 +450,8 @@ class CacheManager:
         layer sees each push once.  Raises ``LLM_TIMEOUT`` after ``timeout_in_millis``
         (None: no deadline), the push's own status if a covering push failed, and
         ``LLM_LINK_FAILED`` when the link to ``src_cluster_id`` breaks meanwhile.  Notices
-        are kept from the moment the cache exists, so waiting after the push is fine."""
+        are kept from ``watch_arrivals`` on (this call watches too), so waiting after the
+        push is fine once the cache is watched."""
         board = self._board(cache)
         n = _tnpl(tensor_num_per_layer, board.num_tensors, layer_range is not None)
         layers = _layers("layer_range", layer_range, board.num_tensors // n)

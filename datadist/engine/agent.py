@@ -21,7 +21,7 @@ import numpy as np
 from .._arrivals import Arrival
 from .._status import LLMException, LLMStatusCode, to_status_code
 from . import native, wire
-from .layout import Plan
+from .layout import Plan, tensor_span
 from ..transports.base import ANY_CACHE, STALE
 from ..transports.collective import VIA_COLLECTIVE, CollectiveTransport
 from .link import Link
@@ -247,7 +247,8 @@ class Agent:
                 return wire.Resolved(status=int(exc.status_code), message=str(exc))
             return wire.Resolved(cache_id=rec.cache_id, row=row, num_tensors=rec.num_tensors,
                                  tensor_size=rec.tensor_size, batch_size=rec.batch_size, is_blocks=rec.is_blocks,
-                                 dtype=rec.dtype, epoch=reg.epoch, arrays=[rec.addrs])
+                                 dtype=rec.dtype, epoch=reg.epoch, watched=reg.watched(rec.cache_id) is not None,
+                                 arrays=[rec.addrs])
         if isinstance(msg, wire.ReleaseKey):
             # Only keys of pool-allocated caches are consumed by a pull (as in CANN);
             # keys of registered memory stay until the owner removes them.
@@ -274,6 +275,7 @@ class Agent:
                 _drain(sock, msg.nbytes, self.engine.timeout_ms)
                 return wire.Reply(status=status, message=why)
             native.sock_recv(sock.fileno(), Plan(bases, bases, offs, offs, lens), self.engine.timeout_ms)
+            self._arrived(link, rec, msg)
             return wire.Reply()
         if isinstance(msg, wire.Unlink):
             return wire.Reply()
@@ -301,7 +303,18 @@ class Agent:
             transport.serve_push(bases, offs, lens, msg.nbytes, self.engine.timeout_ms)
         except RuntimeError as exc:  # torch.distributed: the initiator gave up or died
             return wire.Reply(status=int(LLMStatusCode.LLM_LINK_FAILED), message=f"collective receive failed: {exc}")
+        self._arrived(link, self.engine.registry.get(msg.cache_id), msg)
         return wire.Reply()
+
+    def _arrived(self, link: Link, rec: Optional[CacheRecord], msg: wire.Push) -> None:
+        """A push this agent received went through: record it if the cache is watched
+        (socket and collective pushes need no notice message)."""
+        if rec is None or self.engine.registry.watched(rec.cache_id) is None:
+            return
+        lo, hi = tensor_span(rec.addrs, *msg.arrays)
+        self.engine.registry.record_arrival(Arrival(cluster_id=link.remote_cluster_id, cache_id=rec.cache_id,
+                                                    tensors=range(lo, hi), nbytes=msg.nbytes,
+                                                    status=LLMStatusCode.LLM_SUCCESS))
 
     @staticmethod
     def _check_request(reg: Registry, rec: Optional[CacheRecord], msg: wire.Push) -> tuple[int, str]:

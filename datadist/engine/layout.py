@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Plan", "plan_units", "coalesce", "block_offsets", "layer_tensor_indices"]
+__all__ = ["Plan", "plan_units", "coalesce", "block_offsets", "layer_tensor_indices", "tensor_span"]
 
 _U64 = np.uint64
 
@@ -143,3 +143,20 @@ def layer_tensor_indices(layers: range, tensor_num_per_layer: int) -> np.ndarray
     """Tensor indices of a layer range in a KV..KV layout: layer i is tensors [i*N, (i+1)*N)."""
     n = int(tensor_num_per_layer)
     return np.arange(layers.start * n, layers.stop * n, dtype=np.int64)
+
+
+def tensor_span(addrs: np.ndarray, bases: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> tuple[int, int]:
+    """The range ``[lo, hi)`` of tensor indices (tensor i starts at ``addrs[i]``) that one
+    side ``(bases, offs, lens)`` of a plan touches.  Bases that are tensor addresses name
+    the tensors exactly; a flat plan (tensors merged back to back) is mapped through the
+    sorted tensor addresses."""
+    index = {a: i for i, a in enumerate(addrs.tolist())}
+    hits = [index.get(b) for b in bases.tolist()]
+    if None not in hits:
+        return min(hits), max(hits) + 1
+    order = np.argsort(addrs)
+    first = int(bases.min() + offs.min())
+    last = int(bases.max() + (offs + lens).max()) - 1
+    lo, hi = np.searchsorted(addrs[order], [first, last], side="right") - 1
+    picked = order[max(int(lo), 0): int(hi) + 1]
+    return int(picked.min()), int(picked.max()) + 1

@@ -17,15 +17,12 @@ import logging
 import socket
 import threading
 import time
-
-import numpy as np
 from typing import Callable, NoReturn, Optional
 
 from .._status import LLMException, LLMStatusCode, raise_error
-from ..transports.base import RemoteCache, Transport
-from ..transports.base import StaleLookup
+from ..transports.base import RemoteCache, StaleLookup, Transport
 from . import native, wire
-from .layout import Plan
+from .layout import Plan, tensor_span
 from .registry import Registry
 
 __all__ = ["Link"]
@@ -148,7 +145,7 @@ class Link:
             raise_error(reply.status, reply.message)
         remote = RemoteCache(cache_id=reply.cache_id, row=reply.row, num_tensors=reply.num_tensors,
                              tensor_size=reply.tensor_size, batch_size=reply.batch_size, is_blocks=reply.is_blocks,
-                             dtype=reply.dtype, addrs=reply.arrays[0], epoch=reply.epoch)
+                             dtype=reply.dtype, addrs=reply.arrays[0], epoch=reply.epoch, watched=reply.watched)
         if kt[0] != "key":
             # CacheKey lookups are consumed by pulls; caching them buys little.
             self._lookups[kt] = remote
@@ -185,8 +182,10 @@ class Link:
                     cached = False
                     continue
                 try:
-                    (self.transport.push if push else self.transport.pull)(self, plan, remote, deadline)
-                    if push:
+                    if not push:
+                        self.transport.pull(self, plan, remote, deadline)
+                    elif not self.transport.push(self, plan, remote, deadline) and remote.watched:
+                        # One-sided: the receiver learns of it only from a notice.
                         self._notify(remote, plan, LLMStatusCode.LLM_SUCCESS, "")
                     return remote
                 except StaleLookup:
@@ -201,7 +200,7 @@ class Link:
                     # (socket peers share no epoch to check before planning): ask once
                     # more before reporting the error.
                     if not from_cache or exc.status_code not in _RETRYABLE:
-                        if push:
+                        if push and remote.watched:
                             self._notify(remote, plan, exc.status_code, str(exc))
                         raise
                     cached = False
@@ -216,7 +215,7 @@ class Link:
         waits on this cluster fail by that."""
         if self.broken is not None or self.req_sock is None or plan.lens.shape[0] == 0:
             return
-        lo, hi = touched_tensors(remote, plan)
+        lo, hi = tensor_span(remote.addrs, plan.dst_bases, plan.dst_offs, plan.lens)
         frame = wire.encode(wire.Notify(cluster_id=self.local_cluster_id, cache_id=remote.cache_id, t_lo=lo, t_hi=hi,
                                         nbytes=plan.nbytes, status=int(status), message=message[:200]))
         try:
@@ -286,25 +285,6 @@ class Link:
         if self.transport is not None:
             self.transport.close()
         self.store = None
-
-
-def touched_tensors(remote: RemoteCache, plan: Plan) -> tuple[int, int]:
-    """The range of the remote cache's tensor indices that ``plan`` writes.  A plan over
-    tensor bases names them exactly; a flat plan (tensors merged back to back) is mapped
-    through the sorted tensor addresses."""
-    addrs = remote.addrs
-    index = {int(a): i for i, a in enumerate(addrs.tolist())}
-    bases = plan.dst_bases.tolist()
-    if all(b in index for b in bases):
-        idx = [index[b] for b in bases]
-        return min(idx), max(idx) + 1
-    order = np.argsort(addrs)
-    sorted_addrs = addrs[order]
-    first = int(plan.dst_bases.min() + plan.dst_offs.min())
-    last = int(plan.dst_bases.max() + (plan.dst_offs + plan.lens).max()) - 1
-    lo, hi = np.searchsorted(sorted_addrs, [first, last], side="right") - 1
-    picked = order[max(lo, 0): hi + 1]
-    return int(picked.min()), int(picked.max()) + 1
 
 
 def _lookup_key(key) -> tuple:

@@ -5,17 +5,20 @@ Arenas are anonymous (``memfd_create``): they never appear in ``/dev/shm``, so a
 process leaves nothing behind, and the kernel frees the memory when the last mapping and
 descriptor are gone.  A same-host peer maps an arena by opening ``/proc/<pid>/fd/<fd>``
 of the owner, which needs the same user (the ptrace read check), and keeps its mapping
-alive even if the owner dies, so a one-sided copy can never fault.
+alive even if the owner dies, so a one-sided copy can never fault.  A process handed an
+arena's descriptor (over a unix socket, say) maps it with :class:`SharedMapping`.
 """
 from __future__ import annotations
 
 import bisect
 import ctypes
+import mmap
 import os
 import threading
 from dataclasses import dataclass
 
-__all__ = ["Arena", "PeerArena", "PoolAllocator", "PoolExhausted", "bytes_view"]
+__all__ = ["Arena", "InvalidFree", "PeerArena", "PoolAllocator", "PoolExhausted", "SharedMapping",
+           "bytes_view", "round_to_pages"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -40,36 +43,74 @@ def bytes_view(addr: int, size: int) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
 
 
-class Arena:
+class SharedMapping:
+    """``size`` bytes of a file descriptor mapped shared and writable into this process.
+
+    ``base`` is the mapping's address here.  ``view()`` hands out the same memory as Python
+    buffers (``memoryview``, ``numpy.frombuffer``).  The caller may close ``fd`` once it is
+    mapped.  ``close()`` is idempotent and unmaps at once unless a view is still alive;
+    then the memory stays mapped until the last view is gone, so a straggling reader of a
+    view never faults.  Raw addresses are invalid after ``close()``.
+    """
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.size = int(size)
+        self._mm: mmap.mmap | None = mmap.mmap(fd, self.size, mmap.MAP_SHARED,
+                                               mmap.PROT_READ | mmap.PROT_WRITE)
+        anchor = ctypes.c_char.from_buffer(self._mm)
+        self.base = ctypes.addressof(anchor)
+        del anchor  # it is a buffer export: while it lived, close() could not unmap
+
+    def contains(self, addr: int, nbytes: int = 0) -> bool:
+        return self.base <= addr and addr + nbytes <= self.base + self.size
+
+    def view(self, offset: int = 0, nbytes: int | None = None) -> memoryview:
+        """A writable view of bytes ``[offset, offset + nbytes)`` (to the end when ``nbytes``
+        is None); raises ``ValueError`` outside the mapping or once it is closed."""
+        end = self.size if nbytes is None else offset + nbytes
+        if not 0 <= offset <= end <= self.size:
+            raise ValueError(f"[{offset}, {end}) is outside the {self.size}-byte mapping")
+        if self._mm is None:
+            raise ValueError("the mapping is closed")
+        return memoryview(self._mm)[offset:end]
+
+    def close(self) -> None:
+        mm, self._mm = self._mm, None
+        if mm is None:
+            return
+        try:
+            mm.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes with the last one
+
+
+class Arena(SharedMapping):
     """A memfd-backed shared memory region mapped into this process.
 
     ``fd`` stays open for the arena's life so that same-host peers can open
-    ``/proc/<pid>/fd/<fd>``.  ``close()`` is idempotent; memory handed out from the arena
-    is invalid afterwards.
+    ``/proc/<pid>/fd/<fd>`` (or receive it over a socket).  ``close()`` is idempotent;
+    memory handed out from the arena is invalid afterwards (views: see
+    :class:`SharedMapping`).
     """
 
     def __init__(self, name: str, size: int) -> None:
         if size <= 0:
             raise ValueError(f"arena size must be > 0, got {size}")
         self.name = name
-        self.size = int(size)
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
-            os.ftruncate(self.fd, self.size)
-            self.base = _map(self.fd, self.size)
+            os.ftruncate(self.fd, int(size))
+            super().__init__(self.fd, size)
         except BaseException:
             os.close(self.fd)
             raise
         self._closed = False
 
-    def contains(self, addr: int, nbytes: int = 0) -> bool:
-        return self.base <= addr and addr + nbytes <= self.base + self.size
-
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        _libc.munmap(self.base, self.size)
+        super().close()
         os.close(self.fd)
 
 
@@ -110,12 +151,30 @@ class PoolExhausted(Exception):
     """No free extent is large enough for the request."""
 
 
+class InvalidFree(RuntimeError):
+    """A checked free of memory that is not one live allocation (a double free or a wrong
+    size): a bug in the caller."""
+
+
+def round_to_pages(nbytes: int, page: int) -> int:
+    """``nbytes`` rounded up to whole pages of ``page`` bytes, at least one page."""
+    return max(page, -(-int(nbytes) // page) * page)
+
+
 class PoolAllocator:
     """First-fit page allocator over an arena, thread-safe.
 
     Requests are rounded up to ``2**page_shift`` bytes.  Free extents are kept sorted by
     offset and merged with their neighbours on free, so fragmentation stays bounded by the
-    allocation pattern, not by history.
+    allocation pattern, not by history.  Freed memory is only marked free, never handed
+    back to the kernel: pages already faulted in stay resident and are reused without a
+    fault.
+
+    Two interfaces share the extents.  By address, for memory used in place: ``alloc``
+    raises :class:`PoolExhausted`, ``free`` ignores what it does not know.  By offset into
+    the arena, for callers that treat a full pool as routine (evict, then retry) and share
+    offsets with other processes: ``alloc_offset`` returns None, ``free_offset`` raises
+    :class:`InvalidFree` on a double free.
     """
 
     def __init__(self, arena: Arena, page_shift: int = 16) -> None:
@@ -134,35 +193,63 @@ class PoolAllocator:
 
     def alloc(self, nbytes: int) -> int:
         """Reserve ``nbytes`` (rounded up to a page); returns the address in this process."""
-        need = max(self.page, -(-int(nbytes) // self.page) * self.page)
+        need = round_to_pages(nbytes, self.page)
         with self._lock:
-            for i, size in enumerate(self._sizes):
-                if size >= need:
-                    start = self._starts[i]
-                    if size == need:
-                        del self._starts[i], self._sizes[i]
-                    else:
-                        self._starts[i] += need
-                        self._sizes[i] -= need
-                    self._used[start] = need
-                    return self.arena.base + start
+            start = self._take(need)
+            if start is not None:
+                return self.arena.base + start
             free, extents = sum(self._sizes), len(self._sizes)
         raise PoolExhausted(f"no free extent of {need} bytes (free {free} bytes in {extents} "
                             f"extents of a {self.arena.size}-byte pool)")
+
+    def alloc_offset(self, nbytes: int) -> int | None:
+        """Reserve ``nbytes`` (rounded up to a page); returns its offset in the arena, or
+        None when no free extent is large enough."""
+        need = round_to_pages(nbytes, self.page)
+        with self._lock:
+            return self._take(need)
 
     def free(self, addr: int) -> None:
         """Return an allocation; unknown addresses are ignored (double free is a no-op)."""
         start = addr - self.arena.base
         with self._lock:
             size = self._used.pop(start, None)
-            if size is None:
-                return
-            i = bisect.bisect_left(self._starts, start)
-            self._starts.insert(i, start)
-            self._sizes.insert(i, size)
-            if i + 1 < len(self._starts) and start + size == self._starts[i + 1]:
-                self._sizes[i] += self._sizes.pop(i + 1)
-                self._starts.pop(i + 1)
-            if i > 0 and self._starts[i - 1] + self._sizes[i - 1] == start:
-                self._sizes[i - 1] += self._sizes.pop(i)
-                self._starts.pop(i)
+            if size is not None:
+                self._give(start, size)
+
+    def free_offset(self, offset: int, nbytes: int) -> None:
+        """Return the allocation of ``nbytes`` (rounded up to a page) at ``offset``; raises
+        :class:`InvalidFree`, changing nothing, unless exactly that allocation is live."""
+        size = round_to_pages(nbytes, self.page)
+        with self._lock:
+            if self._used.get(offset) != size:
+                raise InvalidFree(f"free of [{offset}, {offset + size}), which is not one live "
+                                  f"allocation (a double free?)")
+            del self._used[offset]
+            self._give(offset, size)
+
+    def _take(self, need: int) -> int | None:
+        """First fit (lock held): the offset of ``need`` bytes, or None."""
+        for i, size in enumerate(self._sizes):
+            if size >= need:
+                start = self._starts[i]
+                if size == need:
+                    del self._starts[i], self._sizes[i]
+                else:
+                    self._starts[i] += need
+                    self._sizes[i] -= need
+                self._used[start] = need
+                return start
+        return None
+
+    def _give(self, start: int, size: int) -> None:
+        """Insert a freed extent and merge it with its neighbours (lock held)."""
+        i = bisect.bisect_left(self._starts, start)
+        self._starts.insert(i, start)
+        self._sizes.insert(i, size)
+        if i + 1 < len(self._starts) and start + size == self._starts[i + 1]:
+            self._sizes[i] += self._sizes.pop(i + 1)
+            self._starts.pop(i + 1)
+        if i > 0 and self._starts[i - 1] + self._sizes[i - 1] == start:
+            self._sizes[i - 1] += self._sizes.pop(i)
+            self._starts.pop(i)

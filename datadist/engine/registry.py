@@ -157,8 +157,10 @@ class Registry:
             return list(self._caches.values())
 
     # -- arrival notices ---------------------------------------------------------------
-    def board(self, cache_id: int) -> Optional[ArrivalBoard]:
-        """The arrival board of a cache (made on first use); None for an unknown cache."""
+    def watch(self, cache_id: int) -> Optional[ArrivalBoard]:
+        """Start keeping arrival notices for a cache (idempotent) and return its board;
+        None for an unknown cache.  Peers learn of it through the epoch (their cached
+        lookups carry ``watched``), so pushes from then on send notices."""
         with self._lock:
             board = self._boards.get(cache_id)
             if board is None:
@@ -166,11 +168,17 @@ class Registry:
                 if rec is None:
                     return None
                 board = self._boards[cache_id] = ArrivalBoard(cache_id, rec.num_tensors)
+                self._bump()
             return board
 
+    def watched(self, cache_id: int) -> Optional[ArrivalBoard]:
+        """The board of a watched cache, else None."""
+        with self._lock:
+            return self._boards.get(cache_id)
+
     def record_arrival(self, arrival: Arrival) -> None:
-        board = self.board(arrival.cache_id)
-        if board is not None:  # a notice for a cache freed meanwhile is moot
+        board = self.watched(arrival.cache_id)
+        if board is not None:  # unwatched, or freed meanwhile: nobody asked
             board.record(arrival)
 
     def source_lost(self, cluster_id: int, reason: str) -> None:

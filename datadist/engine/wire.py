@@ -125,6 +125,7 @@ class Resolved(Message):
     is_blocks: bool = False
     dtype: str = ""
     epoch: U64 = 0
+    watched: bool = False     # the owner keeps arrival notices for this cache
 
 
 @dataclass

@@ -64,6 +64,7 @@ class RemoteCache:
     dtype: str
     addrs: np.ndarray
     epoch: int
+    watched: bool = False     # the owner wants arrival notices for this cache
 
     @property
     def stride(self) -> int:
@@ -76,8 +77,10 @@ class Transport(abc.ABC):
     name: str = "?"
 
     @abc.abstractmethod
-    def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
-        """Copy ``plan`` from local memory into the peer's cache ``remote``."""
+    def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
+        """Copy ``plan`` from local memory into the peer's cache ``remote``.  Returns True
+        if the peer's agent took part (it then knows of the arrival), False for a
+        one-sided copy."""
 
     @abc.abstractmethod
     def pull(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:

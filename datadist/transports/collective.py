@@ -88,7 +88,7 @@ class CollectiveTransport(Transport):
         self._store = store  # keeps the rendezvous alive as long as the group
 
     # -- initiator side ---------------------------------------------------------------
-    def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
+    def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
         buf, addr = _staging(plan.nbytes)
         native.copy_plan(staging_plans(plan.src_bases, plan.src_offs, plan.lens, addr, gather=True))
         msg = wire.Push(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes, via=VIA_COLLECTIVE,
@@ -96,6 +96,7 @@ class CollectiveTransport(Transport):
         check_reply(link, link.rpc(msg, deadline))
         self._run(link, self.group.send([self._device_view(buf)], self.peer_rank, _TAG), deadline, "send")
         check_reply(link, link.read_reply(deadline))
+        return True
 
     def pull(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
         buf, addr = _staging(plan.nbytes)

@@ -45,7 +45,8 @@ class ShmTransport(Transport):
                 return local - lo
         return None
 
-    def _run(self, link, plan: Plan, remote: RemoteCache, deadline: float, write: bool) -> None:
+    def _run(self, link, plan: Plan, remote: RemoteCache, deadline: float, write: bool) -> bool:
+        """Move the plan; True if it went through the peer's agent (socket fallback)."""
         delta = self._delta(remote)
         if delta is not None:
             native.copy_plan(plan.rebase(dst_delta=delta) if write else plan.rebase(src_delta=delta))
@@ -61,15 +62,16 @@ class ShmTransport(Transport):
                             f"cross-memory copy with cluster {link.remote_cluster_id} (pid {self.pid}) failed: {exc}")
         elif self.fallback is not None:
             (self.fallback.push if write else self.fallback.pull)(link, plan, remote, deadline)
-            return
+            return True
         else:
             raise_error(LLMStatusCode.LLM_FAILED,
                         f"cache {remote.cache_id} of cluster {link.remote_cluster_id} is registered user memory "
                         "and cross-memory attach to the peer is not permitted; use transfer_backend='tcp' or 'auto'")
         link.check_alive()
+        return False
 
-    def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
-        self._run(link, plan, remote, deadline, True)
+    def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
+        return self._run(link, plan, remote, deadline, True)
 
     def pull(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
         self._run(link, plan, remote, deadline, False)

@@ -24,10 +24,11 @@ def _left_ms(deadline: float) -> int:
 class TcpTransport(Transport):
     name = "tcp"
 
-    def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
+    def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
         msg = wire.Push(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes,
                         arrays=[plan.dst_bases, plan.dst_offs, plan.lens])
         check_reply(link, link.rpc(msg, deadline, send_plan=plan))
+        return True
 
     def pull(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
         msg = wire.Pull(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes,

@@ -54,9 +54,9 @@ def _prompt(port: int, transport: str, conn) -> None:
             cmd = conn.recv()
             if cmd == "exit":
                 break
-            layer = cmd
+            model, layer = (1, cmd[1]) if isinstance(cmd, tuple) else (0, cmd)
             r = range(layer, layer + 1)
-            engine.cache_manager.push_blocks(BlocksCacheKey(DECODER, 0), cache, [0], [2],
+            engine.cache_manager.push_blocks(BlocksCacheKey(DECODER, model), cache, [0], [2],
                                              src_layer_range=r, dst_layer_range=r)
             conn.send(("pushed", layer))
         engine.finalize()
@@ -82,9 +82,9 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("transport", ["shm", "tcp", "gloo"])
 def test_layer_arrivals_are_observed(transport: str) -> None:
-    """Per-layer waits return that layer's notice (the data is there), callbacks see every
-    notice, a wait with nothing pushed times out, and the prompt's death fails a wait
-    that names it."""
+    """Per-layer waits on a watched cache return that layer's notice (the data is there),
+    callbacks see every notice, a wait with nothing pushed times out, an unwatched cache
+    gets no notices, and the prompt's death fails a wait that names it."""
     from datadist import (BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMException, LLMRole, LLMStatusCode)
 
     ctx = mp.get_context("spawn")
@@ -98,8 +98,10 @@ def test_layer_arrivals_are_observed(transport: str) -> None:
         engine.init(_config(transport))
         cm = engine.cache_manager
         cache = cm.allocate_blocks_cache(_desc(), BlocksCacheKey(DECODER, 0))
+        cm.watch_arrivals(cache)
         seen = []
         cm.add_arrival_callback(cache, seen.append)
+        quiet = cm.allocate_blocks_cache(_desc(), BlocksCacheKey(DECODER, 1))
         info = LLMClusterInfo()
         info.remote_cluster_id = PROMPT
         info.append_remote_ip_info("127.0.0.1", port)
@@ -122,6 +124,14 @@ def test_layer_arrivals_are_observed(transport: str) -> None:
                 assert bool((tensors[t][2] == t + 1).all()), f"layer {layer} tensor {t} not there"
             _expect(parent, "pushed")
         assert [a.tensors for a in seen] == [range(2 * i, 2 * i + 2) for i in range(LAYERS)]
+
+        # Pushes into a cache nobody watched leave no notice behind, even if watched later.
+        parent.send(("quiet", 0))
+        _expect(parent, "pushed")
+        cm.watch_arrivals(quiet)
+        with pytest.raises(LLMException) as err:
+            cm.wait_arrival(quiet, range(0, 1), 100)
+        assert err.value.status_code == LLMStatusCode.LLM_TIMEOUT
 
         os.kill(pid, signal.SIGKILL)
         proc.join(10)
