@@ -14,6 +14,8 @@ Workloads (see PERF.md):
                 pushed layer by layer (one push_blocks per layer, tensor_num_per_layer=2)
   plan          validation + plan building for 4096 blocks x 64 tensors (all 32 layers, in
                 order and scattered), in one process; p50/p99 per plan
+  --sweep       32 MiB in order at block sizes 4 KiB .. 1 MiB; ``--plot out.svg`` draws GB/s
+                against block size per transport
 """
 from __future__ import annotations
 
@@ -54,6 +56,10 @@ WORKLOADS = {
     "small-4k": Workload("small-4k", 4 << 10, 1, 16, 1, False, rounds=2000),
     "kv-7b": Workload("kv-7b", 128 << 10, 32, 64, 64, True, layerwise=True),
 }
+#: ``--sweep``: 32 MiB in order at each block size, for GB/s against block size (``--plot``).
+SWEEP_KIB = (4, 16, 64, 256, 1024)
+WORKLOADS.update({f"sweep-{k}k": Workload(f"sweep-{k}k", k << 10, (32 << 10) // k, (32 << 10) // k, 1, False,
+                                          rounds=5) for k in SWEEP_KIB})
 TRANSPORTS = ("local", "shm", "tcp", "gloo")
 PLAN_BLOCKS, PLAN_TENSORS = 4096, 64
 
@@ -254,9 +260,14 @@ def main(argv: Optional[list] = None) -> int:
                     help="repeat for several (default: all)")
     ap.add_argument("--transport", action="append", choices=TRANSPORTS, help="repeat for several (default: all)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    ap.add_argument("--sweep", action="store_true", help="sweep block sizes (instead of the standard workloads)")
+    ap.add_argument("--plot", metavar="OUT.svg", help="with --sweep: write GB/s against block size as SVG")
     args = ap.parse_args(argv)
-    workloads = args.workload or list(WORKLOADS) + ["plan"]
+    standard = [w for w in WORKLOADS if not w.startswith("sweep-")] + ["plan"]
+    sweep = [f"sweep-{k}k" for k in SWEEP_KIB]
+    workloads = sweep if args.sweep or args.plot else (args.workload or standard)
     transports = args.transport or list(TRANSPORTS)
+    rows = []
     if not args.json:
         print(f"{'workload':14s} {'transport':9s} {'GB/s':>8s} {'batch ms':>9s} {'p50 us':>9s} {'p99 us':>9s} "
               f"{'memcpy GB/s':>11s} {'x memcpy':>8s}", flush=True)
@@ -269,12 +280,21 @@ def main(argv: Optional[list] = None) -> int:
             continue
         for tr in transports:
             row = run(wl, tr)
+            rows.append(row)
             if args.json:
                 print(json.dumps(row), flush=True)
             else:
                 print(f"{wl:14s} {tr:9s} {row['gbps']:8.2f} {row['batch_ms']:9.3f} {row['p50_us']:9.1f} "
                       f"{row['p99_us']:9.1f} {row['memcpy_gbps']:11.2f} {row['gbps'] / row['memcpy_gbps']:8.2f}",
                       flush=True)
+    if args.plot:
+        from ._svgplot import line_chart
+
+        series = {f"{tr}": [(r["block_kib"], r["gbps"]) for r in rows if r["transport"] == tr] for tr in transports}
+        series["memcpy (same run)"] = [(r["block_kib"], r["memcpy_gbps"]) for r in rows if r["transport"] == transports[0]]
+        with open(args.plot, "w") as f:
+            f.write(line_chart(series, "datadist: 32 MiB pushed between two processes", "block size (KiB)", "GB/s"))
+        print(f"# plot written to {args.plot}", file=sys.stderr)
     return 0
 
 

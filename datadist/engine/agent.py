@@ -225,7 +225,6 @@ class Agent:
             elif reply is not None:
                 sock.sendall(wire.encode(reply))
             if isinstance(msg, wire.Unlink):
-                link.closing = True
                 self._unregister(link)
                 self.engine.drop_link(link, notify=False)
         except (OSError, RuntimeError, wire.WireError, ValueError) as exc:
@@ -278,6 +277,7 @@ class Agent:
             self._arrived(link, rec, msg)
             return wire.Reply()
         if isinstance(msg, wire.Unlink):
+            link.closing = True  # the peer ends both streams next: expected, not a failure
             return wire.Reply()
         if isinstance(msg, wire.Notify):
             reg.record_arrival(Arrival(cluster_id=msg.cluster_id, cache_id=msg.cache_id, tensors=range(msg.t_lo, msg.t_hi),

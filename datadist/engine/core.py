@@ -358,6 +358,7 @@ class Engine:
         with self._links_lock:
             links, self.links = list(self.links.values()), {}
         for link in links:
+            link.say_goodbye()
             link.close()
         if self.registry is not None:
             self.registry.close()

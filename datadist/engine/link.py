@@ -250,6 +250,21 @@ class Link:
         else:
             self._close_when_idle = True
 
+    def say_goodbye(self) -> None:
+        """Tell a live peer this end is going away (``finalize``): a one-way ``UNLINK``
+        whose answer is not awaited, so a stalled peer cannot delay the caller; the peer
+        then takes the end of the streams as a normal unlink."""
+        if self.broken is not None or self.req_sock is None or not self.lock.acquire(blocking=False):
+            return
+        try:
+            self.closing = True
+            self.req_sock.settimeout(0.1)
+            self.req_sock.sendall(wire.encode(wire.Unlink(cluster_id=self.local_cluster_id)))
+        except OSError:
+            pass  # the peer is gone or stuck: it finds out from the closed stream
+        finally:
+            self.lock.release()
+
     def close(self) -> None:
         """Close sockets and mappings; idempotent, any thread.  Waits (bounded by the
         transfer deadline) for a transfer in flight, which the socket shutdown ends fast,
