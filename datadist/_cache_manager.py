@@ -90,7 +90,9 @@ def _blocks(name: str, value, num_blocks: int) -> np.ndarray:
         return np.empty(0, dtype=np.int64)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must be a flat list of ints, got {value!r:.80}")
-    lo, hi = int(arr.min()), int(arr.max())
+    # Short lists (a request's blocks, one layer) are checked faster without numpy reductions.
+    small = arr.shape[0] <= 64 and isinstance(value, (list, tuple))
+    lo, hi = (min(value), max(value)) if small else (int(arr.min()), int(arr.max()))
     if lo < 0 or hi >= num_blocks:
         raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                     f"{name} holds index {lo if lo < 0 else hi}, outside [0, {num_blocks}) blocks")
@@ -172,6 +174,17 @@ def _row_size(size, src: _Side, dst: _Side, offset: int = 0) -> int:
     return size
 
 
+def _host_addrs(addrs, desc: CacheDesc):
+    """``as_tensor_addrs`` for memory this build can move: host memory only, so device
+    tensors are refused here rather than misread as host addresses later."""
+    ints, tensors = as_tensor_addrs(addrs, desc)
+    for i, t in enumerate(tensors):
+        if t.device.type != "cpu":
+            raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                        f"addrs[{i}] is a tensor on {t.device}; this build registers host memory only")
+    return ints, tensors
+
+
 class CacheManager:
     """Allocates, registers and moves caches for one engine (``LLMDataDist.cache_manager``)."""
 
@@ -230,7 +243,7 @@ class CacheManager:
                        remote_accessible: Optional[bool] = None) -> Cache:
         """Register caller-owned memory (int addresses or tensors) as a cache."""
         keys = self._check_keys(cache_keys, cache_desc)
-        ints, tensors = as_tensor_addrs(addrs, cache_desc)
+        ints, tensors = _host_addrs(addrs, cache_desc)
         return self._new_cache(cache_desc, ints, blocks=False, release=None, keys=keys, registered=True,
                                handle=tensors or None)
 
@@ -238,7 +251,7 @@ class CacheManager:
                               remote_accessible: Optional[bool] = None) -> Cache:
         """Register caller-owned memory as a blocks cache."""
         self._check_blocks_key(blocks_cache_key)
-        ints, tensors = as_tensor_addrs(addrs, cache_desc)
+        ints, tensors = _host_addrs(addrs, cache_desc)
         return self._new_cache(cache_desc, ints, blocks=True, release=None, blocks_key=blocks_cache_key,
                                registered=True, handle=tensors or None)
 

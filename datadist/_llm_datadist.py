@@ -226,7 +226,8 @@ class LLMDataDist:
         return self._engine_or_raise().listen_port
 
     def link_path(self, cluster_id: int) -> str:
-        """Transport of the link to ``cluster_id`` (``shm`` or ``tcp``); for diagnostics."""
+        """Transport of the link to ``cluster_id`` (``shm``, ``tcp``, ``gloo``, ``nccl`` or
+        ``hccl``); for diagnostics."""
         return self._engine_or_raise().get_link(cluster_id).path
 
 

@@ -454,7 +454,7 @@ def as_tensor_addrs(addrs: Sequence[Any], cache_desc: CacheDesc, *,
 
 
 # Caches made by Cache.create_cpu_cache get ids -1, -2, ... from this process-wide counter;
-# the cache manager numbers its caches from 0 up, so the two never collide.
+# the cache manager numbers its caches from 1 up, so the two never collide.
 _cpu_cache_ids = itertools.count(-1, -1)
 _cpu_cache_ids_lock = threading.Lock()
 

@@ -9,28 +9,38 @@ child that raises sends its traceback before it exits; a child that dies, or a w
 passes its deadline, fails the run with :class:`ChildFailed`, and the other children are
 killed.
 
-Also here: the engine set-up every sample repeats (``init``, ``link_clusters``) and the
-seeded data and byte-for-byte checks the call samples verify transfers with.
+Also here: the engine set-up every sample repeats (``init``, ``link_clusters``), the layer
+synchronizer of a compute loop that ``transfer_cache_async`` samples feed, a private ``ems``
+pool daemon for samples that use one, and the seeded data and byte-for-byte checks the call
+samples verify transfers with.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import multiprocessing
 import multiprocessing.connection
+import os
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
-from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from datadist import LLMClusterInfo, LLMConfig, LLMDataDist, LLMRole, LLMStatusCode
+from datadist import (CacheTask, LayerSynchronizer, LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole,
+                      LLMStatusCode)
+from ems.client.autostart import read_ready
 
 __all__ = [
-    "LOCALHOST", "WAIT_S", "ChildFailed", "Peer", "Launcher", "run_sample", "init_llm_datadist",
-    "link_clusters", "unlink_clusters", "source_tensors", "fill", "expect_bytes",
+    "LOCALHOST", "WAIT_S", "SYNC_KV_TIMEOUT_MS", "ChildFailed", "Peer", "Launcher", "run_sample",
+    "init_llm_datadist", "link_clusters", "unlink_clusters", "ComputedLayers", "finish_task", "private_pool",
+    "source_tensors", "fill", "expect_bytes",
 ]
 
 LOCALHOST = "127.0.0.1"
@@ -307,6 +317,96 @@ def unlink_clusters(datadist: LLMDataDist, cluster_ids: Iterable[int]) -> None:
     ret, rets = datadist.unlink_clusters(clusters, timeout=LINK_TIMEOUT_MS)
     if ret != LLMStatusCode.LLM_SUCCESS:
         raise RuntimeError(f"unlink_clusters failed: {ret!r}, per cluster {rets!r}")
+
+
+class ComputedLayers(LayerSynchronizer):
+    """Fed by a compute loop: layer i is ready once :meth:`computed` was called for it.
+    (On CPU a layer's tensors are final when the loop moves on; on an accelerator the loop
+    would record an event on its stream here and ``synchronize_layer`` would wait on it.)"""
+
+    def __init__(self, num_layers: int, all_computed: bool = False) -> None:
+        self._computed = [all_computed] * num_layers
+        self._answered = [threading.Event() for _ in range(num_layers)]
+        if all_computed:
+            for event in self._answered:
+                event.set()
+
+    def computed(self, layer: int) -> None:
+        self._computed[layer] = True
+        self._answered[layer].set()
+
+    def abandon(self) -> None:
+        """Answer False for every layer not computed yet (the compute loop failed): the
+        task then fails those layers at once instead of waiting out its deadline."""
+        for event in self._answered:
+            event.set()
+
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+        timeout = None if timeout_in_millis is None else timeout_in_millis / 1000
+        if not self._answered[layer_index].wait(timeout):
+            # Not False, which would say the layer never will be: the task reports LLM_TIMEOUT.
+            raise TimeoutError(f"layer {layer_index} was not computed within {timeout_in_millis} ms")
+        return self._computed[layer_index]
+
+
+def finish_task(task: CacheTask, timeout_ms: int) -> None:
+    """Wait for a ``transfer_cache_async`` task; raise unless every config succeeded."""
+    status = task.synchronize(timeout_ms)
+    if status != LLMStatusCode.LLM_SUCCESS:
+        raise LLMException(f"transfer_cache_async ended with {status!r}: {task.get_results(0)}", status_code=status)
+
+
+# ------------------------------------------------------------------------ ems pool
+
+
+@contextlib.contextmanager
+def private_pool(capacity: int, wait_s: float = WAIT_S) -> Iterator[str]:
+    """An ``ems-server`` of this run's own, serving a fresh temporary directory.
+
+    Yields its address (the directory) for ``EmsConfig(server=...)``.  On exit the daemon
+    is stopped (SIGTERM) and the directory removed, so nothing of the pool outlives the
+    run, and the node's shared pool (``/dev/shm/ems``, which the ``auto`` address would use
+    or start) is never touched.  Raises :class:`ChildFailed`, with the daemon's log, when
+    it does not start or does not exit cleanly.
+    """
+    with tempfile.TemporaryDirectory(prefix="ems-pool-") as directory:
+        log = os.path.join(directory, "ems-server.log")
+        ready_r, ready_w = os.pipe()
+        try:
+            daemon = subprocess.Popen(
+                [sys.executable, "-m", "ems.server", "serve", "--dir", directory, "--capacity", str(capacity),
+                 "--log-level", "WARNING", "--log-file", log, "--ready-fd", str(ready_w)],
+                pass_fds=(ready_w,), stdin=subprocess.DEVNULL)
+        finally:
+            os.close(ready_w)
+        try:
+            line = read_ready(ready_r, time.monotonic() + wait_s)
+        finally:
+            os.close(ready_r)
+        try:
+            if line is None or not line.startswith("READY"):
+                raise ChildFailed(f"ems-server did not start within {wait_s:.0f} s: {line or 'no answer'}"
+                                  f"{_log_tail(log)}")
+            yield directory
+        finally:
+            daemon.terminate()
+            try:
+                code = daemon.wait(_EXIT_S)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                code = daemon.wait(_EXIT_S)
+        if code != 0:
+            raise ChildFailed(f"ems-server exited with code {code}{_log_tail(log)}")
+
+
+def _log_tail(path: str, lines: int = 20) -> str:
+    """The last lines of a log file, as a block to append to an error message."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            tail = f.readlines()[-lines:]
+    except OSError:
+        return ""
+    return "\n" + "".join(tail) if tail else ""
 
 
 # ------------------------------------------------------------------------ data and checks

@@ -17,37 +17,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from _by_layer import (add_size_args, cache_desc, digests, dst_blocks, kv_bytes, medians, pool_bytes, report,
                        src_blocks, timed)
-from _launch import ChildFailed, Launcher, Peer, init_llm_datadist, link_clusters, unlink_clusters
-from datadist import (BlocksCacheKey, CacheTask, LayerSynchronizer, LLMException, LLMRole, LLMStatusCode,
-                      TransferWithCacheKeyConfig)
+from _launch import (ChildFailed, ComputedLayers, Launcher, Peer, finish_task, init_llm_datadist, link_clusters,
+                     unlink_clusters)
+from datadist import BlocksCacheKey, CacheTask, LLMRole, TransferWithCacheKeyConfig
 
 PROMPT_CLUSTER_ID = 1
 DECODER_CLUSTER_ID = 2
-
-
-class ComputedLayers(LayerSynchronizer):
-    """Fed by the compute loop: layer i is ready once :meth:`computed` was called for it.
-    (On CPU a layer's tensors are final when the loop moves on; on an accelerator the loop
-    would record an event on its stream here and ``synchronize_layer`` would wait on it.)"""
-
-    def __init__(self, num_layers: int, all_computed: bool = False) -> None:
-        self._done = [threading.Event() for _ in range(num_layers)]
-        if all_computed:
-            for event in self._done:
-                event.set()
-
-    def computed(self, layer: int) -> None:
-        self._done[layer].set()
-
-    def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
-        return self._done[layer_index].wait(None if timeout_in_millis is None else timeout_in_millis / 1000)
 
 
 class Prefill:
@@ -95,23 +76,17 @@ def prompt_process(peer: Peer, args: argparse.Namespace) -> Tuple[float, float, 
         def push(synchronizer: ComputedLayers) -> CacheTask:
             return cache_manager.transfer_cache_async(cache, synchronizer, configs, src_blocks(args), dst_blocks(args))
 
-        def finish(task: CacheTask) -> None:
-            status = task.synchronize(args.timeout * 1000)
-            if status != LLMStatusCode.LLM_SUCCESS:
-                raise LLMException(f"transfer_cache_async ended with {status!r}: {task.get_results(0)}",
-                                   status_code=status)
-
         def compute_alone() -> None:
             model.run(kv)
 
         def transfer_alone() -> None:
-            finish(push(ComputedLayers(args.layers, all_computed=True)))
+            finish_task(push(ComputedLayers(args.layers, all_computed=True)), args.timeout * 1000)
 
         def overlapped() -> None:
             synchronizer = ComputedLayers(args.layers)
             task = push(synchronizer)
             model.run(kv, synchronizer.computed)
-            finish(task)
+            finish_task(task, args.timeout * 1000)
 
         compute_alone()  # an untimed round first: torch's kernels and the link's lookup are set up once
         transfer_alone()

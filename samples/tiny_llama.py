@@ -15,6 +15,10 @@ positions past it, so the kernels and shapes of a computation depend only on the
 sequences, never on which physical blocks they occupy: a sequence prefilled in one process
 and decoded in another yields the same bits as one process doing both, provided both run
 with the same number of threads.
+
+Prefix caching keys a full block by :func:`prefix_hashes`: the hash of block i stands for
+all the tokens up to the end of that block, so prompts that open alike share their first
+hashes, and a prompt may reuse the KV of those blocks instead of computing them.
 """
 from __future__ import annotations
 
@@ -22,13 +26,13 @@ import dataclasses
 import hashlib
 import heapq
 import math
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["KV_DTYPE", "ModelConfig", "blocks_for", "BlockAllocator", "PagedKV", "TinyLlama",
-           "Generation", "generate", "reference_generate"]
+__all__ = ["KV_DTYPE", "ModelConfig", "blocks_for", "block_slots", "prefix_hashes", "reusable_blocks",
+           "BlockAllocator", "PagedKV", "TinyLlama", "Generation", "generate", "reference_generate"]
 
 #: Element type of the weights, activations and KV cache.
 KV_DTYPE = torch.float32
@@ -90,6 +94,32 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+def block_slots(blocks: Sequence[int], block_size: int) -> List[int]:
+    """The token slots of whole blocks, in order: slot ``b * block_size + i`` is position i
+    of physical block b (the slot mapping a context-caching pool takes)."""
+    return [b * block_size + i for b in blocks for i in range(block_size)]
+
+
+def prefix_hashes(tokens: Sequence[int], block_size: int) -> List[int]:
+    """Chained hashes of the full blocks of ``tokens``: hash i covers tokens
+    ``[0, (i + 1) * block_size)`` (BLAKE2b-64 of hash i - 1 and block i's tokens), so two
+    prompts share hash i exactly when they share that prefix, in any process on any host.
+    A trailing partial block gets no hash."""
+    hashes: List[int] = []
+    previous = b""
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = b"".join(int(t).to_bytes(8, "little") for t in tokens[start:start + block_size])
+        previous = hashlib.blake2b(previous + block, digest_size=8).digest()
+        hashes.append(int.from_bytes(previous, "big"))
+    return hashes
+
+
+def reusable_blocks(prompt_len: int, block_size: int) -> int:
+    """How many leading full blocks of a prompt may come from a cache: all but the token
+    that must still be computed, since its logits give the first generated token."""
+    return (prompt_len - 1) // block_size
+
+
 class BlockAllocator:
     """Hands out the physical blocks of a paged cache, lowest free index first."""
 
@@ -137,6 +167,15 @@ class PagedKV:
         ``slots`` (``block * block_size + offset``)."""
         for tensor, value in ((self.tensors[2 * layer], k), (self.tensors[2 * layer + 1], v)):
             tensor.view(-1, *tensor.shape[2:]).index_copy_(0, slots, value)
+
+    def read_block(self, block: int) -> List[torch.Tensor]:
+        """A copy of physical block ``block`` of every tensor."""
+        return [tensor[block].clone() for tensor in self.tensors]
+
+    def write_block(self, block: int, parts: Sequence[torch.Tensor]) -> None:
+        """Overwrite physical block ``block`` of every tensor (``parts`` as :meth:`read_block` gives)."""
+        for tensor, part in zip(self.tensors, parts):
+            tensor[block].copy_(part)
 
     def gather(self, layer: int, tables: torch.Tensor) -> List[torch.Tensor]:
         """K and V of the blocks in ``tables`` (``[batch, blocks]``), in sequence order:
@@ -266,10 +305,12 @@ class TinyLlama(torch.nn.Module):
 @dataclasses.dataclass
 class Generation:
     """Greedy output of a batch: per request, the first token (from prefill) and then every
-    decoded token; and the digest of its prompt's KV (see :meth:`PagedKV.digest`)."""
+    decoded token; the digest of its prompt's KV (see :meth:`PagedKV.digest`); and how many
+    leading blocks of its prompt came from the prefix cache rather than the prefill."""
 
     tokens: List[List[int]]
     kv_digests: List[str]
+    reused_blocks: List[int]
 
 
 def generate(model: TinyLlama, kv: PagedKV, first_tokens: Sequence[int], prompt_lens: Sequence[int],
@@ -299,15 +340,41 @@ def generate(model: TinyLlama, kv: PagedKV, first_tokens: Sequence[int], prompt_
     return out
 
 
-def reference_generate(config: ModelConfig, seed: int, prompts: Sequence[Sequence[int]], steps: int) -> Generation:
-    """One process does it all, in ordinary memory: prefill every prompt in order, then
-    decode the batch for ``steps`` tokens."""
+def reference_generate(config: ModelConfig, seed: int, waves: Sequence[Sequence[Sequence[int]]],
+                       steps: int) -> List[Generation]:
+    """One process does it all, in ordinary memory, wave after wave: each prompt in order
+    reuses the longest run of leading full blocks that an earlier wave computed (a copy in
+    memory; of equal blocks, the first computed is kept; see :func:`reusable_blocks`) and
+    prefills the rest, then the wave's batch decodes for ``steps`` tokens, and every full
+    block of the wave's prompts becomes reusable.
+
+    Reusing rather than recomputing matters for the bits: a prefill that starts after a
+    reused prefix multiplies matrices of other shapes than one over the whole prompt, and
+    BLAS may round those differently.  Returns one :class:`Generation` per wave.
+    """
     model = TinyLlama(config, seed)
-    needed = [blocks_for(len(p) + steps, config.block_size) for p in prompts]
-    kv = PagedKV.local(config, sum(needed))
-    allocator = BlockAllocator(sum(needed))
-    tables = [allocator.allocate(n) for n in needed]
-    first = [int(model.prefill(p, t, kv).argmax()) for p, t in zip(prompts, tables)]
-    digests = [kv.digest(t, len(p)) for p, t in zip(prompts, tables)]
-    tokens = generate(model, kv, first, [len(p) for p in prompts], tables, steps)
-    return Generation(tokens, digests)
+    bs = config.block_size
+    cached: Dict[int, List[torch.Tensor]] = {}  # prefix hash -> that block of every KV tensor
+    out = []
+    for prompts in waves:
+        needed = [blocks_for(len(p) + steps, bs) for p in prompts]
+        kv = PagedKV.local(config, sum(needed))
+        allocator = BlockAllocator(sum(needed))
+        tables = [allocator.allocate(n) for n in needed]
+        first, reused = [], []
+        for prompt, table in zip(prompts, tables):
+            hits = 0
+            for hashed in prefix_hashes(prompt, bs)[:reusable_blocks(len(prompt), bs)]:
+                if hashed not in cached:
+                    break
+                kv.write_block(table[hits], cached[hashed])
+                hits += 1
+            first.append(int(model.prefill(prompt[hits * bs:], table, kv, start=hits * bs).argmax()))
+            reused.append(hits)
+        digests = [kv.digest(t, len(p)) for p, t in zip(prompts, tables)]
+        tokens = generate(model, kv, first, [len(p) for p in prompts], tables, steps)
+        for prompt, table in zip(prompts, tables):
+            for block, hashed in zip(table, prefix_hashes(prompt, bs)):  # decoding wrote past these blocks only
+                cached.setdefault(hashed, kv.read_block(block))
+        out.append(Generation(tokens, digests, reused))
+    return out

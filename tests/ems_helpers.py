@@ -64,6 +64,8 @@ class EmsDaemon:
         self.killed = False  # a SIGKILLed daemon leaves its socket file (the next start replaces it)
 
     def start(self, timeout: float = 20.0) -> "EmsDaemon":
+        from ems.client.autostart import read_ready
+
         self.killed = False
         r, w = os.pipe()
         with open(self.log, "ab") as log:
@@ -71,20 +73,13 @@ class EmsDaemon:
                                           "--ready-fd", str(w)], pass_fds=(w,), env=ENV,
                                          stdout=log, stderr=log)
         os.close(w)
-        line = b""
-        deadline = time.monotonic() + timeout
         try:
-            while not line.endswith(b"\n"):
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([r], [], [], left)[0]:
-                    raise AssertionError(f"ems-server did not get ready: {self.log.read_text()}")
-                chunk = os.read(r, 256)
-                if not chunk:
-                    break
-                line += chunk
+            line = read_ready(r, time.monotonic() + timeout)
         finally:
             os.close(r)
-        text = line.decode().split()
+        if line is None:
+            raise AssertionError(f"ems-server did not get ready: {self.log.read_text()}")
+        text = line.split()
         if not text or text[0] != "READY":
             raise AssertionError(f"ems-server failed: {line!r} {self.log.read_text()}")
         self.tcp = text[2] if text[2] != "-" else None

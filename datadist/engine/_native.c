@@ -24,8 +24,8 @@
 /* Stay below IOV_MAX (1024) so that one batch is always one system call. */
 #define DD_IOV_BATCH 1024
 
-/* Plans larger than this are split over two threads: one core rarely saturates memory
- * bandwidth on its own, and the second copy runs while the first waits on DRAM. */
+/* Plans larger than this are split over several threads (the caller says how many): one
+ * core rarely saturates memory bandwidth on its own. */
 #define DD_PARALLEL_MIN_BYTES (8u << 20)
 #define DD_MAX_THREADS 8
 

@@ -238,7 +238,7 @@ class Engine:
         socks: list[socket.socket] = []
         link: Optional[Link] = None
         try:
-            hello_sock = self._connect(ip, port, deadline)
+            hello_sock = self._connect_retrying(ip, port, deadline)
             socks.append(hello_sock)
             hello_sock.sendall(wire.encode(wire.Hello(remote_cluster_id=remote_cluster_id, **self._hello_fields())))
             ack = wire.read_message(hello_sock)
@@ -283,12 +283,27 @@ class Engine:
         log.info("linked to cluster %d at %s:%d over %s", remote_cluster_id, ip, port, link.path)
         return LLMStatusCode.LLM_SUCCESS
 
+    def _connect_retrying(self, ip: str, port: int, deadline: float) -> socket.socket:
+        """Connect, trying ``link_retry_count`` times in all while the deadline allows (a
+        server that is still starting refuses the first attempts)."""
+        attempts = self.options.link_retry_count
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._connect(ip, port, deadline)
+            except ConnectionRefusedError:
+                if attempt == attempts or time.monotonic() >= deadline:
+                    raise
+                log.info("link to %s:%d refused (attempt %d of %d); retrying", ip, port, attempt, attempts)
+                time.sleep(min(0.05 * attempt, max(0.0, deadline - time.monotonic())))  # back off
+        raise AssertionError("unreachable")
+
     @staticmethod
     def _connect(ip: str, port: int, deadline: float) -> socket.socket:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("link timeout passed")
         sock = socket.create_connection((ip, port), timeout=left)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         return sock
@@ -345,6 +360,7 @@ class Engine:
         with self._links_lock:
             if self.links.get(link.remote_cluster_id) is link:
                 del self.links[link.remote_cluster_id]
+        self._link_broken(link.remote_cluster_id, "the link was unlinked")  # no more pushes from there
         self.agent.unwatch(link)
         # Closing must wait until the agent has unregistered the socket.
         self.agent.call(link.close)

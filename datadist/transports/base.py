@@ -16,6 +16,7 @@ trust its stream (deadline passed mid-transfer, peer gone) marks the link broken
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +70,12 @@ class RemoteCache:
     @property
     def stride(self) -> int:
         return self.tensor_size // self.batch_size
+
+    @functools.cached_property
+    def span(self) -> tuple[int, int]:
+        """Lowest address and byte length covering every tensor (computed once)."""
+        lo = int(self.addrs.min())
+        return lo, int(self.addrs.max()) + self.tensor_size - lo
 
 
 class Transport(abc.ABC):

@@ -29,16 +29,16 @@ log = logging.getLogger("datadist")
 class ShmTransport(Transport):
     name = "shm"
 
-    def __init__(self, pid: int, arenas: list[PeerArena], cma_ok: bool, fallback: Optional[Transport]) -> None:
+    def __init__(self, pid: int, arenas: list[PeerArena], cma_ok: bool, fallback: Transport) -> None:
         self.pid = pid
         self.arenas = arenas
         self.cma_ok = cma_ok
         self.fallback = fallback
+        self._told_fallback = False
 
     def _delta(self, remote: RemoteCache) -> Optional[int]:
         """Offset from the peer's address of ``remote`` to where it is mapped here."""
-        lo = int(remote.addrs.min())
-        span = int(remote.addrs.max()) + remote.tensor_size - lo
+        lo, span = remote.span
         for arena in self.arenas:
             local = arena.translate(lo, span)
             if local is not None:
@@ -60,13 +60,14 @@ class ShmTransport(Transport):
                                 f"link to cluster {link.remote_cluster_id} is broken: peer process {self.pid} exited")
                 raise_error(LLMStatusCode.LLM_FAILED,
                             f"cross-memory copy with cluster {link.remote_cluster_id} (pid {self.pid}) failed: {exc}")
-        elif self.fallback is not None:
+        else:
+            if not self._told_fallback:
+                self._told_fallback = True
+                log.info("link to cluster %d: memory outside the peer's pools (registered caches%s) goes over "
+                         "the socket", link.remote_cluster_id,
+                         "" if self.cma_ok else "; cross-memory attach is not permitted")
             (self.fallback.push if write else self.fallback.pull)(link, plan, remote, deadline)
             return True
-        else:
-            raise_error(LLMStatusCode.LLM_FAILED,
-                        f"cache {remote.cache_id} of cluster {link.remote_cluster_id} is registered user memory "
-                        "and cross-memory attach to the peer is not permitted; use transfer_backend='tcp' or 'auto'")
         link.check_alive()
         return False
 

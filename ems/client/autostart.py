@@ -11,10 +11,11 @@ import select
 import subprocess
 import sys
 import time
+from typing import Optional
 
 from .._errors import PoolUnreachable
 
-__all__ = ["start_daemon", "auto_capacity"]
+__all__ = ["start_daemon", "auto_capacity", "read_ready"]
 
 #: Environment knobs of an auto-started daemon.
 ENV_CAPACITY = "EMS_AUTO_CAPACITY"
@@ -31,6 +32,22 @@ def auto_capacity() -> str:
     except (ValueError, OSError):
         ram = 4 << 30
     return str(max(64 << 20, min(4 << 30, ram // 4)))
+
+
+def read_ready(fd: int, deadline: float) -> Optional[str]:
+    """The line a starting daemon writes to its ``--ready-fd`` (``READY <pid> <tcp>`` once it
+    serves, ``RUNNING ...`` when another daemon holds the directory, or an error), read from
+    ``fd`` up to its newline or EOF; None if ``deadline`` passes first.  ``fd`` stays open."""
+    line = b""
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 256)
+        if not chunk:
+            break
+        line += chunk
+    return line.decode(errors="replace").strip()
 
 
 def start_daemon(directory: str, deadline: float) -> None:
@@ -53,23 +70,16 @@ def start_daemon(directory: str, deadline: float) -> None:
         os.close(w)
         raise PoolUnreachable(f"cannot start ems-server for {directory}: {exc}") from None
     os.close(w)
-    line = b""
     try:
-        while not line.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([r], [], [], left)[0]:
-                raise PoolUnreachable(f"ems-server for {directory} did not start in time")
-            chunk = os.read(r, 256)
-            if not chunk:
-                break
-            line += chunk
+        text = read_ready(r, deadline)
     finally:
         os.close(r)
         try:
             proc.wait(max(0.1, deadline - time.monotonic()))  # the middle process exits at once
         except subprocess.TimeoutExpired:
             pass
-    text = line.decode(errors="replace").strip()
+    if text is None:
+        raise PoolUnreachable(f"ems-server for {directory} did not start in time")
     if not (text.startswith("READY") or text.startswith("RUNNING")):
         raise PoolUnreachable(f"ems-server for {directory} failed to start: {text or 'no output'} "
                               f"(see {os.path.join(directory, 'ems-server.log')})")

@@ -6,14 +6,14 @@ mapping (``PoolClient`` checks the pid and starts over).
 """
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import socket
 import time
 from typing import Any, Optional
 
 import numpy as np
+
+from datadist.engine.memory import SharedMapping
 
 from .._errors import PoolDisconnected, PoolRejected, PoolTimeout, PoolUnreachable, ProtocolError
 from ..pool import wire
@@ -22,27 +22,18 @@ from .address import Address, parse_address
 __all__ = ["Connection", "MappedArena", "probe"]
 
 
-class MappedArena:
-    """The tenant's arena memfd, mapped here: ``base`` is its address in this process."""
+class MappedArena(SharedMapping):
+    """The tenant's arena memfd, mapped here: ``base`` is its address in this process,
+    ``array`` the same bytes as numpy (``None`` once closed)."""
 
     def __init__(self, fd: int, size: int, instance: str) -> None:
-        self.size = size
+        super().__init__(fd, size)
         self.instance = instance
-        self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        anchor = ctypes.c_char.from_buffer(self._mm)
-        self.base = ctypes.addressof(anchor)
-        del anchor  # keep no buffer export, so close() can unmap
-        self.array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.array: Optional[np.ndarray] = np.frombuffer(self.view(), dtype=np.uint8)
 
     def close(self) -> None:
-        mm, self._mm = self._mm, None
-        if mm is None:
-            return
-        self.array = None
-        try:
-            mm.close()
-        except BufferError:
-            pass  # a view is still alive somewhere; the mapping goes with it
+        self.array = None  # a view: it would keep the mapping alive
+        super().close()
 
 
 class Connection:

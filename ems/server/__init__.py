@@ -9,8 +9,8 @@ Commands::
     ems-server stop  [--dir DIR]
 
 Files: ``daemon.py`` (listener, sessions), ``store.py`` (index, leases, LRU, two-phase
-puts), ``arena.py`` (memfd arenas, allocator), ``tenants.py`` (credentials),
-``tiers/`` (disk, Redis/Valkey).
+puts; memfd arenas and their allocator come from ``datadist.engine.memory``),
+``tenants.py`` (credentials), ``tiers/`` (disk, Redis/Valkey).
 """
 from __future__ import annotations
 

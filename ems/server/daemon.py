@@ -323,7 +323,7 @@ class Session(threading.Thread):
         res = store.reservation(owner, ts, off)
         if res is None or size != res.size:
             return Error("invalid", "WRITE outside this connection's reservations")
-        view = ts.arena.view[off:off + size]
+        view = ts.arena.view(off, size)
         wire.recv_exact(self.sock, view, time.monotonic() + 60.0)
         return None
 
@@ -331,7 +331,7 @@ class Session(threading.Thread):
         if not store.leased(owner, ts, off, size):
             return Error("invalid", "READ outside this connection's leases")
         self.sock.sendall(wire.encode(ReadReply(size)))
-        self.sock.sendall(ts.arena.view[off:off + size])
+        self.sock.sendall(ts.arena.view(off, size))
         return None
 
 

@@ -12,6 +12,13 @@ Threading: one lock guards all state.  Tier I/O (disk writes when spilling, disk
 reads when filling, remote writes through) happens with the lock released, on the calling
 session's thread, with the entries involved pinned.  ``_allocate`` may release the lock
 while it spills a victim, so callers re-read any state they need after it returns.
+
+Memory: each tenant has its own anonymous memfd arena (clients map it: the descriptor
+travels with the HELLO reply), carved into 4 KiB pages by the engine's first-fit
+allocator.  Freed values keep their pages: every process that maps the arena has already
+faulted them in, and a fresh page costs about a microsecond per 4 KiB in each process
+(several times the copy itself), so reuse is what keeps saves at memory speed.  Resident
+memory is therefore each arena's high-water mark, at most ``arena_size``.
 """
 from __future__ import annotations
 
@@ -22,14 +29,19 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from datadist.engine.memory import Arena, PoolAllocator, round_to_pages
+
 from ..pool.checksum import checksum
 from ..pool.wire import NO_SPACE, SKIPPED
-from .arena import Arena, round_up
 from .tiers.base import Tier
 
-__all__ = ["Store", "Owner", "TenantSpace", "Entry"]
+__all__ = ["Store", "Owner", "TenantSpace", "Entry", "PAGE_SHIFT", "PAGE"]
 
 log = logging.getLogger("ems.server.store")
+
+#: Allocation unit of the arenas (4 KiB): a value of a few tokens wastes little capacity.
+PAGE_SHIFT = 12
+PAGE = 1 << PAGE_SHIFT
 
 
 class Entry:
@@ -63,11 +75,12 @@ class Owner:
 
 
 class TenantSpace:
-    """A tenant's arena and index."""
+    """A tenant's arena, the allocator of its pages (by offset) and its index."""
 
     def __init__(self, name: str, arena: Arena) -> None:
         self.name = name
         self.arena = arena
+        self.pages = PoolAllocator(arena, PAGE_SHIFT)
         self.index: Dict[str, Entry] = {}
 
 
@@ -78,7 +91,7 @@ class Store:
                  disk: Optional[Tier] = None, remote: Optional[Tier] = None) -> None:
         self.capacity = int(capacity)
         # Arenas are sparse; extra address space absorbs fragmentation.
-        self.arena_size = round_up(arena_size or self.capacity + self.capacity // 4 + (16 << 20))
+        self.arena_size = round_to_pages(arena_size or self.capacity + self.capacity // 4 + (16 << 20), PAGE)
         self.disk = disk
         self.remote = remote
         self.used = 0
@@ -98,7 +111,7 @@ class Store:
         with self._lock:
             ts = self._spaces.get(tenant)
             if ts is None:
-                ts = TenantSpace(tenant, Arena(tenant, self.arena_size))
+                ts = TenantSpace(tenant, Arena(f"ems-{tenant or 'open'}", self.arena_size))
                 self._spaces[tenant] = ts
             return ts
 
@@ -120,7 +133,7 @@ class Store:
 
     # -- memory management (lock held) ---------------------------------------------------
     def _free(self, ts: TenantSpace, off: int, alloc: int) -> None:
-        ts.arena.free(off, alloc)
+        ts.pages.free_offset(off, alloc)
         self.used -= alloc
 
     def _unlink(self, e: Entry) -> None:
@@ -161,7 +174,7 @@ class Store:
             return None
         while True:
             if self.used + n <= self.capacity:
-                off = ts.arena.alloc(n)
+                off = ts.pages.alloc_offset(n)
                 if off is not None:
                     self.used += n
                     return off
@@ -186,7 +199,7 @@ class Store:
         self._spilling[name] = e
         self._lock.release()
         try:
-            ok = self.disk.store(e.space.name, e.key, e.space.arena.view[e.off:e.off + e.size], e.checksum)
+            ok = self.disk.store(e.space.name, e.key, e.space.arena.view(e.off, e.size), e.checksum)
         finally:
             self._lock.acquire()
         if self._spilling.get(name) is e:
@@ -213,7 +226,7 @@ class Store:
                         self.counters["skipped"] += 1
                         out.append(SKIPPED)
                         continue
-                n = round_up(size)
+                n = round_to_pages(size, PAGE)
                 off = self._allocate(ts, n)
                 if off is None:
                     self.counters["no_space"] += 1
@@ -241,7 +254,7 @@ class Store:
                     continue
                 del owner.reservations[(ts.name, off)]
                 if crc is None:  # a TCP client: the daemon sums what it received
-                    crc = checksum(ts.arena.array[off:off + res.size])
+                    crc = checksum(ts.arena.view(off, res.size))
                 e = Entry(ts, key, off, res.alloc, res.size, int(crc))
                 self._insert(e)
                 self.counters["committed"] += 1
@@ -251,7 +264,7 @@ class Store:
                     pushed.append(e)
         if not pushed:
             return stored
-        results = [self.remote.store(ts.name, e.key, ts.arena.view[e.off:e.off + e.size], e.checksum)
+        results = [self.remote.store(ts.name, e.key, ts.arena.view(e.off, e.size), e.checksum)
                    for e in pushed]
         with self._lock:
             for e, ok in zip(pushed, results):
@@ -303,19 +316,19 @@ class Store:
             got: Dict[str, int] = {}
 
             def sink(size: int) -> Optional[memoryview]:
-                n = round_up(size)
+                n = round_to_pages(size, PAGE)
                 with self._lock:
                     off = self._allocate(ts, n)
                 if off is None:
                     return None
                 got.update(off=off, n=n, size=size)
-                return ts.arena.view[off:off + size]
+                return ts.arena.view(off, size)
 
             crc = tier.load(ts.name, key, sink)
             if "off" not in got:
                 continue
             off, n, size = got["off"], got["n"], got["size"]
-            if crc is None or checksum(ts.arena.array[off:off + size]) != crc:
+            if crc is None or checksum(ts.arena.view(off, size)) != crc:
                 with self._lock:
                     self._free(ts, off, n)
                     self.counters["corrupt"] += crc is not None
@@ -404,7 +417,7 @@ class Store:
             t0 = time.monotonic()
             n = 0
             for e in entries:
-                if self.disk.store(e.space.name, e.key, e.space.arena.view[e.off:e.off + e.size], e.checksum):
+                if self.disk.store(e.space.name, e.key, e.space.arena.view(e.off, e.size), e.checksum):
                     n += 1
             log.info("spilled %d values to disk in %.2fs", n, time.monotonic() - t0)
         for ts in spaces:

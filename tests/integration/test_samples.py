@@ -2,14 +2,17 @@
 
 Each sample starts its own engine processes, checks its data and exits 0 printing its
 success line; a non-zero exit or a missing line fails the test with the sample's output.
-The launcher's failure reporting (a child's traceback, a dead child, a barrier a child
-never reaches) is checked in-process with children defined here.
+A sample leaves nothing behind in its temporary directory (where the samples that use an
+``ems`` pool run their own daemon) and no process that names it.  The launcher's failure
+reporting (a child's traceback, a dead child, a barrier a child never reaches) is checked
+in-process with children defined here.
 """
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import List
 
@@ -38,17 +41,35 @@ CASES = [
     pytest.param("xpyd.py", [], "xpyd: bytes match", id="xpyd"),
     pytest.param("push_by_layer.py", [], "push_by_layer: bytes match", id="push_by_layer"),
     pytest.param("pull_by_layer.py", [], "pull_by_layer: bytes match", id="pull_by_layer"),
+    pytest.param("ems_quickstart.py", [], "ems_quickstart: bytes match", id="ems_quickstart"),
 ]
+
+
+def _processes_naming(text: str) -> List[str]:
+    """Command lines of the running processes that contain ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # not a process, or it exited meanwhile
+            continue
+        if text in cmdline:
+            found.append(f"{entry.name}: {cmdline}")
+    return found
 
 
 @pytest.mark.parametrize("script,args,success", CASES)
 def test_sample(script: str, args: List[str], success: str) -> None:
-    """The sample exits 0 and prints its success line."""
-    proc = subprocess.run([sys.executable, str(SAMPLES / script), *args], capture_output=True, text=True,
-                          timeout=SAMPLE_TIMEOUT_S, cwd=SAMPLES.parent)
-    output = f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
-    assert proc.returncode == 0, f"{script} exited with {proc.returncode}\n{output}"
-    assert success in proc.stdout, f"{script} did not print {success!r}\n{output}"
+    """The sample exits 0, prints its success line and leaves nothing behind."""
+    # A short private TMPDIR: a pool daemon's unix socket path must stay under 108 bytes.
+    with tempfile.TemporaryDirectory(prefix="s-") as tmp:
+        proc = subprocess.run([sys.executable, str(SAMPLES / script), *args], capture_output=True, text=True,
+                              timeout=SAMPLE_TIMEOUT_S, cwd=SAMPLES.parent, env={**os.environ, "TMPDIR": tmp})
+        output = f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+        assert proc.returncode == 0, f"{script} exited with {proc.returncode}\n{output}"
+        assert success in proc.stdout, f"{script} did not print {success!r}\n{output}"
+        assert not os.listdir(tmp), f"{script} left {os.listdir(tmp)} in its TMPDIR\n{output}"
+        assert not _processes_naming(tmp), f"{script} left processes behind: {_processes_naming(tmp)}"
 
 
 def test_pd_rejects_bad_flags() -> None:

@@ -6,13 +6,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import pytest
 
+from datadist.engine.memory import Arena, InvalidFree, PoolAllocator
 from ems.pool.checksum import checksum
 from ems.pool.wire import NO_SPACE, SKIPPED
-from ems.server.arena import Allocator
-from ems.server.store import Store
+from ems.server.store import PAGE, PAGE_SHIFT, Store
 from ems.server.tiers.base import Sink, Tier
-
-PAGE = 4096
 
 
 class FakeTier(Tier):
@@ -49,12 +47,16 @@ class FakeTier(Tier):
         self.data.pop((ns, key), None)
 
 
+def arena_bytes(ts, off, size=PAGE):
+    return np.frombuffer(ts.arena.view(off, size), dtype=np.uint8)
+
+
 def put(store, owner, ts, key, fill, size=PAGE):
     (off,) = store.reserve(owner, ts, [key], [size], False)
     if off < 0:
         return off
-    ts.arena.array[off:off + size] = fill
-    assert store.commit(owner, ts, [key], [off], [checksum(ts.arena.array[off:off + size])]) == [True]
+    arena_bytes(ts, off, size)[:] = fill
+    assert store.commit(owner, ts, [key], [off], [checksum(ts.arena.view(off, size))]) == [True]
     return off
 
 
@@ -103,7 +105,7 @@ def test_overwrite_while_leased_keeps_old_bytes(store):
     off_old = put(store, owner, ts, "k", 7)
     lease, (entry,) = store.get(owner, ts, ["k"], False)
     off_new = put(store, owner, ts, "k", 9)
-    assert off_new != off_old and (ts.arena.array[off_old:off_old + PAGE] == 7).all()
+    assert off_new != off_old and (arena_bytes(ts, off_old) == 7).all()
     used = store.used
     store.release(owner, lease)
     assert store.used == used - PAGE  # the old value is freed when its last pin goes
@@ -130,7 +132,7 @@ def test_spill_to_tier_and_fill_back_and_corruption():
         assert ("t", "a") in disk.data and s.counters["spills"] == 1
         assert s.exists(ts, ["a", "b", "c"], False) == 3
         lease, got = s.get(owner, ts, ["a"], False)
-        assert len(got) == 1 and (ts.arena.array[got[0].off:got[0].off + PAGE] == 1).all()
+        assert len(got) == 1 and (arena_bytes(ts, got[0].off) == 1).all()
         s.release(owner, lease)
         disk.data[("t", "z")] = (bytes(PAGE), checksum(np.zeros(PAGE, np.uint8)))
         disk.corrupt = True
@@ -148,11 +150,20 @@ def test_tenants_have_separate_arenas(store):
 
 
 def test_allocator_first_fit_and_coalescing():
-    al = Allocator(10 * PAGE)
-    offs = [al.alloc(PAGE) for _ in range(10)]
-    assert offs == [i * PAGE for i in range(10)] and al.alloc(PAGE) is None
-    for o in offs[2:5]:
-        al.free(o, PAGE)
-    assert al.largest_free == 3 * PAGE and al.alloc(3 * PAGE) == 2 * PAGE
-    with pytest.raises(AssertionError):
-        al.free(0, PAGE) or al.free(0, PAGE)
+    """The arena allocator as the store uses it: 4 KiB pages, offsets, None when full."""
+    arena = Arena("ems-test", 10 * PAGE)
+    try:
+        al = PoolAllocator(arena, PAGE_SHIFT)
+        offs = [al.alloc_offset(PAGE) for _ in range(10)]
+        assert offs == [i * PAGE for i in range(10)] and al.alloc_offset(PAGE) is None
+        for o in offs[2:5]:
+            al.free_offset(o, PAGE)
+        # three one-page extents merged: the only place three pages fit
+        assert al.free_bytes == 3 * PAGE and al.alloc_offset(3 * PAGE) == 2 * PAGE
+        al.free_offset(0, PAGE)
+        with pytest.raises(InvalidFree):
+            al.free_offset(0, PAGE)
+        with pytest.raises(InvalidFree):  # not the size that was allocated there
+            al.free_offset(2 * PAGE, PAGE)
+    finally:
+        arena.close()
