@@ -403,7 +403,29 @@ static PyObject *py_wait_readable(PyObject *self, PyObject *const *args, Py_ssiz
     return result_or_oserror(r);
 }
 
+/* recv_exact(fd, buffer, timeout_ms): fill the whole writable buffer from a non-blocking
+ * socket, polling only when no data is ready (Python's own timeout mode polls before
+ * every read).  Returns the bytes read; OSError ETIMEDOUT / ECONNRESET (end of stream). */
+static PyObject *py_recv_exact(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "recv_exact(fd, buffer, timeout_ms)"); return NULL; }
+    long fd = PyLong_AsLong(args[0]);
+    long long timeout_ms = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer buf;
+    if (PyObject_GetBuffer(args[1], &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    uint64_t addr = (uint64_t)(uintptr_t)buf.buf, len = (uint64_t)buf.len, zero = 0;
+    int64_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = len ? dd_sock_plan((int)fd, 0, timeout_ms, 1, &addr, 1, &zero, &len, NULL, 0) : 0;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    return result_or_oserror(r);
+}
+
 static PyMethodDef methods[] = {
+    {"recv_exact", (PyCFunction)(void (*)(void))py_recv_exact, METH_FASTCALL,
+     "recv_exact(fd, buffer, timeout_ms) -> bytes read (OSError on timeout or end of stream)"},
     {"wait_readable", (PyCFunction)(void (*)(void))py_wait_readable, METH_FASTCALL,
      "wait_readable(fd, spin_us, timeout_ms) -> 0 (OSError ETIMEDOUT at the deadline)"},
     {"copy_plan", (PyCFunction)(void (*)(void))py_copy_plan, METH_FASTCALL,

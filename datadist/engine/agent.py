@@ -32,6 +32,8 @@ __all__ = ["Agent", "runs_inside", "runs_inside_any"]
 log = logging.getLogger("datadist")
 
 _DRAIN_CHUNK = 1 << 20
+_EMPTY = np.zeros(0, dtype=np.uint64)
+_NO_PAYLOAD = Plan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
 
 
 class Agent:
@@ -220,10 +222,9 @@ class Agent:
         try:
             msg = wire.read_message(sock)
             reply = self._handle(link, msg, sock)
-            if self._pending_plan is not None:  # a pull: the reply and the payload in one stream
-                native.sock_send(sock.fileno(), self._pending_plan, self.engine.timeout_ms, wire.encode(reply))
-            elif reply is not None:
-                sock.sendall(wire.encode(reply))
+            if reply is not None:  # a pull's payload follows its reply in the same writev
+                native.sock_send(sock.fileno(), self._pending_plan or _NO_PAYLOAD, self.engine.timeout_ms,
+                                 wire.encode(reply))
             if isinstance(msg, wire.Unlink):
                 self._unregister(link)
                 self.engine.drop_link(link, notify=False)

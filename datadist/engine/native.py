@@ -20,7 +20,8 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["copy_plan", "cma_plan", "sock_send", "sock_recv", "wait_readable", "COPY_THREADS", "SPIN_US"]
+__all__ = ["copy_plan", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "COPY_THREADS",
+           "SPIN_US"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
 COPY_THREADS = max(1, min(4, int(os.environ.get("DATADIST_COPY_THREADS", os.cpu_count() or 1))))
@@ -77,3 +78,9 @@ def wait_readable(fd: int, timeout_ms: int, spin_us: int = SPIN_US) -> None:
         if exc.errno == errno.ETIMEDOUT:
             raise TimeoutError(errno.ETIMEDOUT, f"no reply within {timeout_ms} ms") from None
         raise
+
+
+def recv_exact(fd: int, buf: bytearray, timeout_ms: int) -> None:
+    """Fill ``buf`` from socket ``fd`` (non-blocking) within ``timeout_ms``; raises
+    ``TimeoutError`` or ``ConnectionResetError`` (end of stream)."""
+    _native.recv_exact(fd, buf, timeout_ms)
