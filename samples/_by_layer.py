@@ -1,6 +1,6 @@
 """What push_by_layer.py and pull_by_layer.py share: their size flags, the paged KV cache
-both engines allocate, the block mapping, digests to compare caches across processes, and
-the timing report.
+both engines allocate, the block mapping, digests to compare caches across processes, the
+timing report and the command line that runs both processes.
 
 The cache is a blocks cache of ``2 * layers`` tensors (K0, V0, K1, V1, ...), each
 ``[blocks, block_tokens, kv_heads, head_dim]`` in float16.  Source block ``b`` goes to
@@ -11,27 +11,22 @@ from __future__ import annotations
 import argparse
 import hashlib
 import statistics
+import sys
 import time
-from typing import Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from _launch import ChildFailed, Launcher, positive_int as positive
 from datadist import CacheDesc, DataType, Placement
 
-__all__ = ["add_size_args", "cache_desc", "kv_bytes", "pool_bytes", "src_blocks", "dst_blocks", "digests", "timed",
-           "medians", "report"]
+__all__ = ["add_size_args", "cache_desc", "kv_bytes", "pool_bytes", "src_blocks", "dst_blocks", "digests",
+           "expect_digests", "timed", "medians", "report", "main"]
 
 
 def add_size_args(parser: argparse.ArgumentParser, hidden: int) -> None:
     """The flags both samples take (sizes default small: a run takes a few seconds);
     ``hidden`` is the sample's default MLP width."""
-
-    def positive(text: str) -> int:
-        value = int(text)
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-        return value
-
     parser.add_argument("--layers", type=positive, default=8, help="layers (default 8)")
     parser.add_argument("--blocks", type=positive, default=128, help="KV blocks per tensor (default 128)")
     parser.add_argument("--block-tokens", type=positive, default=16, help="tokens per block (default 16)")
@@ -82,6 +77,15 @@ def digests(tensors: Sequence[torch.Tensor], blocks: Sequence[int]) -> List[str]
             for t in tensors]
 
 
+def expect_digests(sent: Sequence[str], kv: Sequence[torch.Tensor], args: argparse.Namespace) -> None:
+    """Raise ``AssertionError`` unless the decoder's ``kv`` holds, through the block mapping,
+    what the prompt's :func:`digests` (``sent``) say."""
+    got = digests(kv, dst_blocks(args))
+    wrong = [i for i, (a, b) in enumerate(zip(sent, got)) if a != b]
+    if wrong:
+        raise AssertionError(f"decoder tensors {wrong} differ from the prompt's")
+
+
 def timed(fn: Callable[[], None]) -> float:
     """Seconds ``fn()`` took."""
     start = time.perf_counter()
@@ -103,3 +107,24 @@ def report(title: str, compute_s: float, transfer_s: float, overlapped_s: float)
     print(f"  serial sum         {serial * 1000:9.1f} ms")
     print(f"  overlapped (wall)  {overlapped_s * 1000:9.1f} ms   (saves {(1 - overlapped_s / serial) * 100:.0f}% "
           "of the serial time)")
+
+
+def main(title: str, description: str, hidden: int, prompt: Callable[..., Any], decoder: Callable[..., Any],
+         timed_by: str, argv: Optional[Sequence[str]] = None) -> int:
+    """Command line of a by-layer sample: run ``prompt(peer, args)`` and ``decoder(peer, args)``
+    in their own processes, then print the timings that process ``timed_by`` returned and
+    ``<title>: bytes match``; on a failure print what failed and return 1."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_size_args(parser, hidden=hidden)
+    args = parser.parse_args(argv)
+    try:
+        with Launcher(args.timeout) as procs:
+            procs.start("prompt", prompt, args)
+            procs.start("decoder", decoder, args)
+            timings = procs.serve()[timed_by]
+    except ChildFailed as exc:
+        print(f"{title}: FAILED: {exc}", file=sys.stderr)
+        return 1
+    report(f"{title} ({args.layers} layers, {kv_bytes(args) / (1 << 20):.1f} MiB of KV, {args.transport})", *timings)
+    print(f"{title}: bytes match")
+    return 0

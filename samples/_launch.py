@@ -9,10 +9,10 @@ child that raises sends its traceback before it exits; a child that dies, or a w
 passes its deadline, fails the run with :class:`ChildFailed`, and the other children are
 killed.
 
-Also here: the engine set-up every sample repeats (``init``, ``link_clusters``), the layer
-synchronizer of a compute loop that ``transfer_cache_async`` samples feed, a private ``ems``
-pool daemon for samples that use one, and the seeded data and byte-for-byte checks the call
-samples verify transfers with.
+Also here: the engine set-up every sample repeats (``init``, ``link_clusters``, allocating a
+cache filled with seeded data or zeroed), the layer synchronizer of a compute loop that
+``transfer_cache_async`` samples feed, a private ``ems`` pool daemon for samples that use
+one, and the byte-for-byte checks the call samples verify transfers with.
 """
 from __future__ import annotations
 
@@ -33,14 +33,16 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 
 import torch
 
-from datadist import (CacheTask, LayerSynchronizer, LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole,
-                      LLMStatusCode)
+from datadist import (BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheManager, CacheTask, LayerSynchronizer,
+                      LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode)
 from ems.client.autostart import read_ready
 
 __all__ = [
-    "LOCALHOST", "WAIT_S", "SYNC_KV_TIMEOUT_MS", "ChildFailed", "Peer", "Launcher", "run_sample",
-    "init_llm_datadist", "link_clusters", "unlink_clusters", "ComputedLayers", "finish_task", "private_pool",
-    "source_tensors", "fill", "expect_bytes",
+    "LOCALHOST", "WAIT_S", "SYNC_KV_TIMEOUT_MS", "PROMPT_CLUSTER_ID", "DECODER_CLUSTER_ID", "NUM_TENSORS",
+    "BLOCK_TOKENS", "KV_SHAPE", "ChildFailed", "Peer", "Launcher", "run_sample", "positive_int",
+    "init_llm_datadist", "engine", "listening", "linked", "link_clusters", "unlink_clusters", "blocks_cache",
+    "contiguous_cache", "ComputedLayers", "finish_task", "private_pool", "source_tensors", "fill", "expect_bytes",
+    "expect_tensors",
 ]
 
 LOCALHOST = "127.0.0.1"
@@ -52,6 +54,13 @@ WAIT_S = 120.0
 SYNC_KV_TIMEOUT_MS = 10_000
 LINK_TIMEOUT_MS = 10_000
 _EXIT_S = 15.0
+
+# The engines and cache layout of the call samples (push/pull blocks and cache, xpyd).
+PROMPT_CLUSTER_ID = 1
+DECODER_CLUSTER_ID = 2
+NUM_TENSORS = 2 * 4  # K and V of each of 4 layers: K0, V0, K1, V1, ...
+BLOCK_TOKENS = 16
+KV_SHAPE = [2, 32]  # KV heads, head dim
 
 _CTX = multiprocessing.get_context("spawn")  # fork would copy torch's thread pools half-initialized
 
@@ -252,6 +261,14 @@ class Launcher:
                 raise ChildFailed(f"{', '.join(gone)} returned without reaching barrier {step!r}")
 
 
+def positive_int(text: str) -> int:
+    """``argparse`` type of a count flag: an int of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def run_sample(title: str, description: str, processes: Dict[str, Callable[..., Any]],
                argv: Optional[Sequence[str]] = None) -> int:
     """Command line of a call sample: run each ``processes[name](peer, transport)`` in its own
@@ -297,6 +314,35 @@ def init_llm_datadist(role: LLMRole, cluster_id: int, transport: str = "auto", *
     return datadist
 
 
+@contextlib.contextmanager
+def engine(role: LLMRole, cluster_id: int, transport: str = "auto", *, listen: bool = False,
+           pool_bytes: int = 64 << 20) -> Iterator[LLMDataDist]:
+    """:func:`init_llm_datadist`, finalized when the block exits, whichever way."""
+    datadist = init_llm_datadist(role, cluster_id, transport, listen=listen, pool_bytes=pool_bytes)
+    try:
+        yield datadist
+    finally:
+        datadist.finalize()
+
+
+def listening(peer: Peer, datadist: LLMDataDist, info: Any = None) -> None:
+    """A link server's side of barrier ``"listening"``: tell its port, and ``info`` (a cache
+    id, digests) to the processes that :func:`linked` to it."""
+    peer.barrier("listening", (datadist.listen_port, info))
+
+
+@contextlib.contextmanager
+def linked(peer: Peer, datadist: LLMDataDist, servers: Dict[int, str], done: str) -> Iterator[Dict[str, Any]]:
+    """Link to the servers (cluster id -> process name) once they are :func:`listening`;
+    yields the ``info`` each server told, by process name.  When the block exits normally,
+    unlink and meet the others at barrier ``done``: the servers keep their caches until then."""
+    told = peer.barrier("listening")
+    link_clusters(datadist, {cluster_id: told[name][0] for cluster_id, name in servers.items()})
+    yield {name: told[name][1] for name in servers.values()}
+    unlink_clusters(datadist, servers)
+    peer.barrier(done)
+
+
 def link_clusters(datadist: LLMDataDist, servers: Dict[int, int]) -> None:
     """Link to every server on this host (cluster id -> listen port); raise unless all link."""
     clusters = []
@@ -317,6 +363,38 @@ def unlink_clusters(datadist: LLMDataDist, cluster_ids: Iterable[int]) -> None:
     ret, rets = datadist.unlink_clusters(clusters, timeout=LINK_TIMEOUT_MS)
     if ret != LLMStatusCode.LLM_SUCCESS:
         raise RuntimeError(f"unlink_clusters failed: {ret!r}, per cluster {rets!r}")
+
+
+@contextlib.contextmanager
+def blocks_cache(cache_manager: CacheManager, desc: CacheDesc, key: Optional[BlocksCacheKey] = None, *,
+                 seed: Optional[int] = None) -> Iterator[Tuple[Cache, List[torch.Tensor]]]:
+    """``allocate_blocks_cache(desc, key)`` and its tensors, filled as :func:`_filled` says;
+    deallocated when the block exits normally."""
+    cache = cache_manager.allocate_blocks_cache(desc, key)
+    yield cache, _filled(cache_manager.get_cache_tensors(cache), seed)
+    cache_manager.deallocate_blocks_cache(cache)
+
+
+@contextlib.contextmanager
+def contiguous_cache(cache_manager: CacheManager, desc: CacheDesc, keys: Sequence[CacheKey] = (), *,
+                     seed: Optional[int] = None) -> Iterator[Tuple[Cache, List[torch.Tensor]]]:
+    """``allocate_cache(desc, keys)`` and its tensors, filled as :func:`_filled` says;
+    deallocated when the block exits normally."""
+    cache = cache_manager.allocate_cache(desc, keys)
+    yield cache, _filled(cache_manager.get_cache_tensors(cache), seed)
+    cache_manager.deallocate_cache(cache)
+
+
+def _filled(tensors: List[torch.Tensor], seed: Optional[int]) -> List[torch.Tensor]:
+    """A sender's tensors get :func:`source_tensors` of ``seed``; without a seed, zeros, so a
+    receiver's blocks that nothing was sent to are known (pool memory is not cleared when it
+    is reused)."""
+    if seed is None:
+        for tensor in tensors:
+            tensor.zero_()
+    else:
+        fill(tensors, seed)
+    return tensors
 
 
 class ComputedLayers(LayerSynchronizer):
@@ -435,3 +513,9 @@ def expect_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str) -> Non
     if differ.numel():
         raise AssertionError(f"{what}: {differ.numel()} of {got.numel()} bytes differ, "
                              f"the first at byte {int(differ[0])}")
+
+
+def expect_tensors(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor], what: str = "decoder") -> None:
+    """:func:`expect_bytes` of each cache tensor, named ``<what> tensor <index>``."""
+    for index, (got, want) in enumerate(zip(actual, expected)):
+        expect_bytes(got, want, f"{what} tensor {index}")

@@ -48,7 +48,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 import torch
 
 from _launch import (SYNC_KV_TIMEOUT_MS, ChildFailed, ComputedLayers, Launcher, Peer, finish_task,
-                     init_llm_datadist, link_clusters, private_pool, unlink_clusters)
+                     init_llm_datadist, link_clusters, positive_int as positive, private_pool, unlink_clusters)
 from datadist import (BlocksCacheKey, Cache, CacheDesc, CacheManager, DataType, LLMRole, Placement,
                       TransferWithCacheKeyConfig)
 from ems import CcConfig_v1, CcKvOption, ContextCaching, Ems, EmsConfig
@@ -558,13 +558,6 @@ def compare(reference: Sequence[Generation], run: RunResult) -> bool:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-
-    def positive(text: str) -> int:
-        value = int(text)
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-        return value
-
     parser.add_argument("--layers", type=positive, default=8, help="decoder layers (default 8)")
     parser.add_argument("--hidden", type=positive, default=512,
                         help="hidden size, a multiple of 16: 8 heads sharing 2 KV heads (default 512)")

@@ -17,63 +17,38 @@ import sys
 
 import torch
 
-from _launch import (Peer, expect_bytes, fill, init_llm_datadist, link_clusters, run_sample, source_tensors,
-                     unlink_clusters)
+from _launch import (BLOCK_TOKENS, DECODER_CLUSTER_ID, KV_SHAPE, NUM_TENSORS, PROMPT_CLUSTER_ID, Peer, blocks_cache,
+                     engine, expect_tensors, linked, listening, run_sample, source_tensors)
 from datadist import BlocksCacheKey, CacheDesc, DataType, LLMRole, Placement
 
-PROMPT_CLUSTER_ID = 1
-DECODER_CLUSTER_ID = 2
-NUM_LAYERS = 4
-NUM_TENSORS = 2 * NUM_LAYERS  # K and V of each layer: K0, V0, K1, V1, ...
-BLOCKS_NUM = 8
-BLOCK_SHAPE = [16, 2, 32]  # tokens per block, KV heads, head dim
-CACHE_DESC = CacheDesc(NUM_TENSORS, [BLOCKS_NUM, *BLOCK_SHAPE], DataType.DT_FLOAT16, Placement.DEVICE)
+CACHE_DESC = CacheDesc(NUM_TENSORS, [8, BLOCK_TOKENS, *KV_SHAPE], DataType.DT_FLOAT16, Placement.DEVICE)
 SEED = 2
 
 
 def run_prompt_sample(peer: Peer, transport: str) -> None:
-    datadist = init_llm_datadist(LLMRole.PROMPT, PROMPT_CLUSTER_ID, transport, listen=True)
-    try:
-        cache_manager = datadist.cache_manager
-        cache = cache_manager.allocate_blocks_cache(CACHE_DESC, BlocksCacheKey(PROMPT_CLUSTER_ID, 0))
-        fill(cache_manager.get_cache_tensors(cache), SEED)
-        peer.barrier("listening", datadist.listen_port)
-        peer.barrier("pulled")  # the decoder has checked its data and unlinked
-        cache_manager.deallocate_blocks_cache(cache)
-    finally:
-        datadist.finalize()
+    with engine(LLMRole.PROMPT, PROMPT_CLUSTER_ID, transport, listen=True) as datadist:
+        with blocks_cache(datadist.cache_manager, CACHE_DESC, BlocksCacheKey(PROMPT_CLUSTER_ID, 0), seed=SEED):
+            listening(peer, datadist)
+            peer.barrier("pulled")  # the decoder has checked its data and unlinked
 
 
 def run_decoder_sample(peer: Peer, transport: str) -> None:
-    datadist = init_llm_datadist(LLMRole.DECODER, DECODER_CLUSTER_ID, transport)
-    try:
+    with engine(LLMRole.DECODER, DECODER_CLUSTER_ID, transport) as datadist:
         cache_manager = datadist.cache_manager
-        cache = cache_manager.allocate_blocks_cache(CACHE_DESC)
-        tensors = cache_manager.get_cache_tensors(cache)
-        for tensor in tensors:
-            tensor.zero_()  # pool memory is not cleared when it is reused
-        ports = peer.barrier("listening")
-        link_clusters(datadist, {PROMPT_CLUSTER_ID: ports["prompt"]})
+        with blocks_cache(cache_manager, CACHE_DESC) as (cache, tensors), \
+                linked(peer, datadist, {PROMPT_CLUSTER_ID: "prompt"}, done="pulled"):
+            src_key = BlocksCacheKey(PROMPT_CLUSTER_ID, 0)
+            cache_manager.pull_blocks(src_key, cache, src_blocks=[0, 1, 2, 3], dst_blocks=[3, 2, 1, 0])
+            cache_manager.pull_blocks(src_key, cache, src_blocks=[5, 6], dst_blocks=[6, 7],
+                                      src_layer_range=range(0, 1), dst_layer_range=range(3, 4), tensor_num_per_layer=2)
 
-        src_key = BlocksCacheKey(PROMPT_CLUSTER_ID, 0)
-        cache_manager.pull_blocks(src_key, cache, src_blocks=[0, 1, 2, 3], dst_blocks=[3, 2, 1, 0])
-        cache_manager.pull_blocks(src_key, cache, src_blocks=[5, 6], dst_blocks=[6, 7], src_layer_range=range(0, 1),
-                                  dst_layer_range=range(3, 4), tensor_num_per_layer=2)
-
-        source = source_tensors(NUM_TENSORS, CACHE_DESC.shape, torch.float16, SEED)
-        expected = [torch.zeros_like(t) for t in tensors]
-        for want, src in zip(expected, source):
-            want[[3, 2, 1, 0]] = src[[0, 1, 2, 3]]
-        for dst, src in ((6, 0), (7, 1)):  # layer 0 (K0, V0) -> layer 3 (K3, V3)
-            expected[dst][[6, 7]] = source[src][[5, 6]]
-        for index, (got, want) in enumerate(zip(tensors, expected)):
-            expect_bytes(got, want, f"decoder tensor {index}")
-
-        unlink_clusters(datadist, [PROMPT_CLUSTER_ID])
-        peer.barrier("pulled")
-        cache_manager.deallocate_blocks_cache(cache)
-    finally:
-        datadist.finalize()
+            source = source_tensors(NUM_TENSORS, CACHE_DESC.shape, torch.float16, SEED)
+            expected = [torch.zeros_like(t) for t in tensors]
+            for want, src in zip(expected, source):
+                want[[3, 2, 1, 0]] = src[[0, 1, 2, 3]]
+            for dst, src in ((6, 0), (7, 1)):  # layer 0 (K0, V0) -> layer 3 (K3, V3)
+                expected[dst][[6, 7]] = source[src][[5, 6]]
+            expect_tensors(tensors, expected)
 
 
 if __name__ == "__main__":

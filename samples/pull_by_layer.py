@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Tuple
 
 import torch
 
-from _by_layer import (add_size_args, cache_desc, digests, dst_blocks, kv_bytes, medians, pool_bytes, report,
-                       src_blocks, timed)
-from _launch import ChildFailed, Launcher, Peer, fill, init_llm_datadist, link_clusters, unlink_clusters
+from _by_layer import cache_desc, digests, dst_blocks, expect_digests, main, medians, pool_bytes, src_blocks, timed
+from _launch import Peer, blocks_cache, engine, linked, listening
 from datadist import BlocksCacheKey, LLMRole
 
 PROMPT_CLUSTER_ID = 1
@@ -65,98 +64,64 @@ class Decode:
 
 
 def prompt_process(peer: Peer, args: argparse.Namespace) -> None:
-    datadist = init_llm_datadist(LLMRole.PROMPT, PROMPT_CLUSTER_ID, args.transport, listen=True,
-                                 pool_bytes=pool_bytes(args))
-    try:
-        cache_manager = datadist.cache_manager
-        cache = cache_manager.allocate_blocks_cache(cache_desc(args), BlocksCacheKey(PROMPT_CLUSTER_ID, 0))
-        kv = cache_manager.get_cache_tensors(cache)
-        fill(kv, args.seed)
-        peer.barrier("listening", (datadist.listen_port, digests(kv, src_blocks(args))))
-        peer.barrier("done")  # the decoder has checked and unlinked
-        cache_manager.deallocate_blocks_cache(cache)
-    finally:
-        datadist.finalize()
+    with engine(LLMRole.PROMPT, PROMPT_CLUSTER_ID, args.transport, listen=True,
+                pool_bytes=pool_bytes(args)) as datadist:
+        with blocks_cache(datadist.cache_manager, cache_desc(args), BlocksCacheKey(PROMPT_CLUSTER_ID, 0),
+                          seed=args.seed) as (_, kv):
+            listening(peer, datadist, digests(kv, src_blocks(args)))
+            peer.barrier("done")  # the decoder has checked and unlinked
 
 
 def decoder_process(peer: Peer, args: argparse.Namespace) -> Tuple[float, float, float]:
     """Returns the seconds of the pulls alone, the compute alone and the pipeline (medians
     of ``--rounds`` rounds)."""
     torch.set_num_threads(args.threads)
-    datadist = init_llm_datadist(LLMRole.DECODER, DECODER_CLUSTER_ID, args.transport, pool_bytes=pool_bytes(args))
-    try:
+    with engine(LLMRole.DECODER, DECODER_CLUSTER_ID, args.transport, pool_bytes=pool_bytes(args)) as datadist:
         cache_manager = datadist.cache_manager
-        cache = cache_manager.allocate_blocks_cache(cache_desc(args))
-        kv = cache_manager.get_cache_tensors(cache)
-        port, sent = peer.barrier("listening")["prompt"]
-        link_clusters(datadist, {PROMPT_CLUSTER_ID: port})
-        model = Decode(args)
-        key = BlocksCacheKey(PROMPT_CLUSTER_ID, 0)
+        with blocks_cache(cache_manager, cache_desc(args)) as (cache, kv), \
+                linked(peer, datadist, {PROMPT_CLUSTER_ID: "prompt"}, done="done") as told:
+            sent = told["prompt"]
+            model = Decode(args)
+            key = BlocksCacheKey(PROMPT_CLUSTER_ID, 0)
 
-        def pull(layer: int) -> None:
-            layers = range(layer, layer + 1)
-            cache_manager.pull_blocks(key, cache, src_blocks(args), dst_blocks(args), src_layer_range=layers,
-                                      dst_layer_range=layers)
+            def pull(layer: int) -> None:
+                layers = range(layer, layer + 1)
+                cache_manager.pull_blocks(key, cache, src_blocks(args), dst_blocks(args), src_layer_range=layers,
+                                          dst_layer_range=layers)
 
-        def pulls_alone() -> None:
-            for layer in range(args.layers):
-                pull(layer)
+            def pulls_alone() -> None:
+                for layer in range(args.layers):
+                    pull(layer)
 
-        def compute_alone() -> None:
-            model.start()
-            for layer in range(args.layers):
-                model.layer(layer, kv[2 * layer], kv[2 * layer + 1])
+            def compute_alone() -> None:
+                model.start()
+                for layer in range(args.layers):
+                    model.layer(layer, kv[2 * layer], kv[2 * layer + 1])
 
-        def pipelined(pulling: ThreadPoolExecutor) -> None:
-            model.start()
-            arriving: Future = pulling.submit(pull, 0)
-            for layer in range(args.layers):
-                arriving.result(args.timeout)
-                if layer + 1 < args.layers:
-                    arriving = pulling.submit(pull, layer + 1)
-                model.layer(layer, kv[2 * layer], kv[2 * layer + 1])
+            def pipelined(pulling: ThreadPoolExecutor) -> None:
+                model.start()
+                arriving: Future = pulling.submit(pull, 0)
+                for layer in range(args.layers):
+                    arriving.result(args.timeout)
+                    if layer + 1 < args.layers:
+                        arriving = pulling.submit(pull, layer + 1)
+                    model.layer(layer, kv[2 * layer], kv[2 * layer + 1])
 
-        pulls_alone()  # an untimed round first: torch's kernels and the link's lookup are set up once
-        compute_alone()
-        rounds: List[Tuple[float, float, float]] = []
-        with ThreadPoolExecutor(1, thread_name_prefix="pull") as pulling:
-            for _ in range(args.rounds):
-                transfer_s, compute_s = timed(pulls_alone), timed(compute_alone)
-                expected = model.h
-                for tensor in kv:
-                    tensor.zero_()  # a layer computed before its pull finished would see zeros
-                rounds.append((compute_s, transfer_s, timed(lambda: pipelined(pulling))))
-                if not torch.equal(model.h, expected):
-                    raise AssertionError("the pipeline computed something else than the compute alone")
-        got = digests(kv, dst_blocks(args))
-        wrong = [i for i, (a, b) in enumerate(zip(sent, got)) if a != b]
-        if wrong:
-            raise AssertionError(f"decoder tensors {wrong} differ from the prompt's")
-        unlink_clusters(datadist, [PROMPT_CLUSTER_ID])
-        peer.barrier("done")
-        cache_manager.deallocate_blocks_cache(cache)
-        return medians(rounds)
-    finally:
-        datadist.finalize()
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_size_args(parser, hidden=1024)
-    args = parser.parse_args(argv)
-    try:
-        with Launcher(args.timeout) as procs:
-            procs.start("prompt", prompt_process, args)
-            procs.start("decoder", decoder_process, args)
-            timings = procs.serve()["decoder"]
-    except ChildFailed as exc:
-        print(f"pull_by_layer: FAILED: {exc}", file=sys.stderr)
-        return 1
-    report(f"pull_by_layer ({args.layers} layers, {kv_bytes(args) / (1 << 20):.1f} MiB of KV, {args.transport})",
-           *timings)
-    print("pull_by_layer: bytes match")
-    return 0
+            pulls_alone()  # an untimed round first: torch's kernels and the link's lookup are set up once
+            compute_alone()
+            rounds: List[Tuple[float, float, float]] = []
+            with ThreadPoolExecutor(1, thread_name_prefix="pull") as pulling:
+                for _ in range(args.rounds):
+                    transfer_s, compute_s = timed(pulls_alone), timed(compute_alone)
+                    expected = model.h
+                    for tensor in kv:
+                        tensor.zero_()  # a layer computed before its pull finished would see zeros
+                    rounds.append((compute_s, transfer_s, timed(lambda: pipelined(pulling))))
+                    if not torch.equal(model.h, expected):
+                        raise AssertionError("the pipeline computed something else than the compute alone")
+            expect_digests(sent, kv, args)
+            return medians(rounds)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("pull_by_layer", __doc__, 1024, prompt_process, decoder_process, timed_by="decoder"))

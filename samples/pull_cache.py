@@ -18,71 +18,49 @@ import sys
 
 import torch
 
-from _launch import (Peer, expect_bytes, fill, init_llm_datadist, link_clusters, run_sample, source_tensors,
-                     unlink_clusters)
+from _launch import (DECODER_CLUSTER_ID, KV_SHAPE, NUM_TENSORS, PROMPT_CLUSTER_ID, Peer, contiguous_cache, engine,
+                     expect_tensors, linked, listening, run_sample, source_tensors)
 from datadist import (CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMException, LLMRole, LLMStatusCode,
                       Placement)
 
-PROMPT_CLUSTER_ID = 1
-DECODER_CLUSTER_ID = 2
-NUM_LAYERS = 4
-NUM_TENSORS = 2 * NUM_LAYERS  # K and V of each layer: K0, V0, K1, V1, ...
-ROW_SHAPE = [64, 2, 32]  # tokens, KV heads, head dim
-CACHE_DESC = CacheDesc(NUM_TENSORS, [2, *ROW_SHAPE], DataType.DT_FLOAT16, Placement.DEVICE)
+CACHE_DESC = CacheDesc(NUM_TENSORS, [2, 64, *KV_SHAPE], DataType.DT_FLOAT16, Placement.DEVICE)  # 2 rows of 64 tokens
 PROMPT_CACHE_KEYS = [CacheKey(prompt_cluster_id=PROMPT_CLUSTER_ID, req_id=1),
                      CacheKey(prompt_cluster_id=PROMPT_CLUSTER_ID, req_id=2)]
 SEED = 4
 
 
 def run_prompt_sample(peer: Peer, transport: str) -> None:
-    datadist = init_llm_datadist(LLMRole.PROMPT, PROMPT_CLUSTER_ID, transport, listen=True)
-    try:
-        cache_manager = datadist.cache_manager
-        cache = cache_manager.allocate_cache(CACHE_DESC, PROMPT_CACHE_KEYS)
-        fill(cache_manager.get_cache_tensors(cache), SEED)
-        peer.barrier("listening", (datadist.listen_port, cache.cache_id))
-        peer.barrier("pulled")  # the decoder has checked its data and unlinked
-        cache_manager.deallocate_cache(cache)
-    finally:
-        datadist.finalize()
+    with engine(LLMRole.PROMPT, PROMPT_CLUSTER_ID, transport, listen=True) as datadist:
+        with contiguous_cache(datadist.cache_manager, CACHE_DESC, PROMPT_CACHE_KEYS, seed=SEED) as (cache, _):
+            listening(peer, datadist, cache.cache_id)
+            peer.barrier("pulled")  # the decoder has checked its data and unlinked
 
 
 def run_decoder_sample(peer: Peer, transport: str) -> None:
-    datadist = init_llm_datadist(LLMRole.DECODER, DECODER_CLUSTER_ID, transport)
-    try:
+    with engine(LLMRole.DECODER, DECODER_CLUSTER_ID, transport) as datadist:
         cache_manager = datadist.cache_manager
-        cache = cache_manager.allocate_cache(CACHE_DESC)
-        tensors = cache_manager.get_cache_tensors(cache)
-        for tensor in tensors:
-            tensor.zero_()  # pool memory is not cleared when it is reused
-        port, prompt_cache_id = peer.barrier("listening")["prompt"]
-        link_clusters(datadist, {PROMPT_CLUSTER_ID: port})
+        with contiguous_cache(cache_manager, CACHE_DESC) as (cache, tensors), \
+                linked(peer, datadist, {PROMPT_CLUSTER_ID: "prompt"}, done="pulled") as told:
+            prompt_cache_id = told["prompt"]
+            cache_manager.pull_cache(PROMPT_CACHE_KEYS[1], cache, batch_index=0)
+            try:
+                cache_manager.pull_cache(PROMPT_CACHE_KEYS[1], cache, batch_index=1)
+            except LLMException as exc:
+                if exc.status_code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:
+                    raise
+            else:
+                raise AssertionError(f"{PROMPT_CACHE_KEYS[1]} was pulled twice; a pull by CacheKey must consume it")
+            cache_manager.pull_cache(CacheKeyByIdAndIndex(PROMPT_CLUSTER_ID, prompt_cache_id, 0), cache,
+                                     batch_index=1, src_layer_range=range(0, 2), dst_layer_range=range(2, 4),
+                                     tensor_num_per_layer=2)
 
-        cache_manager.pull_cache(PROMPT_CACHE_KEYS[1], cache, batch_index=0)
-        try:
-            cache_manager.pull_cache(PROMPT_CACHE_KEYS[1], cache, batch_index=1)
-        except LLMException as exc:
-            if exc.status_code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:
-                raise
-        else:
-            raise AssertionError(f"{PROMPT_CACHE_KEYS[1]} was pulled twice; a pull by CacheKey must consume it")
-        cache_manager.pull_cache(CacheKeyByIdAndIndex(PROMPT_CLUSTER_ID, prompt_cache_id, 0), cache, batch_index=1,
-                                 src_layer_range=range(0, 2), dst_layer_range=range(2, 4), tensor_num_per_layer=2)
-
-        source = source_tensors(NUM_TENSORS, CACHE_DESC.shape, torch.float16, SEED)
-        expected = [torch.zeros_like(t) for t in tensors]
-        for want, src in zip(expected, source):
-            want[0] = src[1]
-        for dst, src in zip(range(4, 8), range(0, 4)):  # K0, V0, K1, V1 -> K2, V2, K3, V3
-            expected[dst][1] = source[src][0]
-        for index, (got, want) in enumerate(zip(tensors, expected)):
-            expect_bytes(got, want, f"decoder tensor {index}")
-
-        unlink_clusters(datadist, [PROMPT_CLUSTER_ID])
-        peer.barrier("pulled")
-        cache_manager.deallocate_cache(cache)
-    finally:
-        datadist.finalize()
+            source = source_tensors(NUM_TENSORS, CACHE_DESC.shape, torch.float16, SEED)
+            expected = [torch.zeros_like(t) for t in tensors]
+            for want, src in zip(expected, source):
+                want[0] = src[1]
+            for dst, src in zip(range(4, 8), range(0, 4)):  # K0, V0, K1, V1 -> K2, V2, K3, V3
+                expected[dst][1] = source[src][0]
+            expect_tensors(tensors, expected)
 
 
 if __name__ == "__main__":

@@ -20,66 +20,42 @@ import sys
 
 import torch
 
-from _launch import (Peer, expect_bytes, fill, init_llm_datadist, link_clusters, run_sample, source_tensors,
-                     unlink_clusters)
+from _launch import (BLOCK_TOKENS, DECODER_CLUSTER_ID, KV_SHAPE, NUM_TENSORS, PROMPT_CLUSTER_ID, Peer, blocks_cache,
+                     contiguous_cache, engine, expect_tensors, linked, listening, run_sample, source_tensors)
 from datadist import CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
 
-PROMPT_CLUSTER_ID = 1
-DECODER_CLUSTER_ID = 2
-NUM_LAYERS = 4
-NUM_TENSORS = 2 * NUM_LAYERS  # K and V of each layer: K0, V0, K1, V1, ...
-BLOCK_SIZE = 16
-KV_SHAPE = [2, 32]  # KV heads, head dim
-ROW_DESC = CacheDesc(NUM_TENSORS, [1, 4 * BLOCK_SIZE, *KV_SHAPE], DataType.DT_FLOAT16, Placement.DEVICE)
-BLOCKS_DESC = CacheDesc(NUM_TENSORS, [8, BLOCK_SIZE, *KV_SHAPE], DataType.DT_FLOAT16, Placement.DEVICE)
+ROW_DESC = CacheDesc(NUM_TENSORS, [1, 4 * BLOCK_TOKENS, *KV_SHAPE], DataType.DT_FLOAT16, Placement.DEVICE)
+BLOCKS_DESC = CacheDesc(NUM_TENSORS, [8, BLOCK_TOKENS, *KV_SHAPE], DataType.DT_FLOAT16, Placement.DEVICE)
 PROMPT_CACHE_KEY = CacheKey(prompt_cluster_id=PROMPT_CLUSTER_ID, req_id=7)
 SEED = 5
 
 
 def run_prompt_sample(peer: Peer, transport: str) -> None:
-    datadist = init_llm_datadist(LLMRole.PROMPT, PROMPT_CLUSTER_ID, transport, listen=True)
-    try:
-        cache_manager = datadist.cache_manager
-        cache = cache_manager.allocate_cache(ROW_DESC, [PROMPT_CACHE_KEY])
-        fill(cache_manager.get_cache_tensors(cache), SEED)
-        peer.barrier("listening", (datadist.listen_port, cache.cache_id))
-        peer.barrier("pulled")  # the decoder has checked its data and unlinked
-        cache_manager.deallocate_cache(cache)
-    finally:
-        datadist.finalize()
+    with engine(LLMRole.PROMPT, PROMPT_CLUSTER_ID, transport, listen=True) as datadist:
+        with contiguous_cache(datadist.cache_manager, ROW_DESC, [PROMPT_CACHE_KEY], seed=SEED) as (cache, _):
+            listening(peer, datadist, cache.cache_id)
+            peer.barrier("pulled")  # the decoder has checked its data and unlinked
 
 
 def run_decoder_sample(peer: Peer, transport: str) -> None:
-    datadist = init_llm_datadist(LLMRole.DECODER, DECODER_CLUSTER_ID, transport)
-    try:
+    with engine(LLMRole.DECODER, DECODER_CLUSTER_ID, transport) as datadist:
         cache_manager = datadist.cache_manager
-        cache = cache_manager.allocate_blocks_cache(BLOCKS_DESC)
-        tensors = cache_manager.get_cache_tensors(cache)
-        for tensor in tensors:
-            tensor.zero_()  # pool memory is not cleared when it is reused
-        port, prompt_cache_id = peer.barrier("listening")["prompt"]
-        link_clusters(datadist, {PROMPT_CLUSTER_ID: port})
+        with blocks_cache(cache_manager, BLOCKS_DESC) as (cache, tensors), \
+                linked(peer, datadist, {PROMPT_CLUSTER_ID: "prompt"}, done="pulled") as told:
+            prompt_cache_id = told["prompt"]
+            cache_manager.pull_blocks(PROMPT_CACHE_KEY, cache, src_blocks=(), dst_blocks=[6, 1, 3, 4])
+            cache_manager.pull_blocks(CacheKeyByIdAndIndex(PROMPT_CLUSTER_ID, prompt_cache_id, 0), cache,
+                                      src_blocks=(), dst_blocks=[0, 2], src_layer_range=range(1, 2),
+                                      dst_layer_range=range(1, 2), tensor_num_per_layer=2)
 
-        cache_manager.pull_blocks(PROMPT_CACHE_KEY, cache, src_blocks=(), dst_blocks=[6, 1, 3, 4])
-        cache_manager.pull_blocks(CacheKeyByIdAndIndex(PROMPT_CLUSTER_ID, prompt_cache_id, 0), cache, src_blocks=(),
-                                  dst_blocks=[0, 2], src_layer_range=range(1, 2), dst_layer_range=range(1, 2),
-                                  tensor_num_per_layer=2)
-
-        rows = source_tensors(NUM_TENSORS, ROW_DESC.shape, torch.float16, SEED)
-        expected = [torch.zeros_like(t) for t in tensors]
-        for index, (want, row) in enumerate(zip(expected, rows)):
-            chunks = row[0].view(-1, BLOCK_SIZE, *KV_SHAPE)
-            want[[6, 1, 3, 4]] = chunks
-            if index in (2, 3):  # layer 1: K1, V1
-                want[[0, 2]] = chunks[:2]
-        for index, (got, want) in enumerate(zip(tensors, expected)):
-            expect_bytes(got, want, f"decoder tensor {index}")
-
-        unlink_clusters(datadist, [PROMPT_CLUSTER_ID])
-        peer.barrier("pulled")
-        cache_manager.deallocate_blocks_cache(cache)
-    finally:
-        datadist.finalize()
+            rows = source_tensors(NUM_TENSORS, ROW_DESC.shape, torch.float16, SEED)
+            expected = [torch.zeros_like(t) for t in tensors]
+            for index, (want, row) in enumerate(zip(expected, rows)):
+                chunks = row[0].view(-1, BLOCK_TOKENS, *KV_SHAPE)
+                want[[6, 1, 3, 4]] = chunks
+                if index in (2, 3):  # layer 1: K1, V1
+                    want[[0, 2]] = chunks[:2]
+            expect_tensors(tensors, expected)
 
 
 if __name__ == "__main__":

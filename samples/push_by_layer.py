@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
-from _by_layer import (add_size_args, cache_desc, digests, dst_blocks, kv_bytes, medians, pool_bytes, report,
-                       src_blocks, timed)
-from _launch import (ChildFailed, ComputedLayers, Launcher, Peer, finish_task, init_llm_datadist, link_clusters,
-                     unlink_clusters)
+from _by_layer import cache_desc, digests, dst_blocks, expect_digests, main, medians, pool_bytes, src_blocks, timed
+from _launch import ComputedLayers, Peer, blocks_cache, engine, finish_task, linked, listening
 from datadist import BlocksCacheKey, CacheTask, LLMRole, TransferWithCacheKeyConfig
 
 PROMPT_CLUSTER_ID = 1
@@ -61,92 +59,58 @@ def prompt_process(peer: Peer, args: argparse.Namespace) -> Tuple[float, float, 
     """Returns the seconds of the compute alone, the transfer alone and both overlapped
     (medians of ``--rounds`` rounds)."""
     torch.set_num_threads(args.threads)
-    datadist = init_llm_datadist(LLMRole.PROMPT, PROMPT_CLUSTER_ID, args.transport, listen=True,
-                                 pool_bytes=pool_bytes(args))
-    try:
+    with engine(LLMRole.PROMPT, PROMPT_CLUSTER_ID, args.transport, listen=True,
+                pool_bytes=pool_bytes(args)) as datadist:
         cache_manager = datadist.cache_manager
-        cache = cache_manager.allocate_blocks_cache(cache_desc(args))
-        kv = cache_manager.get_cache_tensors(cache)
-        model = Prefill(args)
-        every_layer = range(0, args.layers)
-        configs = [TransferWithCacheKeyConfig(BlocksCacheKey(DECODER_CLUSTER_ID, 0), every_layer, every_layer)]
-        peer.barrier("listening", datadist.listen_port)
-        peer.barrier("linked")
+        with blocks_cache(cache_manager, cache_desc(args)) as (cache, kv):
+            model = Prefill(args)
+            every_layer = range(0, args.layers)
+            configs = [TransferWithCacheKeyConfig(BlocksCacheKey(DECODER_CLUSTER_ID, 0), every_layer, every_layer)]
+            listening(peer, datadist)
+            peer.barrier("linked")
 
-        def push(synchronizer: ComputedLayers) -> CacheTask:
-            return cache_manager.transfer_cache_async(cache, synchronizer, configs, src_blocks(args), dst_blocks(args))
+            def push(synchronizer: ComputedLayers) -> CacheTask:
+                return cache_manager.transfer_cache_async(cache, synchronizer, configs, src_blocks(args),
+                                                          dst_blocks(args))
 
-        def compute_alone() -> None:
-            model.run(kv)
+            def compute_alone() -> None:
+                model.run(kv)
 
-        def transfer_alone() -> None:
-            finish_task(push(ComputedLayers(args.layers, all_computed=True)), args.timeout * 1000)
+            def transfer_alone() -> None:
+                finish_task(push(ComputedLayers(args.layers, all_computed=True)), args.timeout * 1000)
 
-        def overlapped() -> None:
-            synchronizer = ComputedLayers(args.layers)
-            task = push(synchronizer)
-            model.run(kv, synchronizer.computed)
-            finish_task(task, args.timeout * 1000)
+            def overlapped() -> None:
+                synchronizer = ComputedLayers(args.layers)
+                task = push(synchronizer)
+                model.run(kv, synchronizer.computed)
+                finish_task(task, args.timeout * 1000)
 
-        compute_alone()  # an untimed round first: torch's kernels and the link's lookup are set up once
-        transfer_alone()
-        rounds: List[Tuple[float, float, float]] = []
-        for r in range(args.rounds):
-            compute_s, transfer_s = timed(compute_alone), timed(transfer_alone)
-            for tensor in kv:
-                tensor.zero_()  # a layer sent before it was computed would arrive as zeros
-            if r == args.rounds - 1:
-                peer.barrier("zeroed")  # the decoder zeroed its copy: the last run is the one checked
-            rounds.append((compute_s, transfer_s, timed(overlapped)))
-        peer.barrier("pushed", digests(kv, src_blocks(args)))
-        peer.barrier("checked")  # the decoder has unlinked
-        cache_manager.deallocate_blocks_cache(cache)
-        return medians(rounds)
-    finally:
-        datadist.finalize()
+            compute_alone()  # an untimed round first: torch's kernels and the link's lookup are set up once
+            transfer_alone()
+            rounds: List[Tuple[float, float, float]] = []
+            for r in range(args.rounds):
+                compute_s, transfer_s = timed(compute_alone), timed(transfer_alone)
+                for tensor in kv:
+                    tensor.zero_()  # a layer sent before it was computed would arrive as zeros
+                if r == args.rounds - 1:
+                    peer.barrier("zeroed")  # the decoder zeroed its copy: the last run is the one checked
+                rounds.append((compute_s, transfer_s, timed(overlapped)))
+            peer.barrier("pushed", digests(kv, src_blocks(args)))
+            peer.barrier("checked")  # the decoder has unlinked
+            return medians(rounds)
 
 
 def decoder_process(peer: Peer, args: argparse.Namespace) -> None:
-    datadist = init_llm_datadist(LLMRole.DECODER, DECODER_CLUSTER_ID, args.transport, pool_bytes=pool_bytes(args))
-    try:
+    with engine(LLMRole.DECODER, DECODER_CLUSTER_ID, args.transport, pool_bytes=pool_bytes(args)) as datadist:
         cache_manager = datadist.cache_manager
-        cache = cache_manager.allocate_blocks_cache(cache_desc(args), BlocksCacheKey(DECODER_CLUSTER_ID, 0))
-        kv = cache_manager.get_cache_tensors(cache)
-        ports = peer.barrier("listening")
-        link_clusters(datadist, {PROMPT_CLUSTER_ID: ports["prompt"]})
-        peer.barrier("linked")
-        for tensor in kv:
-            tensor.zero_()
-        peer.barrier("zeroed")
-        sent = peer.barrier("pushed")["prompt"]
-        got = digests(kv, dst_blocks(args))
-        wrong = [i for i, (a, b) in enumerate(zip(sent, got)) if a != b]
-        if wrong:
-            raise AssertionError(f"decoder tensors {wrong} differ from the prompt's")
-        unlink_clusters(datadist, [PROMPT_CLUSTER_ID])
-        peer.barrier("checked")
-        cache_manager.deallocate_blocks_cache(cache)
-    finally:
-        datadist.finalize()
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_size_args(parser, hidden=64)
-    args = parser.parse_args(argv)
-    try:
-        with Launcher(args.timeout) as procs:
-            procs.start("prompt", prompt_process, args)
-            procs.start("decoder", decoder_process, args)
-            timings = procs.serve()["prompt"]
-    except ChildFailed as exc:
-        print(f"push_by_layer: FAILED: {exc}", file=sys.stderr)
-        return 1
-    report(f"push_by_layer ({args.layers} layers, {kv_bytes(args) / (1 << 20):.1f} MiB of KV, {args.transport})",
-           *timings)
-    print("push_by_layer: bytes match")
-    return 0
+        with blocks_cache(cache_manager, cache_desc(args), BlocksCacheKey(DECODER_CLUSTER_ID, 0)) as (_, kv), \
+                linked(peer, datadist, {PROMPT_CLUSTER_ID: "prompt"}, done="checked"):
+            peer.barrier("linked")
+            for tensor in kv:
+                tensor.zero_()  # earlier rounds pushed here: only the last, checked round's data may remain
+            peer.barrier("zeroed")
+            expect_digests(peer.barrier("pushed")["prompt"], kv, args)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("push_by_layer", __doc__, 64, prompt_process, decoder_process, timed_by="prompt"))

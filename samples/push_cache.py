@@ -17,68 +17,46 @@ import sys
 
 import torch
 
-from _launch import (Peer, expect_bytes, fill, init_llm_datadist, link_clusters, run_sample, source_tensors,
-                     unlink_clusters)
+from _launch import (DECODER_CLUSTER_ID, KV_SHAPE, NUM_TENSORS, PROMPT_CLUSTER_ID, Peer, contiguous_cache, engine,
+                     expect_tensors, linked, listening, run_sample, source_tensors)
 from datadist import CacheDesc, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
 
-PROMPT_CLUSTER_ID = 1
-DECODER_CLUSTER_ID = 2
-NUM_LAYERS = 4
-NUM_TENSORS = 2 * NUM_LAYERS  # K and V of each layer: K0, V0, K1, V1, ...
-ROW_SHAPE = [64, 2, 32]  # tokens, KV heads, head dim
+ROW_SHAPE = [64, *KV_SHAPE]  # tokens, KV heads, head dim
 PROMPT_DESC = CacheDesc(NUM_TENSORS, [2, *ROW_SHAPE], DataType.DT_FLOAT16, Placement.DEVICE)
 DECODER_DESC = CacheDesc(NUM_TENSORS, [3, *ROW_SHAPE], DataType.DT_FLOAT16, Placement.DEVICE)
 SEED = 3
 
 
 def run_prompt_sample(peer: Peer, transport: str) -> None:
-    datadist = init_llm_datadist(LLMRole.PROMPT, PROMPT_CLUSTER_ID, transport, listen=True)
-    try:
+    with engine(LLMRole.PROMPT, PROMPT_CLUSTER_ID, transport, listen=True) as datadist:
         cache_manager = datadist.cache_manager
-        cache = cache_manager.allocate_cache(PROMPT_DESC)
-        fill(cache_manager.get_cache_tensors(cache), SEED)
-        peer.barrier("listening", datadist.listen_port)
-        decoder_cache_id = peer.barrier("decoder ready")["decoder"]  # linked, destination cache allocated
+        with contiguous_cache(cache_manager, PROMPT_DESC, seed=SEED) as (cache, _):
+            listening(peer, datadist)
+            decoder_cache_id = peer.barrier("decoder ready")["decoder"]  # linked, destination cache allocated
 
-        cache_manager.push_cache(CacheKeyByIdAndIndex(DECODER_CLUSTER_ID, decoder_cache_id, 2), cache,
-                                 src_batch_index=1)
-        cache_manager.push_cache(CacheKeyByIdAndIndex(DECODER_CLUSTER_ID, decoder_cache_id, 0), cache,
-                                 src_batch_index=0, src_layer_range=range(1, 3), dst_layer_range=range(1, 3),
-                                 tensor_num_per_layer=2)
-        peer.barrier("pushed")
-        peer.barrier("checked")  # the decoder has unlinked
-        cache_manager.deallocate_cache(cache)
-    finally:
-        datadist.finalize()
+            cache_manager.push_cache(CacheKeyByIdAndIndex(DECODER_CLUSTER_ID, decoder_cache_id, 2), cache,
+                                     src_batch_index=1)
+            cache_manager.push_cache(CacheKeyByIdAndIndex(DECODER_CLUSTER_ID, decoder_cache_id, 0), cache,
+                                     src_batch_index=0, src_layer_range=range(1, 3), dst_layer_range=range(1, 3),
+                                     tensor_num_per_layer=2)
+            peer.barrier("pushed")
+            peer.barrier("checked")  # the decoder has unlinked
 
 
 def run_decoder_sample(peer: Peer, transport: str) -> None:
-    datadist = init_llm_datadist(LLMRole.DECODER, DECODER_CLUSTER_ID, transport)
-    try:
-        cache_manager = datadist.cache_manager
-        cache = cache_manager.allocate_cache(DECODER_DESC)
-        tensors = cache_manager.get_cache_tensors(cache)
-        for tensor in tensors:
-            tensor.zero_()  # pool memory is not cleared when it is reused
-        ports = peer.barrier("listening")
-        link_clusters(datadist, {PROMPT_CLUSTER_ID: ports["prompt"]})
-        peer.barrier("decoder ready", cache.cache_id)
-        peer.barrier("pushed")
+    with engine(LLMRole.DECODER, DECODER_CLUSTER_ID, transport) as datadist:
+        with contiguous_cache(datadist.cache_manager, DECODER_DESC) as (cache, tensors), \
+                linked(peer, datadist, {PROMPT_CLUSTER_ID: "prompt"}, done="checked"):
+            peer.barrier("decoder ready", cache.cache_id)
+            peer.barrier("pushed")
 
-        source = source_tensors(NUM_TENSORS, PROMPT_DESC.shape, torch.float16, SEED)
-        expected = [torch.zeros_like(t) for t in tensors]
-        for want, src in zip(expected, source):
-            want[2] = src[1]
-        for index in range(2, 6):  # layers 1 and 2: K1, V1, K2, V2
-            expected[index][0] = source[index][0]
-        for index, (got, want) in enumerate(zip(tensors, expected)):
-            expect_bytes(got, want, f"decoder tensor {index}")
-
-        unlink_clusters(datadist, [PROMPT_CLUSTER_ID])
-        peer.barrier("checked")
-        cache_manager.deallocate_cache(cache)
-    finally:
-        datadist.finalize()
+            source = source_tensors(NUM_TENSORS, PROMPT_DESC.shape, torch.float16, SEED)
+            expected = [torch.zeros_like(t) for t in tensors]
+            for want, src in zip(expected, source):
+                want[2] = src[1]
+            for index in range(2, 6):  # layers 1 and 2: K1, V1, K2, V2
+                expected[index][0] = source[index][0]
+            expect_tensors(tensors, expected)
 
 
 if __name__ == "__main__":
