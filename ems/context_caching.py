@@ -20,15 +20,15 @@ from typing import Any, List, Optional
 from datadist.engine.native import sock_recv, sock_send
 
 from ._errors import EmsError, PoolDisconnected, PoolTimeout, invalid, to_ems
-from .client.conn import Connection
+from .client.conn import Connection, MappedArena
 from .client.pool import PoolClient
 from .common.exception import EmsErrorCode, EmsException
 from .forms import V0, Request, parse_exists, parse_transfer
 from .future import CcFuture
 from .keys import Namespace
-from .kvcache import HostCopier, KvLayout, TorchCopier
+from .kvcache import HostCopier, KvLayout, TorchCopier, ValuePlan
 from .pool import wire
-from .pool.checksum import checksum
+from .pool.checksum import BLOCK, checksum, from_block_sums
 from .profiling import Profiler
 from .types import CcResult
 
@@ -220,8 +220,7 @@ class ContextCaching:
                     continue
                 vp = req.values[i]
                 if conn.arena is not None:
-                    copier.save(vp, conn.arena.base + off)
-                    crcs.append(checksum(conn.arena.array[off:off + vp.size]))
+                    crcs.append(_save_value(copier, vp, conn.arena, off))
                 else:
                     conn.send(wire.Write(off, vp.size), deadline)
                     for plan in vp.plans:
@@ -251,10 +250,12 @@ class ContextCaching:
                     if size != vp.size:
                         break  # stored under another layout: a miss, never a partial fill
                     if conn.arena is not None:
-                        copier.load(vp, conn.arena.base + off)
-                        if self._verify and checksum(conn.arena.array[off:off + size]) != crc:
-                            bad = (req.keys[i], off)
-                            break
+                        if self._verify:
+                            if _load_value(copier, vp, conn.arena, off) != crc:
+                                bad = (req.keys[i], off)
+                                break
+                        else:
+                            copier.load(vp, conn.arena.base + off)
                     else:
                         conn.send(wire.Read(off, size), deadline)
                         head, _ = wire.recv_msg(conn.sock, deadline)
@@ -276,6 +277,24 @@ class ContextCaching:
             executor, self._executor = self._executor, None
         if executor is not None and self._executor_pid == os.getpid():
             executor.shutdown(wait=True)
+
+
+def _save_value(copier: Any, vp: ValuePlan, arena: MappedArena, off: int) -> int:
+    """Copy one value into the arena at ``off``; its checksum."""
+    if isinstance(copier, HostCopier):
+        sums = copier.save_summed(vp, arena.base + off)
+        return from_block_sums(sums, arena.array[off + vp.size - vp.size % BLOCK:off + vp.size], vp.size)
+    copier.save(vp, arena.base + off)
+    return checksum(arena.array[off:off + vp.size])
+
+
+def _load_value(copier: Any, vp: ValuePlan, arena: MappedArena, off: int) -> int:
+    """Copy one value out of the arena at ``off``; the checksum of what was read."""
+    if isinstance(copier, HostCopier):
+        sums = copier.load_summed(vp, arena.base + off)
+        return from_block_sums(sums, arena.array[off + vp.size - vp.size % BLOCK:off + vp.size], vp.size)
+    copier.load(vp, arena.base + off)
+    return checksum(arena.array[off:off + vp.size])
 
 
 def _ms_left(conn: Connection, deadline: Optional[float]) -> int:

@@ -113,6 +113,8 @@ def hash_list(name: str, value: Any, allow_empty: bool = False) -> List[HashId]:
         raise invalid(name, f"must be a list of int, got {type(value).__name__}")
     if not value and not allow_empty:
         raise invalid(name, "must not be empty")
+    if set(map(type, value)) == {int}:  # the common case, checked at C speed
+        return list(value)
     out: List[HashId] = []
     for i, h in enumerate(value):
         if isinstance(h, bool) or not isinstance(h, (int, np.integer, bytes)):

@@ -37,9 +37,15 @@ class Namespace:
         self.dprefix = f"{access_id or ''}|{layout.model_id}|{layout.llm_engine}|{layout.kvcache_type}|"
         self.apart = (f"tp{layout.tp_world_size}.{layout.rank_in_tp_group}|"
                       f"pp{layout.pp_world_size}.{layout.rank_in_pp_group}")
+        # The key of an int hash as one %-format ("%x" is hash_text's hex): building a
+        # call's keys is then one C call per key; "%" in the parts must not format.
+        self._int_key = (f"{self.dprefix}h".replace("%", "%%") + "%x\x00"
+                         + self.apart.replace("%", "%%")).__mod__
 
     def hash_keys(self, hashes: Sequence[HashId]) -> List[str]:
         """Keys of the hash, token and chunk forms."""
+        if set(map(type, hashes)) <= {int}:
+            return list(map(self._int_key, hashes))
         d, a = self.dprefix, self.apart
         return [f"{d}h{hash_text(h)}\x00{a}" for h in hashes]
 

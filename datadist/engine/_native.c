@@ -16,6 +16,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -150,6 +151,129 @@ static int64_t dd_copy_plan(size_t nt, const uint64_t *sbase, const uint64_t *db
     for (int k = 1; k < parts; k++) {
         if (started[k]) pthread_join(th[k], NULL);
         else copy_range(&cp[k]); /* no thread to spare: do it here */
+    }
+    return (int64_t)total;
+}
+
+/* ---------------------------------------------------------------- copies with block sums */
+
+/* The same copy, also adding every copied byte into the running sum of its 4 KiB block of
+ * one value: byte k of the value adds byte << 8 * (k % 8) to sums[k / 4096], i.e. each
+ * block's sum is the sum (mod 2^64) of its little-endian 64-bit words, however the runs cut
+ * it.  A checksum built on those sums then costs no pass of its own over the value: the
+ * bytes are summed while they are in registers anyway.  `vbase` is the value's address on
+ * the side named by `value_is_src`; every run's bytes on that side lie inside the value. */
+
+typedef struct {
+    const plan_t *p;
+    uint64_t lo, hi;
+    int value_is_src;
+    uint64_t vbase;
+    uint64_t *sums; /* this part's own block sums (merged by the caller) */
+} sum_part;
+
+static void copy_sum_bytes(uint8_t *d, const uint8_t *s, uint64_t n, uint64_t o, uint64_t *sums) {
+    for (uint64_t i = 0; i < n; i++, o++) {
+        d[i] = s[i];
+        sums[o >> 12] += (uint64_t)s[i] << (8 * (o & 7));
+    }
+}
+
+/* Copy n bytes whose value offset starts at o, summing them into sums. */
+static void copy_sum(uint8_t *d, const uint8_t *s, uint64_t n, uint64_t o, uint64_t *sums) {
+    uint64_t head = (8 - (o & 7)) & 7;
+    if (head > n) head = n;
+    copy_sum_bytes(d, s, head, o, sums);
+    d += head; s += head; o += head; n -= head;
+    while (n >= 8) {
+        uint64_t chunk = ((o | 4095) + 1) - o; /* up to the end of o's block */
+        if (chunk > n) chunk = n;
+        chunk &= ~(uint64_t)7;
+        uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, w0, w1, w2, w3;
+        uint64_t i = 0;
+        for (; i + 32 <= chunk; i += 32) {
+            memcpy(&w0, s + i, 8); memcpy(&w1, s + i + 8, 8);
+            memcpy(&w2, s + i + 16, 8); memcpy(&w3, s + i + 24, 8);
+            memcpy(d + i, &w0, 8); memcpy(d + i + 8, &w1, 8);
+            memcpy(d + i + 16, &w2, 8); memcpy(d + i + 24, &w3, 8);
+            a0 += w0; a1 += w1; a2 += w2; a3 += w3;
+        }
+        for (; i < chunk; i += 8) {
+            memcpy(&w0, s + i, 8);
+            memcpy(d + i, &w0, 8);
+            a0 += w0;
+        }
+        sums[o >> 12] += a0 + a1 + a2 + a3;
+        d += chunk; s += chunk; o += chunk; n -= chunk;
+    }
+    copy_sum_bytes(d, s, n, o, sums);
+}
+
+static void copy_sum_range(const sum_part *sp) {
+    const plan_t *p = sp->p;
+    uint64_t per_t = 0;
+    for (size_t u = 0; u < p->nu; u++) per_t += p->len[u];
+    if (per_t == 0) return;
+    for (size_t t = sp->lo / per_t; t < p->nt; t++) {
+        uint64_t pos = t * per_t;
+        if (pos >= sp->hi) return;
+        for (size_t u = 0; u < p->nu && pos < sp->hi; u++) {
+            uint64_t a = pos, b = pos + p->len[u];
+            pos = b;
+            if (b <= sp->lo) continue;
+            uint64_t s = a < sp->lo ? sp->lo - a : 0;
+            uint64_t e = (b > sp->hi ? sp->hi : b) - a;
+            uint64_t src = p->a_base[t] + p->a_off[u] + s, dst = p->b_base[t] + p->b_off[u] + s;
+            copy_sum((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, e - s,
+                     (sp->value_is_src ? src : dst) - sp->vbase, sp->sums);
+        }
+    }
+}
+
+static void *copy_sum_thread(void *arg) {
+    copy_sum_range((const sum_part *)arg);
+    return NULL;
+}
+
+/* Returns bytes copied, or -ERANGE (nothing copied) if a run leaves the value's
+ * nsums blocks, -ENOMEM if a helper thread's sums cannot be allocated. */
+static int64_t dd_copy_plan_sum(size_t nt, const uint64_t *sbase, const uint64_t *dbase, size_t nu,
+                                const uint64_t *soff, const uint64_t *doff, const uint64_t *len,
+                                int max_threads, int value_is_src, uint64_t vbase,
+                                uint64_t *sums, size_t nsums) {
+    plan_t p = {sbase, dbase, soff, doff, len, nt, nu};
+    const uint64_t *vb = value_is_src ? sbase : dbase, *vo = value_is_src ? soff : doff;
+    uint64_t limit = (uint64_t)nsums << 12, per_t = 0;
+    for (size_t u = 0; u < nu; u++) per_t += len[u];
+    for (size_t t = 0; t < nt; t++)
+        for (size_t u = 0; u < nu; u++) {
+            if (!len[u]) continue;
+            uint64_t o = vb[t] + vo[u] - vbase;
+            if (vb[t] + vo[u] < vbase || o > limit || len[u] > limit - o) return -ERANGE;
+        }
+    uint64_t total = per_t * nt;
+    int parts = max_threads < 1 ? 1 : (max_threads > DD_MAX_THREADS ? DD_MAX_THREADS : max_threads);
+    if (total < DD_PARALLEL_MIN_BYTES) parts = 1;
+    sum_part sp[DD_MAX_THREADS];
+    pthread_t th[DD_MAX_THREADS];
+    int started[DD_MAX_THREADS] = {0};
+    uint64_t share = ((total / parts) + 4095) & ~(uint64_t)4095;
+    for (int k = 0; k < parts; k++) {
+        uint64_t lo = share * k, hi = k == parts - 1 ? total : share * (k + 1);
+        sp[k] = (sum_part){&p, lo > total ? total : lo, hi > total ? total : hi, value_is_src, vbase, sums};
+        if (k && !(sp[k].sums = calloc(nsums, sizeof(uint64_t)))) {
+            for (int j = 1; j < k; j++) free(sp[j].sums);
+            return -ENOMEM;
+        }
+    }
+    for (int k = 1; k < parts; k++)
+        started[k] = pthread_create(&th[k], NULL, copy_sum_thread, &sp[k]) == 0;
+    copy_sum_range(&sp[0]);
+    for (int k = 1; k < parts; k++) {
+        if (started[k]) pthread_join(th[k], NULL);
+        else copy_sum_range(&sp[k]);
+        for (size_t i = 0; i < nsums; i++) sums[i] += sp[k].sums[i];
+        free(sp[k].sums);
     }
     return (int64_t)total;
 }
@@ -335,6 +459,36 @@ static PyObject *py_copy_plan(PyObject *self, PyObject *const *args, Py_ssize_t 
     return result_or_oserror(r);
 }
 
+static PyObject *py_copy_plan_sum(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError,
+                        "copy_plan_sum(sbase, dbase, soff, doff, len, threads, sums, value_base, value_is_src)");
+        return NULL;
+    }
+    int threads = (int)PyLong_AsLong(args[5]);
+    unsigned long long vbase = PyLong_AsUnsignedLongLong(args[7]);
+    int value_is_src = PyObject_IsTrue(args[8]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer sums;
+    if (PyObject_GetBuffer(args[6], &sums, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (sums.len % 8) {
+        PyBuffer_Release(&sums);
+        PyErr_SetString(PyExc_ValueError, "sums must be uint64");
+        return NULL;
+    }
+    plan_args a;
+    if (get_plan(args, 5, &a) < 0) { PyBuffer_Release(&sums); return NULL; }
+    int64_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = dd_copy_plan_sum(a.nt, U64P(a, 0), U64P(a, 1), a.nu, U64P(a, 2), U64P(a, 3), U64P(a, 4), threads,
+                         value_is_src, (uint64_t)vbase, (uint64_t *)sums.buf, (size_t)sums.len / 8);
+    Py_END_ALLOW_THREADS
+    release_plan(&a);
+    PyBuffer_Release(&sums);
+    return result_or_oserror(r);
+}
+
 static PyObject *py_cma_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 7) { PyErr_SetString(PyExc_TypeError, "cma_plan(pid, write, lbase, rbase, loff, roff, len)"); return NULL; }
@@ -430,6 +584,9 @@ static PyMethodDef methods[] = {
      "wait_readable(fd, spin_us, timeout_ms) -> 0 (OSError ETIMEDOUT at the deadline)"},
     {"copy_plan", (PyCFunction)(void (*)(void))py_copy_plan, METH_FASTCALL,
      "copy_plan(sbase, dbase, soff, doff, len, threads) -> bytes copied"},
+    {"copy_plan_sum", (PyCFunction)(void (*)(void))py_copy_plan_sum, METH_FASTCALL,
+     "copy_plan_sum(sbase, dbase, soff, doff, len, threads, sums, value_base, value_is_src) -> bytes copied; "
+     "adds the copied bytes into the value's 4 KiB block sums (OSError ERANGE if a run leaves the value)"},
     {"cma_plan", (PyCFunction)(void (*)(void))py_cma_plan, METH_FASTCALL,
      "cma_plan(pid, write, lbase, rbase, loff, roff, len) -> bytes moved (OSError on failure)"},
     {"sock_plan", (PyCFunction)(void (*)(void))py_sock_plan, METH_FASTCALL,

@@ -20,7 +20,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["copy_plan", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "COPY_THREADS",
+__all__ = ["copy_plan", "copy_plan_sum", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "COPY_THREADS",
            "SPIN_US"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
@@ -34,6 +34,18 @@ SPIN_US = int(os.environ.get("DATADIST_SPIN_US", 100 if (os.cpu_count() or 1) > 
 def copy_plan(plan: Plan, threads: int = COPY_THREADS) -> int:
     """Copy every run of ``plan`` inside this process; returns the bytes copied."""
     return _native.copy_plan(plan.src_bases, plan.dst_bases, plan.src_offs, plan.dst_offs, plan.lens, threads)
+
+
+def copy_plan_sum(plan: Plan, sums, value_addr: int, *, value_is_src: bool,
+                  threads: int = COPY_THREADS) -> int:
+    """``copy_plan`` that also adds the copied bytes into the 4 KiB block sums of one value
+    (``sums[k]``: the 64-bit little-endian words of the value's block k, mod 2**64), so a
+    checksum over them needs no second pass over memory.  The value starts at
+    ``value_addr`` on the plan's source side (``value_is_src``) or destination side, and
+    ``sums`` (writable uint64, one per started block) is added to, not overwritten.  Raises
+    ``OSError`` (ERANGE, nothing copied) if a run leaves the value."""
+    return _native.copy_plan_sum(plan.src_bases, plan.dst_bases, plan.src_offs, plan.dst_offs, plan.lens,
+                                 threads, sums, value_addr, value_is_src)
 
 
 def cma_plan(pid: int, plan: Plan, *, write: bool) -> int:

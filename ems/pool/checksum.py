@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-__all__ = ["checksum", "BLOCK"]
+__all__ = ["checksum", "from_block_sums", "BLOCK"]
 
 #: Bytes summed into one word before the CRC.
 BLOCK = 4096
@@ -24,10 +24,14 @@ def checksum(data) -> int:
     arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
     n = int(arr.shape[0])
     body = n - n % BLOCK
-    crc = 0
-    if body:
-        sums = np.add.reduce(arr[:body].view(np.uint64).reshape(-1, _WORDS), axis=1, dtype=np.uint64)
-        crc = zlib.crc32(sums)
-    if body != n:
-        crc = zlib.crc32(arr[body:], crc)
+    sums = np.add.reduce(arr[:body].view(np.uint64).reshape(-1, _WORDS), axis=1, dtype=np.uint64)
+    return from_block_sums(sums, arr[body:], n)
+
+
+def from_block_sums(sums: np.ndarray, tail, n: int) -> int:
+    """The checksum of an ``n``-byte value from the sums of its whole 4 KiB blocks (the
+    first ``n // BLOCK`` of ``sums``; e.g. summed while copying) and its ``tail`` bytes."""
+    crc = zlib.crc32(sums[: n // BLOCK]) if n >= BLOCK else 0
+    if n % BLOCK:
+        crc = zlib.crc32(tail, crc)
     return ((n & 0xFFFFFFFF) << 32) | crc

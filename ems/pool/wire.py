@@ -1,6 +1,10 @@
 """The control protocol between clients and ``ems-server``: typed, versioned, one codec.
 
-Frame: 4-byte big-endian length, then JSON ``[op, {fields}]``.  Every message is a
+Frame: 4-byte big-endian length, then the body: 4-byte big-endian length of the JSON
+``[op, {fields}]`` that follows, then raw UTF-8 text.  A key list (a ``List[str]`` field)
+is ``[count, separator, nbytes]`` in the JSON and its keys, joined by the separator, in
+the text (fields in declaration order): no per-key JSON values and no escaping of the
+keys' NULs, so both sides handle a list in a few C calls.  Every message is a
 dataclass with an :class:`Op`; :func:`encode` / :func:`decode` are the only codec, and the
 HELLO exchange checks :data:`PROTOCOL_VERSION` before anything else is decoded.  Value
 bytes never go through the codec: on a unix socket they move through the shared arena
@@ -29,7 +33,7 @@ __all__ = [
     "SKIPPED", "NO_SPACE", "MAX_FRAME",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: Largest control frame either side accepts.
 MAX_FRAME = 64 << 20
 #: Reserve reply offsets: the key already holds a value (nothing to write) / no room.
@@ -68,6 +72,10 @@ class Op(IntEnum):
 
 
 _REGISTRY: Dict[int, Type["Message"]] = {}
+#: Per message class: its key-list fields (``List[str]``), which the codec joins.
+_KEY_LISTS: Dict[Type["Message"], Tuple[str, ...]] = {}
+#: Separators tried in order; the first that no key contains is used.
+_SEPARATORS = "\x1e\x1f\x1d\x1c\n"
 
 
 class Message:
@@ -81,6 +89,8 @@ class Message:
         if op in _REGISTRY:
             raise TypeError(f"duplicate wire op {op} for {cls.__name__}")
         _REGISTRY[op] = cls
+        _KEY_LISTS[cls] = tuple(name for name, hint in cls.__dict__.get("__annotations__", {}).items()
+                                if hint == "List[str]")
 
 
 @dataclass
@@ -261,19 +271,57 @@ class Error(Message):
     message: str = ""
 
 
+def _join(keys: List[str]) -> Tuple[str, str]:
+    """A separator no key contains, and the keys joined by it."""
+    for sep in _SEPARATORS:
+        joined = sep.join(keys)
+        if joined.count(sep) == len(keys) - 1 or not keys:
+            return sep, joined
+    # Keys holding every usual separator: take the first character none of them holds.
+    used = set("".join(keys))
+    sep = next(c for c in map(chr, range(1, 0x110000)) if c not in used)
+    return sep, sep.join(keys)
+
+
 def encode(msg: Message) -> bytes:
     """One frame (length prefix included) for ``msg``."""
-    body = json.dumps([int(msg.OP), msg.__dict__], separators=(",", ":")).encode()
+    fields = msg.__dict__
+    texts = []
+    lists = _KEY_LISTS[type(msg)]
+    if lists:
+        fields = dict(fields)
+        for name in lists:
+            sep, joined = _join(fields[name])
+            text = joined.encode()
+            fields[name] = [len(fields[name]), sep, len(text)]
+            texts.append(text)
+    head = json.dumps([int(msg.OP), fields], separators=(",", ":")).encode()
+    body = b"".join([_LEN.pack(len(head)), head, *texts])
     return _LEN.pack(len(body)) + body
 
 
 def decode(body: bytes) -> Message:
     """The message in a frame body; raises :class:`ProtocolError` if it is malformed."""
     try:
-        op, fields = json.loads(body)
+        (n,) = _LEN.unpack_from(body)
+        at = _LEN.size + n
+        op, fields = json.loads(body[_LEN.size:at])
         cls = _REGISTRY[int(op)]
+        for name in _KEY_LISTS[cls]:
+            if name not in fields:
+                continue
+            count, sep, nbytes = fields[name]
+            if not isinstance(sep, str) or len(sep) != 1 or not isinstance(nbytes, int) or nbytes < 0:
+                raise ValueError(f"{name}: a key list must be [count, separator, nbytes]")
+            keys = body[at:at + nbytes].decode().split(sep) if count else []
+            at += nbytes
+            if len(keys) != count:
+                raise ValueError(f"{name}: {len(keys)} keys where {count} were announced")
+            fields[name] = keys
+        if at != len(body):
+            raise ValueError("key text does not match the announced lengths")
         return cls(**fields)
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, struct.error) as exc:
         raise ProtocolError(f"malformed control message: {exc}") from None
 
 

@@ -336,6 +336,6 @@ class Session(threading.Thread):
 
 
 def _keys(keys: Any) -> List[str]:
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+    if not isinstance(keys, list) or not set(map(type, keys)) <= {str}:
         raise ValueError("keys must be a list of str")
     return keys

@@ -21,6 +21,14 @@ def test_codec_round_trip_and_errors():
         wire.decode(b"[7, {\"bogus\": 1}]")
     with pytest.raises(ProtocolError):
         wire.decode(b"not json")
+    for keys in ([], [""], ["x\x1ey", "z\x1f"], ["\x1e\x1f\x1d\x1c\n", "é\x00日"]):
+        msg = wire.Exists(keys, True)  # key lists travel joined, whatever they contain
+        assert wire.decode(wire.encode(msg)[4:]) == msg
+    frame = wire.encode(wire.Exists(["a", "b"]))[4:]
+    with pytest.raises(ProtocolError):
+        wire.decode(frame[:-1])  # key text shorter than announced
+    with pytest.raises(ProtocolError):
+        wire.decode(frame.replace(b"[2,", b"[3,"))  # another key count than the text holds
     with pytest.raises(TypeError):
         class Dup(wire.Message):  # noqa: F841 - registering an op twice is refused
             OP = wire.Op.PING
