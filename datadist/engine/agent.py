@@ -379,12 +379,9 @@ def _inside_spans(recs: list[CacheRecord], bases: np.ndarray, offs: np.ndarray, 
 
 def _drain(sock: socket.socket, nbytes: int, timeout_ms: int) -> None:
     """Read and discard a payload that is not wanted, keeping the stream in step."""
-    scratch = np.empty(min(nbytes, _DRAIN_CHUNK) or 1, dtype=np.uint8)
-    addr = scratch.__array_interface__["data"][0]
+    scratch = memoryview(bytearray(min(nbytes, _DRAIN_CHUNK)))
     left = nbytes
     while left > 0:
-        n = min(left, scratch.shape[0])
-        one = np.array([n], dtype=np.uint64)
-        native.sock_recv(sock.fileno(), Plan(np.zeros(1, np.uint64), np.array([addr], np.uint64),
-                                             np.zeros(1, np.uint64), np.zeros(1, np.uint64), one), timeout_ms)
+        n = min(left, len(scratch))
+        native.recv_exact(sock.fileno(), scratch[:n], timeout_ms)
         left -= n
