@@ -1,6 +1,7 @@
-"""Build script: two Python packages plus one small C extension (datadist.engine._native)
-that executes coalesced copy plans (memcpy runs, cross-memory attach, socket
-scatter/gather with deadlines) with the GIL released.
+"""Build script: two Python packages plus two small C extensions: datadist.engine._native
+executes coalesced copy plans (memcpy runs, cross-memory attach, socket scatter/gather
+with deadlines) with the GIL released; ems.pool._keyset is the key set the pool daemon
+publishes in shared memory so clients answer ``exists`` without a round trip.
 """
 from setuptools import Extension, find_packages, setup
 
@@ -22,7 +23,12 @@ setup(
             sources=["datadist/engine/_native.c"],
             extra_compile_args=["-O2", "-std=gnu11"],
             libraries=["pthread"],
-        )
+        ),
+        Extension(
+            "ems.pool._keyset",
+            sources=["ems/pool/_keyset.c"],
+            extra_compile_args=["-O2", "-std=gnu11"],
+        ),
     ],
     entry_points={
         "console_scripts": [

@@ -196,7 +196,7 @@ def main(argv: List[str] = None) -> int:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--hashes", type=int, default=8, help="hashes (blocks) per save/load call")
     p.add_argument("--cache-blocks", type=int, default=24, help="blocks in each process's KV cache")
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int, default=9)
     p.add_argument("--warmup", type=int, default=4, help="untimed rounds first (arena pages fault in)")
     p.add_argument("--exists-reps", type=int, default=200)
     args = p.parse_args(argv)

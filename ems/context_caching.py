@@ -115,12 +115,10 @@ class ContextCaching:
             raise to_ems(exc) from None
         hits = 0
         error = None
-        if keys:
+        if len(keys):
             deadline = time.monotonic() + option.timeout / 1000.0 if option.timeout else None
             try:
-                with self._pool.connection(deadline) as conn:
-                    reply = conn.call(wire.Exists(keys, option.read_local_only), deadline)
-                hits = min(int(reply.hits), len(keys))
+                hits = self._pool.exists(keys, option.read_local_only, deadline)
             except (EmsError, OSError) as exc:
                 error = to_ems(exc).status_code().name
         self._profiler.record("exists", "sync", "hash", len(keys), hits, 0, started, error)
@@ -268,7 +266,7 @@ class ContextCaching:
             finally:
                 if not conn.broken:
                     if bad is not None:
-                        conn.send(wire.Drop([bad[0]], [bad[1]]), deadline)
+                        conn.call(wire.Drop([bad[0]], [bad[1]]), deadline)
                     conn.send(wire.Release(reply.lease), deadline)
         return n
 

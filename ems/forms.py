@@ -17,10 +17,11 @@ import numpy as np
 
 from ._errors import invalid
 from .keys import HashId, Namespace, token_chain_hashes
+from .pool.keyset import KeySetView
 from .kvcache import KvLayout, ValuePlan, buffers_plan
 from .types import CcKvOption, KvBufferWrapper, PrimaryKey, check_key_text
 
-__all__ = ["Request", "parse_transfer", "parse_exists", "V0", "HASH", "TOKEN", "CHUNK"]
+__all__ = ["Request", "KeyQuery", "parse_transfer", "parse_exists", "V0", "HASH", "TOKEN", "CHUNK"]
 
 V0, HASH, TOKEN, CHUNK = "v0", "hash", "token", "chunk"
 
@@ -273,8 +274,38 @@ def _chunk_form(bound: Dict[str, Any], layout: KvLayout) -> Tuple[List[HashId], 
     return hashes, per_key
 
 
+class KeyQuery:
+    """The keys of one ``exists`` call.  Int hashes stay ints until a string is needed: a
+    published key set counts ``prefix + hex(h) + suffix`` keys without building them."""
+
+    def __init__(self, ns: Namespace, ints: Optional[List[int]] = None,
+                 keys: Optional[List[str]] = None) -> None:
+        self._ns = ns
+        self._ints = ints
+        self._keys = keys
+
+    def __len__(self) -> int:
+        return len(self._ints if self._keys is None else self._keys)
+
+    def strings(self) -> List[str]:
+        """The wire keys."""
+        if self._keys is None:
+            self._keys = self._ns.hash_keys(self._ints)
+        return self._keys
+
+    def count_in(self, keyset: KeySetView) -> Optional[int]:
+        """Leading keys ``keyset`` holds, or None when it cannot answer now."""
+        if self._keys is None:
+            prefix, suffix = self._ns.int_key_parts
+            try:
+                return keyset.count_ints(prefix, self._ints, suffix)
+            except OverflowError:  # a negative or > 64-bit hash: count its text instead
+                pass
+        return keyset.count(self.strings())
+
+
 def parse_exists(args: Tuple[Any, ...], kwargs: Dict[str, Any], ns: Namespace,
-                 layout: Optional[KvLayout]) -> Tuple[List[str], CcKvOption]:
+                 layout: Optional[KvLayout]) -> Tuple[KeyQuery, CcKvOption]:
     """``exists(hashes, option=None)``; also ``token_ids=`` (chained hashes) or ``key_list=``."""
     names = ("hashes", "option")
     if len(args) > len(names):
@@ -291,12 +322,15 @@ def parse_exists(args: Tuple[Any, ...], kwargs: Dict[str, Any], ns: Namespace,
     if len(given) != 1:
         raise invalid("hashes", "give exactly one of hashes, token_ids or key_list")
     if given[0] == "hashes":
-        return ns.hash_keys(hash_list("hashes", bound["hashes"], allow_empty=True)), option
+        hashes = hash_list("hashes", bound["hashes"], allow_empty=True)
+        if set(map(type, hashes)) <= {int}:
+            return KeyQuery(ns, ints=hashes), option
+        return KeyQuery(ns, keys=ns.hash_keys(hashes)), option
     if given[0] == "token_ids":
         if layout is None:
             raise invalid("kvcache", "call register_kvcache() before exists(token_ids=...)")
-        return ns.hash_keys(token_chain_hashes(int_array("token_ids", bound["token_ids"], True),
-                                               layout.block_size)), option
+        return KeyQuery(ns, ints=token_chain_hashes(int_array("token_ids", bound["token_ids"], True),
+                                                    layout.block_size)), option
     key_list = bound["key_list"]
     if not isinstance(key_list, (list, tuple)):
         raise invalid("key_list", "must be a list of PrimaryKey or str")
@@ -308,4 +342,4 @@ def parse_exists(args: Tuple[Any, ...], kwargs: Dict[str, Any], ns: Namespace,
             keys.append(ns.str_key(check_key_text(f"key_list[{i}]", k)))
         else:
             raise invalid(f"key_list[{i}]", f"must be a PrimaryKey or str, got {type(k).__name__}")
-    return keys, option
+    return KeyQuery(ns, keys=keys), option

@@ -41,6 +41,8 @@ class Namespace:
         # call's keys is then one C call per key; "%" in the parts must not format.
         self._int_key = (f"{self.dprefix}h".replace("%", "%%") + "%x\x00"
                          + self.apart.replace("%", "%%")).__mod__
+        #: An int hash's key is ``prefix + format(h, "x") + suffix`` (UTF-8).
+        self.int_key_parts = (f"{self.dprefix}h".encode(), f"\x00{self.apart}".encode())
 
     def hash_keys(self, hashes: Sequence[HashId]) -> List[str]:
         """Keys of the hash, token and chunk forms."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from datadist.engine.memory import SharedMapping
 
 from .._errors import PoolDisconnected, PoolRejected, PoolTimeout, PoolUnreachable, ProtocolError
 from ..pool import wire
+from ..pool.keyset import KeySetView
 from .address import Address, parse_address
 
 __all__ = ["Connection", "MappedArena", "probe"]
@@ -42,7 +43,9 @@ class Connection:
     def __init__(self, address: Address, hello: wire.Hello, deadline: float) -> None:
         self.address = address
         self.broken = False
-        self.fd_arena: Optional[int] = None
+        self.fds: List[int] = []  # from HELLO: the arena, then the key set
+        self.arena: Optional[MappedArena] = None  # set by the pool (shared per daemon)
+        self.keys: Optional[KeySetView] = None
         try:
             if address.kind == "tcp":
                 sock = socket.create_connection((address.host, address.port),
@@ -62,7 +65,7 @@ class Connection:
         try:
             hello.shm = address.kind == "unix"
             wire.send_msg(sock, hello, deadline)
-            reply, fds = wire.recv_msg(sock, deadline, want_fds=1 if hello.shm else 0)
+            reply, fds = wire.recv_msg(sock, deadline, want_fds=2 if hello.shm else 0)
         except (PoolDisconnected, PoolTimeout, ProtocolError) as exc:
             self.close()
             raise PoolUnreachable(f"the EMS pool at {address} did not complete the handshake: {exc}") from None
@@ -81,19 +84,23 @@ class Connection:
             raise PoolUnreachable(f"the EMS pool at {address} answered HELLO with {type(reply).__name__}")
         self.info = reply
         if reply.shm:
-            if len(fds) != 1:
+            self.fds = fds
+            if len(fds) != 2:
                 self.close()
-                raise PoolUnreachable(f"the EMS pool at {address} did not pass its arena")
-            self.fd_arena = fds[0]
+                raise PoolUnreachable(f"the EMS pool at {address} did not pass its arena and key set")
+        else:
+            for fd in fds:
+                os.close(fd)
 
     @property
     def instance(self) -> str:
         return self.info.instance
 
-    def take_arena_fd(self) -> Optional[int]:
-        """The arena descriptor from HELLO (the caller maps or closes it)."""
-        fd, self.fd_arena = self.fd_arena, None
-        return fd
+    def take_fds(self) -> List[int]:
+        """The descriptors from HELLO, arena then key set (the caller maps and closes them);
+        empty without shared memory."""
+        fds, self.fds = self.fds, []
+        return fds
 
     def call(self, msg: wire.Message, deadline: Optional[float]) -> wire.Message:
         """Request/reply; a broken or timed-out connection is marked and must be closed."""
@@ -110,7 +117,7 @@ class Connection:
         return reply
 
     def send(self, msg: wire.Message, deadline: Optional[float]) -> None:
-        """One-way message (RELEASE, ABORT, DROP, WRITE)."""
+        """One-way message (RELEASE, ABORT, WRITE)."""
         try:
             wire.send_msg(self.sock, msg, deadline)
         except (PoolDisconnected, PoolTimeout):
@@ -118,8 +125,7 @@ class Connection:
             raise
 
     def close(self) -> None:
-        fd, self.fd_arena = self.fd_arena, None
-        if fd is not None:
+        for fd in self.take_fds():
             os.close(fd)
         sock = getattr(self, "sock", None)
         if sock is not None:

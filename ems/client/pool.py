@@ -1,4 +1,5 @@
-"""The client's connection pool to one daemon, and its mapping of the tenant's arena.
+"""The client's connection pool to one daemon, and its mappings of the tenant's arena and
+published key set.
 
 Fork and thread rules: any thread may call :meth:`PoolClient.connection`; each gets a
 connection of its own for the duration of the ``with`` block.  Connections are reused
@@ -13,13 +14,17 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator, List, Optional
+from typing import TYPE_CHECKING, Iterator, List, Optional
 
 from .._errors import PoolTimeout, PoolUnreachable
 from ..pool import wire
+from ..pool.keyset import KeySetView
 from .address import Address, parse_address
 from .autostart import start_daemon
 from .conn import Connection, MappedArena
+
+if TYPE_CHECKING:
+    from ..forms import KeyQuery
 
 __all__ = ["PoolClient"]
 
@@ -36,6 +41,7 @@ class PoolClient:
         self._lock = threading.Lock()
         self._idle: List[Connection] = []
         self._arena: Optional[MappedArena] = None
+        self._keys: Optional[KeySetView] = None
         self._pid = os.getpid()
         self.instance: Optional[str] = None
         self.tenant: Optional[str] = None
@@ -55,21 +61,32 @@ class PoolClient:
     def _connect(self, deadline: float) -> Connection:
         hello = wire.Hello(access_id=self._access[0], access_key=self._access[1], pid=os.getpid())
         conn = Connection(self.address, hello, deadline)
-        fd = conn.take_arena_fd()
+        fds = conn.take_fds()
         stale: List[Connection] = []
         try:
             with self._lock:
                 if self.instance != conn.instance:
-                    # A new daemon: forget the old one's connections and arena.
+                    # A new daemon: forget the old one's connections, arena and key set.
                     stale, self._idle = self._idle, []
                     self._arena = None
+                    self._keys = None
                     self.instance = conn.instance
                     self.tenant = conn.info.tenant
-                if fd is not None and self._arena is None:
-                    self._arena = MappedArena(fd, conn.info.arena_size, conn.instance)
-                conn.arena = self._arena if fd is not None else None
+                if fds and self._arena is None:
+                    self._arena = MappedArena(fds[0], conn.info.arena_size, conn.instance)
+                    try:
+                        self._keys = KeySetView(fds[1], conn.info.keyset_size)
+                    except (ValueError, OSError) as exc:
+                        self._arena = None
+                        raise PoolUnreachable(f"the EMS pool at {self.address} passed an unusable "
+                                              f"key set: {exc}") from None
+                conn.arena = self._arena if fds else None
+                conn.keys = self._keys if fds else None
+        except BaseException:
+            conn.close()
+            raise
         finally:
-            if fd is not None:
+            for fd in fds:
                 os.close(fd)
         for c in stale:
             c.close()
@@ -105,6 +122,7 @@ class PoolClient:
                 self._pid = os.getpid()
                 self._idle = []  # the parent's sockets: never used, never closed here
                 self._arena = None
+                self._keys = None
                 self.instance = None
 
     @contextmanager
@@ -121,6 +139,21 @@ class PoolClient:
             else:
                 conn.close()
 
+    def exists(self, keys: "KeyQuery", local_only: bool, deadline: Optional[float]) -> int:
+        """How many leading ``keys`` the pool holds.  Memory's answer comes from the key set
+        the daemon publishes (no round trip); the daemon is asked only when that set cannot
+        answer, or about the keys memory lacks when it has tiers below memory."""
+        with self.connection(deadline) as conn:  # taking it checks that the daemon is alive
+            hits = keys.count_in(conn.keys) if conn.keys is not None else None
+            if hits is not None:
+                lower = conn.info.disk or (conn.info.remote and not local_only)
+                if hits == len(keys) or not lower:
+                    return hits
+            else:
+                hits = 0
+            reply = conn.call(wire.Exists(keys.strings()[hits:], local_only), deadline)
+            return hits + min(int(reply.hits), len(keys) - hits)
+
     def ping(self, timeout_s: float) -> bool:
         """Whether the daemon answers within ``timeout_s``."""
         try:
@@ -135,6 +168,7 @@ class PoolClient:
         with self._lock:
             idle, self._idle = self._idle, []
             arena, self._arena = self._arena, None
+            self._keys = None
         for conn in idle:
             conn.close()
         if arena is not None:

@@ -33,7 +33,7 @@ __all__ = [
     "SKIPPED", "NO_SPACE", "MAX_FRAME",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 #: Largest control frame either side accepts.
 MAX_FRAME = 64 << 20
 #: Reserve reply offsets: the key already holds a value (nothing to write) / no room.
@@ -107,12 +107,19 @@ class Hello(Message):
 
 @dataclass
 class HelloReply(Message):
+    """With ``shm``, two descriptors travel with it: the tenant's arena and its published
+    key set (``keyset_size`` bytes, see :mod:`ems.pool.keyset`).  ``disk`` / ``remote``:
+    which tiers below memory the daemon has (exists asks it about keys memory lacks)."""
+
     OP = Op.HELLO_REPLY
     instance: str = ""
     tenant: str = ""
     arena_size: int = 0
     capacity: int = 0
     shm: bool = False
+    keyset_size: int = 0
+    disk: bool = False
+    remote: bool = False
 
 
 @dataclass
@@ -206,7 +213,8 @@ class Release(Message):
 
 @dataclass
 class Drop(Message):
-    """One-way: these values failed their checksum at the reader; forget them."""
+    """These values failed their checksum at the reader; forget them.  Answered (ACK), so
+    the reader's next ``exists``, answered from the published key set, no longer sees them."""
 
     OP = Op.DROP
     keys: List[str] = field(default_factory=list)

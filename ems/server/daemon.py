@@ -293,7 +293,7 @@ class Session(threading.Thread):
             return None
         if isinstance(msg, Drop):
             store.drop(ts, _keys(msg.keys), [int(o) for o in msg.offsets])
-            return None
+            return Ack()
         if isinstance(msg, Write):
             return self._write(store, owner, ts, int(msg.offset), int(msg.size))
         if isinstance(msg, Read):
@@ -314,9 +314,10 @@ class Session(threading.Thread):
         self.space = store.space(tenant)
         self.owner = store.new_owner()
         shm = bool(msg.shm) and self.unix
-        reply = HelloReply(self.d.instance, tenant, store.arena_size, store.capacity, shm)
+        reply = HelloReply(self.d.instance, tenant, store.arena_size, store.capacity, shm,
+                           self.space.keys.size, store.disk is not None, store.remote is not None)
         if shm:
-            self._fds = (self.space.arena.fd,)
+            self._fds = (self.space.arena.fd, self.space.keys.fd)
         return reply
 
     def _write(self, store: Store, owner: Owner, ts: TenantSpace, off: int, size: int):

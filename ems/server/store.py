@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from datadist.engine.memory import Arena, PoolAllocator, round_to_pages
 
 from ..pool.checksum import checksum
+from ..pool.keyset import KeySet
 from ..pool.wire import NO_SPACE, SKIPPED
 from .tiers.base import Tier
 
@@ -42,6 +43,9 @@ log = logging.getLogger("ems.server.store")
 #: Allocation unit of the arenas (4 KiB): a value of a few tokens wastes little capacity.
 PAGE_SHIFT = 12
 PAGE = 1 << PAGE_SHIFT
+#: Most keys a tenant's published key set is sized for (2**24 keys: a 128 MiB sparse memfd);
+#: beyond it, or with more empty values than pages, clients ask the daemon instead.
+MAX_PUBLISHED_KEYS = 1 << 24
 
 
 class Entry:
@@ -75,13 +79,20 @@ class Owner:
 
 
 class TenantSpace:
-    """A tenant's arena, the allocator of its pages (by offset) and its index."""
+    """A tenant's arena, the allocator of its pages (by offset), its index, and the key
+    set it publishes (every key of the index or being spilled; clients map it)."""
 
     def __init__(self, name: str, arena: Arena) -> None:
         self.name = name
         self.arena = arena
         self.pages = PoolAllocator(arena, PAGE_SHIFT)
         self.index: Dict[str, Entry] = {}
+        self.keys = KeySet(f"ems-keys-{name or 'open'}", min(arena.size // PAGE, MAX_PUBLISHED_KEYS))
+
+    def close(self) -> None:
+        self.index.clear()
+        self.keys.close()
+        self.arena.close()
 
 
 class Store:
@@ -142,8 +153,19 @@ class Store:
             e.live = False
             if e.space.index.get(e.key) is e:
                 del e.space.index[e.key]
+                self._published(e.space, e.key)
             self._lru.pop((e.space.name, e.key), None)
         self._maybe_free(e)
+
+    def _published(self, ts: TenantSpace, key: str) -> None:
+        """Mirror whether ``key`` is present (indexed or being spilled) into the key set."""
+        if key in ts.index or (ts.name, key) in self._spilling:
+            ts.keys.add(key, lambda: self._present(ts))
+        else:
+            ts.keys.discard(key, len(ts.index), lambda: self._present(ts))
+
+    def _present(self, ts: TenantSpace) -> List[str]:
+        return list(ts.index) + [k for (name, k) in self._spilling if name == ts.name]
 
     def _maybe_free(self, e: Entry) -> None:
         if not e.live and e.pins == 0 and e.alloc:
@@ -161,6 +183,7 @@ class Store:
         e.live = True
         e.space.index[e.key] = e
         self._lru[(e.space.name, e.key)] = e
+        self._published(e.space, e.key)
 
     def _victim(self, ts: Optional[TenantSpace]) -> Optional[Entry]:
         for e in self._lru.values():
@@ -204,6 +227,7 @@ class Store:
             self._lock.acquire()
         if self._spilling.get(name) is e:
             del self._spilling[name]
+            self._published(e.space, e.key)
         if ok:
             self.counters["spills"] += 1
         self._unpin(e)
@@ -398,7 +422,8 @@ class Store:
                 "capacity": self.capacity, "used": self.used,
                 "values": sum(len(ts.index) for ts in self._spaces.values()),
                 "tenants": {ts.name or "(open)": {"values": len(ts.index),
-                                                  "bytes": sum(e.size for e in ts.index.values())}
+                                                  "bytes": sum(e.size for e in ts.index.values()),
+                                                  "published_keys": ts.keys.stats()["keys"]}
                             for ts in self._spaces.values()},
                 "pinned": sum(1 for e in self._lru.values() if e.pins),
                 **self.counters,
@@ -424,8 +449,7 @@ class Store:
                     n += 1
             log.info("spilled %d values to disk in %.2fs", n, time.monotonic() - t0)
         for ts in spaces:
-            ts.index.clear()
-            ts.arena.close()
+            ts.close()
         for tier in (self.disk, self.remote):
             if tier is not None:
                 tier.close()

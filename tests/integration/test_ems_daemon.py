@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from ems_helpers import (ENV, check, daemon_factory, ems_cc, ems_daemon, init_cc
 from ems import CcKvOption, Ems, EmsException, KvBufferWrapper, PrimaryKey  # noqa: E402
 from ems.common.exception import EmsErrorCode  # noqa: E402
 from ems.pool import wire  # noqa: E402
+from ems.pool.keyset import KeySet  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -136,6 +138,40 @@ def test_disk_tier_survives_kill_for_spilled_values(daemon_factory, tmp_path):
         Ems._shutdown()
 
 
+def test_exists_reads_the_published_key_set_without_the_daemon(daemon_factory, tmp_path):
+    """Memory's keys are answered from the key set the daemon publishes: a stopped (SIGSTOP)
+    daemon still gets exists right, evictions withdraw keys, and lower tiers are asked."""
+    d = daemon_factory(directory=tmp_path / "pool", capacity="3M", disk_dir=tmp_path / "disk")
+    cc = init_cc(d.dir)
+    try:
+        bufs = [torch.full((1 << 18,), float(i)) for i in range(5)]
+        keys = [f"k{i}" for i in range(5)]
+        wrap = [[KvBufferWrapper(b.data_ptr, 1 << 20)] for b in bufs]
+        assert cc.save(CcKvOption(), keys[:2], wrap[:2]).success == 2
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            opt = CcKvOption(timeout=300)  # a round trip would time out (and read as 0)
+            assert cc.exists(key_list=keys[:2], option=opt).success == 2
+            assert cc.exists(key_list=[keys[0], "absent", keys[1]], option=opt).success == 1
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        # 1 MiB values in a 3 MiB pool: k0 and k1 are spilled to disk by the next saves.
+        assert cc.save(CcKvOption(), keys[2:], wrap[2:]).success == 3
+        stats = json.loads(check(subprocess.run([sys.executable, "-m", "ems.server", "stats", "--dir", d.dir,
+                                                 "--json"], capture_output=True, text=True, env=ENV)))
+        assert stats["spills"] >= 1
+        published = stats["tenants"]["(open)"]["published_keys"]
+        assert published == stats["values"] < 5  # spilled keys left the published set
+        assert cc.exists(key_list=keys).success == 5  # ... and the daemon's disk tier has them
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            assert cc.exists(key_list=keys, option=CcKvOption(timeout=300)).success == 0
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+    finally:
+        Ems._shutdown()
+
+
 def test_corrupted_value_on_disk_is_a_miss(daemon_factory, tmp_path):
     disk = tmp_path / "disk"
     d = daemon_factory(directory=tmp_path / "pool", disk_dir=disk)
@@ -175,7 +211,8 @@ def test_corrupted_value_in_memory_is_a_miss_and_dropped(ems_daemon, ems_cc):
 
 
 class _StallingServer:
-    """Answers HELLO (with an arena fd), then never answers anything: deadlines must fire."""
+    """Answers HELLO (with an arena and a key set that tells clients to ask the daemon),
+    then never answers anything: deadlines must fire."""
 
     def __init__(self, path: str) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -183,6 +220,8 @@ class _StallingServer:
         self.sock.listen(8)
         self.fd = os.memfd_create("stall")
         os.ftruncate(self.fd, 1 << 20)
+        self.keys = KeySet("stall", 64)
+        self.keys.invalidate()
         self.conns = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -197,7 +236,8 @@ class _StallingServer:
                 continue
             self.conns.append(c)
             msg, _ = wire.recv_msg(c)
-            wire.send_msg(c, wire.HelloReply("stall", "", 1 << 20, 1 << 20, True), fds=[self.fd])
+            wire.send_msg(c, wire.HelloReply("stall", "", 1 << 20, 1 << 20, True, self.keys.size),
+                          fds=[self.fd, self.keys.fd])
 
     def close(self) -> None:
         self.stop.set()
@@ -206,6 +246,7 @@ class _StallingServer:
             c.close()
         self.sock.close()
         os.close(self.fd)
+        self.keys.close()
 
 
 def test_deadline_gives_io_timeout(tmp_path):

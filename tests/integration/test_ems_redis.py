@@ -17,10 +17,11 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.redis]
 
 
 def _start(directory, cluster=False):
+    bus = 10000 if cluster else 0  # a cluster node's bus port is its port + 10000
     try:
-        return RedisServer(directory, free_port(), cluster=cluster)
+        return RedisServer(directory, free_port(bus), cluster=cluster)
     except AssertionError:  # the free port was taken meanwhile: one more try on another
-        return RedisServer(directory, free_port(), cluster=cluster)
+        return RedisServer(directory, free_port(bus), cluster=cluster)
 
 
 @pytest.fixture

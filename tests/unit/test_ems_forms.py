@@ -112,10 +112,12 @@ def test_v0_form():
 
 def test_exists_parsing(layout):
     keys, opt = parse_exists(([1, 2],), {}, NS, None)
-    assert keys == NS.hash_keys([1, 2]) and opt.timeout == 5000
-    assert parse_exists(([],), {}, NS, None)[0] == []
+    assert keys.strings() == NS.hash_keys([1, 2]) and len(keys) == 2 and opt.timeout == 5000
+    assert parse_exists(([],), {}, NS, None)[0].strings() == []
     keys, _ = parse_exists((), {"token_ids": list(range(8))}, NS, layout)
-    assert keys == NS.hash_keys(token_chain_hashes(np.arange(8), 4))
+    assert keys.strings() == NS.hash_keys(token_chain_hashes(np.arange(8), 4))
+    keys, _ = parse_exists(([b"\x01", 7],), {}, NS, None)
+    assert keys.strings() == NS.hash_keys([b"\x01", 7])
     for args, kwargs in (((), {}), (("x",), {}), (([1],), {"bogus": 1}), (([1], 5), {})):
         with pytest.raises(InvalidArgument):
             parse_exists(args, kwargs, NS, None)
