@@ -96,25 +96,47 @@ static size_t fill_iov(const plan_t *p, const cursor_t *c, struct iovec *a, stru
 
 /* ---------------------------------------------------------------- local copies */
 
+/* The threads of one big copy take byte ranges of the plan's concatenated stream in
+ * chunks from a shared counter, not a fixed share each: on a busy machine a thread that
+ * loses its core would otherwise hold the whole copy up while the others sit idle. */
+typedef struct {
+    uint64_t total, chunk;
+    uint64_t next; /* next chunk index (atomic) */
+} chunks_t;
+
+static chunks_t chunks_for(uint64_t total, int parts) {
+    uint64_t chunk = ((total / ((uint64_t)parts * 8)) + 4095) & ~(uint64_t)4095;
+    if (chunk < (1u << 20)) chunk = 1u << 20;
+    return (chunks_t){total, chunk, 0};
+}
+
+static int next_chunk(chunks_t *w, uint64_t *lo, uint64_t *hi) {
+    uint64_t a = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED) * w->chunk;
+    if (a >= w->total) return 0;
+    *lo = a;
+    *hi = w->total - a > w->chunk ? a + w->chunk : w->total;
+    return 1;
+}
+
 typedef struct {
     const plan_t *p;
-    uint64_t lo, hi; /* this part copies bytes [lo, hi) of the plan's concatenated stream */
+    chunks_t *work;
 } copy_part;
 
-static void copy_range(const copy_part *cp) {
-    const plan_t *p = cp->p;
+/* Copy bytes [lo, hi) of the plan's concatenated stream. */
+static void copy_range(const plan_t *p, uint64_t lo, uint64_t hi) {
     uint64_t per_t = 0;
     for (size_t u = 0; u < p->nu; u++) per_t += p->len[u];
     if (per_t == 0) return;
-    for (size_t t = cp->lo / per_t; t < p->nt; t++) {
+    for (size_t t = lo / per_t; t < p->nt; t++) {
         uint64_t pos = t * per_t;
-        if (pos >= cp->hi) return;
-        for (size_t u = 0; u < p->nu && pos < cp->hi; u++) {
+        if (pos >= hi) return;
+        for (size_t u = 0; u < p->nu && pos < hi; u++) {
             uint64_t a = pos, b = pos + p->len[u];
             pos = b;
-            if (b <= cp->lo) continue;
-            uint64_t s = a < cp->lo ? cp->lo - a : 0;
-            uint64_t e = (b > cp->hi ? cp->hi : b) - a;
+            if (b <= lo) continue;
+            uint64_t s = a < lo ? lo - a : 0;
+            uint64_t e = (b > hi ? hi : b) - a;
             memmove((void *)(uintptr_t)(p->b_base[t] + p->b_off[u] + s),
                     (const void *)(uintptr_t)(p->a_base[t] + p->a_off[u] + s), e - s);
         }
@@ -122,12 +144,14 @@ static void copy_range(const copy_part *cp) {
 }
 
 static void *copy_thread(void *arg) {
-    copy_range((const copy_part *)arg);
+    const copy_part *cp = arg;
+    uint64_t lo, hi;
+    while (next_chunk(cp->work, &lo, &hi)) copy_range(cp->p, lo, hi);
     return NULL;
 }
 
 /* Copy every run (a = source, b = destination); destinations must not overlap.  The plan
- * is split by bytes (4 KiB aligned), not by runs, so one huge run is shared too. */
+ * is split by bytes (4 KiB aligned chunks), not by runs, so one huge run is shared too. */
 static int64_t dd_copy_plan(size_t nt, const uint64_t *sbase, const uint64_t *dbase, size_t nu,
                      const uint64_t *soff, const uint64_t *doff, const uint64_t *len,
                      int max_threads) {
@@ -137,21 +161,19 @@ static int64_t dd_copy_plan(size_t nt, const uint64_t *sbase, const uint64_t *db
     uint64_t total = per_t * nt;
     int parts = max_threads < 1 ? 1 : (max_threads > DD_MAX_THREADS ? DD_MAX_THREADS : max_threads);
     if (total < DD_PARALLEL_MIN_BYTES) parts = 1;
-    copy_part cp[DD_MAX_THREADS];
+    if (parts == 1) {
+        copy_range(&p, 0, total);
+        return (int64_t)total;
+    }
+    chunks_t work = chunks_for(total, parts);
+    copy_part cp = {&p, &work};
     pthread_t th[DD_MAX_THREADS];
     int started[DD_MAX_THREADS] = {0};
-    uint64_t share = ((total / parts) + 4095) & ~(uint64_t)4095;
-    for (int k = 0; k < parts; k++) {
-        uint64_t lo = share * k, hi = k == parts - 1 ? total : share * (k + 1);
-        cp[k] = (copy_part){&p, lo > total ? total : lo, hi > total ? total : hi};
-    }
     for (int k = 1; k < parts; k++)
-        started[k] = pthread_create(&th[k], NULL, copy_thread, &cp[k]) == 0;
-    copy_range(&cp[0]);
-    for (int k = 1; k < parts; k++) {
+        started[k] = pthread_create(&th[k], NULL, copy_thread, &cp) == 0;
+    copy_thread(&cp); /* this thread works too, and takes every chunk if none could start */
+    for (int k = 1; k < parts; k++)
         if (started[k]) pthread_join(th[k], NULL);
-        else copy_range(&cp[k]); /* no thread to spare: do it here */
-    }
     return (int64_t)total;
 }
 
@@ -166,10 +188,10 @@ static int64_t dd_copy_plan(size_t nt, const uint64_t *sbase, const uint64_t *db
 
 typedef struct {
     const plan_t *p;
-    uint64_t lo, hi;
+    chunks_t *work;
     int value_is_src;
     uint64_t vbase;
-    uint64_t *sums; /* this part's own block sums (merged by the caller) */
+    uint64_t *sums; /* this thread's own block sums (merged by the caller) */
 } sum_part;
 
 static void copy_sum_bytes(uint8_t *d, const uint8_t *s, uint64_t n, uint64_t o, uint64_t *sums) {
@@ -209,20 +231,20 @@ static void copy_sum(uint8_t *d, const uint8_t *s, uint64_t n, uint64_t o, uint6
     copy_sum_bytes(d, s, n, o, sums);
 }
 
-static void copy_sum_range(const sum_part *sp) {
+static void copy_sum_range(const sum_part *sp, uint64_t lo, uint64_t hi) {
     const plan_t *p = sp->p;
     uint64_t per_t = 0;
     for (size_t u = 0; u < p->nu; u++) per_t += p->len[u];
     if (per_t == 0) return;
-    for (size_t t = sp->lo / per_t; t < p->nt; t++) {
+    for (size_t t = lo / per_t; t < p->nt; t++) {
         uint64_t pos = t * per_t;
-        if (pos >= sp->hi) return;
-        for (size_t u = 0; u < p->nu && pos < sp->hi; u++) {
+        if (pos >= hi) return;
+        for (size_t u = 0; u < p->nu && pos < hi; u++) {
             uint64_t a = pos, b = pos + p->len[u];
             pos = b;
-            if (b <= sp->lo) continue;
-            uint64_t s = a < sp->lo ? sp->lo - a : 0;
-            uint64_t e = (b > sp->hi ? sp->hi : b) - a;
+            if (b <= lo) continue;
+            uint64_t s = a < lo ? lo - a : 0;
+            uint64_t e = (b > hi ? hi : b) - a;
             uint64_t src = p->a_base[t] + p->a_off[u] + s, dst = p->b_base[t] + p->b_off[u] + s;
             copy_sum((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, e - s,
                      (sp->value_is_src ? src : dst) - sp->vbase, sp->sums);
@@ -231,7 +253,9 @@ static void copy_sum_range(const sum_part *sp) {
 }
 
 static void *copy_sum_thread(void *arg) {
-    copy_sum_range((const sum_part *)arg);
+    const sum_part *sp = arg;
+    uint64_t lo, hi;
+    while (next_chunk(sp->work, &lo, &hi)) copy_sum_range(sp, lo, hi);
     return NULL;
 }
 
@@ -254,13 +278,12 @@ static int64_t dd_copy_plan_sum(size_t nt, const uint64_t *sbase, const uint64_t
     uint64_t total = per_t * nt;
     int parts = max_threads < 1 ? 1 : (max_threads > DD_MAX_THREADS ? DD_MAX_THREADS : max_threads);
     if (total < DD_PARALLEL_MIN_BYTES) parts = 1;
+    chunks_t work = chunks_for(total, parts);
     sum_part sp[DD_MAX_THREADS];
     pthread_t th[DD_MAX_THREADS];
     int started[DD_MAX_THREADS] = {0};
-    uint64_t share = ((total / parts) + 4095) & ~(uint64_t)4095;
     for (int k = 0; k < parts; k++) {
-        uint64_t lo = share * k, hi = k == parts - 1 ? total : share * (k + 1);
-        sp[k] = (sum_part){&p, lo > total ? total : lo, hi > total ? total : hi, value_is_src, vbase, sums};
+        sp[k] = (sum_part){&p, &work, value_is_src, vbase, sums};
         if (k && !(sp[k].sums = calloc(nsums, sizeof(uint64_t)))) {
             for (int j = 1; j < k; j++) free(sp[j].sums);
             return -ENOMEM;
@@ -268,10 +291,9 @@ static int64_t dd_copy_plan_sum(size_t nt, const uint64_t *sbase, const uint64_t
     }
     for (int k = 1; k < parts; k++)
         started[k] = pthread_create(&th[k], NULL, copy_sum_thread, &sp[k]) == 0;
-    copy_sum_range(&sp[0]);
+    copy_sum_thread(&sp[0]); /* this thread works too, and takes every chunk if none could start */
     for (int k = 1; k < parts; k++) {
         if (started[k]) pthread_join(th[k], NULL);
-        else copy_sum_range(&sp[k]);
         for (size_t i = 0; i < nsums; i++) sums[i] += sp[k].sums[i];
         free(sp[k].sums);
     }
