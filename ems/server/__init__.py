@@ -4,7 +4,8 @@ Commands::
 
     ems-server [serve] [--dir DIR] [--capacity 4G] [--disk-dir D --disk-capacity 10G]
                        [--remote redis://H:P | redis+cluster://H:P] [--credentials FILE]
-                       [--tcp HOST:PORT] [--idle-exit SECONDS] [--detach] [--ready-fd FD]
+                       [--tcp HOST:PORT] [--socket-mode 0600] [--idle-exit SECONDS] [--detach]
+                       [--ready-fd FD]
     ems-server stats [--dir DIR | --server ADDR] [--json]
     ems-server stop  [--dir DIR]
 
@@ -57,6 +58,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tcp", default=None, help="also listen on HOST:PORT (port 0: any free port)")
     p.add_argument("--idle-exit", type=float, default=0.0,
                    help="exit after this many seconds without clients (0: never)")
+    p.add_argument("--socket-mode", default="0600", type=_octal,
+                   help="permissions of the unix socket (default 0600: the daemon's user only; "
+                        "0660 for its group, 0666 for everyone, best with --credentials)")
     p.add_argument("--no-spill-on-exit", action="store_true",
                    help="do not spill memory to the disk tier at shutdown")
     p.add_argument("--detach", action="store_true", help="fork into the background (new session)")
@@ -64,6 +68,16 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="write 'READY <pid> <tcp address>' to this fd once serving, then close it")
     p.add_argument("--log-file", default=None, help="log here instead of stderr")
     p.add_argument("--log-level", default="INFO")
+
+
+def _octal(text: str) -> int:
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--socket-mode must be octal like 0660, got {text!r}") from None
+    if not 0 <= mode <= 0o777:
+        raise argparse.ArgumentTypeError(f"--socket-mode must be within 0000-0777, got {text!r}")
+    return mode
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -83,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
         directory=args.dir, capacity=parse_size(args.capacity), disk_dir=args.disk_dir,
         disk_capacity=parse_size(args.disk_capacity), remote=args.remote,
         credentials=args.credentials, tcp=args.tcp, idle_exit=args.idle_exit,
-        spill_on_exit=not args.no_spill_on_exit)
+        spill_on_exit=not args.no_spill_on_exit, socket_mode=args.socket_mode)
     if args.detach:
         # Double fork: the caller reaps the short-lived middle process at once, and the
         # daemon (reparented to init) never lingers as its zombie.

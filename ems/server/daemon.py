@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -58,6 +59,10 @@ class ServerConfig:
     tcp: Optional[str] = None
     idle_exit: float = 0.0
     spill_on_exit: bool = True
+    #: Permissions of the unix socket: who may connect at all.  Owner only by default, so
+    #: an open-tenancy pool is not readable by every user of the node; a shared node pool
+    #: opens it to a group (0o660) or to all (0o666), with credentials.
+    socket_mode: int = 0o600
 
 
 class Daemon:
@@ -99,7 +104,7 @@ class Daemon:
             pass
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         unix.bind(self.socket_path)
-        os.chmod(self.socket_path, 0o666)
+        os.chmod(self.socket_path, self.cfg.socket_mode)
         unix.listen(128)
         self._listeners.append(unix)
         if self.cfg.tcp:
@@ -245,6 +250,15 @@ class Session(threading.Thread):
         except (PoolDisconnected, PoolTimeout):
             return False
 
+    def _operator(self) -> bool:
+        """Whether the peer is the daemon's own user or root, on the unix socket (the
+        kernel's SO_PEERCRED says who connected; TCP peers are never operators)."""
+        if not self.unix:
+            return False
+        creds = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        return uid in (0, os.getuid())
+
     def _need_space(self) -> TenantSpace:
         if self.space is None:
             raise ProtocolError("HELLO first")
@@ -259,10 +273,14 @@ class Session(threading.Thread):
         if isinstance(msg, Ping):
             return Pong(self.d.instance)
         if isinstance(msg, Stats):
+            if not self.d.tenants.open and not self._operator():
+                return Error("auth", "with tenant credentials, statistics are for the daemon's own user "
+                                     "on its unix socket")
             return StatsReply(self.d.stats())
         if isinstance(msg, Shutdown):
-            if not self.unix:
-                return Error("invalid", "shutdown is only accepted on the unix socket")
+            if not self._operator():
+                return Error("auth", "shutdown is accepted only from the daemon's own user (or root) "
+                                     "on its unix socket")
             self.d.stop()
             return Ack()
         ts = self._need_space()

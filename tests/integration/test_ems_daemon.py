@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -68,6 +70,58 @@ def test_stats_command(ems_daemon, ems_cc):
     table = check(subprocess.run([sys.executable, "-m", "ems.server", "stats", "--dir", ems_daemon.dir],
                                  capture_output=True, text=True, env=ENV, timeout=30))
     assert "committed" in table
+
+
+_AS_NOBODY = """
+import os, sys, json
+from ems.client.conn import probe
+os.setgid(65534); os.setuid(65534)
+out = {{}}
+for what in ("stats", "shutdown"):
+    try:
+        probe({path!r}, what, timeout_s=10)
+        out[what] = "ok"
+    except Exception as exc:
+        out[what] = type(exc).__name__ + ": " + str(exc)
+print(json.dumps(out))
+"""
+
+
+def _probe_as_nobody(path: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _AS_NOBODY.format(path=path)],
+                          capture_output=True, text=True, env=ENV, timeout=60)
+    return json.loads(check(proc))
+
+
+def test_socket_mode_and_operator_requests(daemon_factory, tmp_path, request):
+    d = daemon_factory(directory=tmp_path / "private")
+    assert os.stat(os.path.join(d.dir, "ems.sock")).st_mode & 0o777 == 0o600  # owner only by default
+    if os.geteuid() != 0:
+        pytest.skip("connecting as another user needs root to switch users")
+    # pytest's temporary directories are private to root: another user could not reach a
+    # socket inside them whatever its mode, so these daemons live in /dev/shm.
+    base = Path(tempfile.mkdtemp(prefix="ems-perm-", dir="/dev/shm"))
+    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    base.chmod(0o755)
+    shared = daemon_factory(directory=base / "shared", extra=["--socket-mode", "0666"])
+    os.chmod(shared.dir, 0o755)
+    sock = os.path.join(shared.dir, "ems.sock")
+    assert os.stat(sock).st_mode & 0o777 == 0o666
+    got = _probe_as_nobody(sock)
+    assert got["stats"] == "ok"  # open tenancy: statistics for whoever may connect
+    assert got["shutdown"].startswith("PoolRejected") and "own user" in got["shutdown"]
+    assert shared.alive()  # refused: still serving
+    creds = tmp_path / "creds"
+    creds.write_text("alice: " + "A" * 40 + "\n")
+    tenants = daemon_factory(directory=base / "tenants", credentials=creds, extra=["--socket-mode", "0666"])
+    os.chmod(tenants.dir, 0o755)
+    got = _probe_as_nobody(os.path.join(tenants.dir, "ems.sock"))
+    assert got["stats"].startswith("PoolRejected") and got["shutdown"].startswith("PoolRejected")
+    # the daemon's own user still may do both
+    stats = json.loads(check(subprocess.run([sys.executable, "-m", "ems.server", "stats", "--dir", tenants.dir,
+                                             "--json"], capture_output=True, text=True, env=ENV, timeout=30)))
+    assert stats["tenancy"] == "credentials"
+    assert tenants.stop() == 0 and not tenants.alive()
 
 
 def test_sigkill_health_false_and_io_error(ems_daemon, ems_cc):
