@@ -132,6 +132,30 @@ typedef struct {
     int stream; /* streaming stores (copies well beyond the cache) */
 } copy_part;
 
+#if defined(__SSE2__)
+/* Copy and sum `n` bytes (a multiple of 64) to a 16-byte aligned `d` with streaming
+ * stores: they skip the read-for-ownership of the destination and leave the caches alone,
+ * which is what a copy many times the cache's size wants.  Returns the 64-bit word sum. */
+static uint64_t copy_sum_stream(uint8_t *d, const uint8_t *s, uint64_t n) {
+    __m128i a0 = _mm_setzero_si128(), a1 = a0, a2 = a0, a3 = a0;
+    for (uint64_t i = 0; i < n; i += 64) {
+        __m128i w0 = _mm_loadu_si128((const __m128i *)(s + i));
+        __m128i w1 = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i w2 = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        __m128i w3 = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), w0);
+        _mm_stream_si128((__m128i *)(d + i + 16), w1);
+        _mm_stream_si128((__m128i *)(d + i + 32), w2);
+        _mm_stream_si128((__m128i *)(d + i + 48), w3);
+        a0 = _mm_add_epi64(a0, w0); a1 = _mm_add_epi64(a1, w1);
+        a2 = _mm_add_epi64(a2, w2); a3 = _mm_add_epi64(a3, w3);
+    }
+    uint64_t lanes[2];
+    _mm_storeu_si128((__m128i *)lanes, _mm_add_epi64(_mm_add_epi64(a0, a1), _mm_add_epi64(a2, a3)));
+    return lanes[0] + lanes[1];
+}
+#endif
+
 /* memmove, with streaming stores for the 16-byte aligned body of a run that does not
  * overlap itself when `stream` is set (the caller fences). */
 static void copy_run(uint8_t *d, const uint8_t *s, uint64_t n, int stream) {
@@ -141,16 +165,7 @@ static void copy_run(uint8_t *d, const uint8_t *s, uint64_t n, int stream) {
         memcpy(d, s, head);
         d += head; s += head; n -= head;
         uint64_t body = n & ~(uint64_t)63;
-        for (uint64_t i = 0; i < body; i += 64) {
-            __m128i w0 = _mm_loadu_si128((const __m128i *)(s + i));
-            __m128i w1 = _mm_loadu_si128((const __m128i *)(s + i + 16));
-            __m128i w2 = _mm_loadu_si128((const __m128i *)(s + i + 32));
-            __m128i w3 = _mm_loadu_si128((const __m128i *)(s + i + 48));
-            _mm_stream_si128((__m128i *)(d + i), w0);
-            _mm_stream_si128((__m128i *)(d + i + 16), w1);
-            _mm_stream_si128((__m128i *)(d + i + 32), w2);
-            _mm_stream_si128((__m128i *)(d + i + 48), w3);
-        }
+        copy_sum_stream(d, s, body); /* the sum is free next to the memory traffic */
         memcpy(d + body, s + body, n - body);
         return;
     }
@@ -239,29 +254,6 @@ static void copy_sum_bytes(uint8_t *d, const uint8_t *s, uint64_t n, uint64_t o,
     }
 }
 
-#if defined(__SSE2__)
-/* Copy and sum `n` bytes (a multiple of 64) to a 16-byte aligned `d` with streaming
- * stores: they skip the read-for-ownership of the destination and leave the caches alone,
- * which is what a copy many times the cache's size wants.  Returns the 64-bit word sum. */
-static uint64_t copy_sum_stream(uint8_t *d, const uint8_t *s, uint64_t n) {
-    __m128i a0 = _mm_setzero_si128(), a1 = a0, a2 = a0, a3 = a0;
-    for (uint64_t i = 0; i < n; i += 64) {
-        __m128i w0 = _mm_loadu_si128((const __m128i *)(s + i));
-        __m128i w1 = _mm_loadu_si128((const __m128i *)(s + i + 16));
-        __m128i w2 = _mm_loadu_si128((const __m128i *)(s + i + 32));
-        __m128i w3 = _mm_loadu_si128((const __m128i *)(s + i + 48));
-        _mm_stream_si128((__m128i *)(d + i), w0);
-        _mm_stream_si128((__m128i *)(d + i + 16), w1);
-        _mm_stream_si128((__m128i *)(d + i + 32), w2);
-        _mm_stream_si128((__m128i *)(d + i + 48), w3);
-        a0 = _mm_add_epi64(a0, w0); a1 = _mm_add_epi64(a1, w1);
-        a2 = _mm_add_epi64(a2, w2); a3 = _mm_add_epi64(a3, w3);
-    }
-    uint64_t lanes[2];
-    _mm_storeu_si128((__m128i *)lanes, _mm_add_epi64(_mm_add_epi64(a0, a1), _mm_add_epi64(a2, a3)));
-    return lanes[0] + lanes[1];
-}
-#endif
 
 /* Copy n bytes whose value offset starts at o, summing them into sums; `stream`: use
  * streaming stores where the destination's alignment allows (the caller fences). */

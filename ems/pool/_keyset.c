@@ -183,20 +183,29 @@ static PyObject *count_result(long long r) {
     return PyLong_FromLongLong(r);
 }
 
+/* What count_keys and count_ints share: map the table, walk the sequence, count.  `seq`
+ * points into `ctx` (where the next_fp function finds the items). */
+static PyObject *count_with(PyObject *table, PyObject *items, const char *what, PyObject **seq,
+                            next_fp_fn next, void *ctx) {
+    if (!(*seq = PySequence_Fast(items, what))) return NULL;
+    PyObject *res = NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(table, &b, PyBUF_SIMPLE) == 0) {
+        uint64_t mask;
+        const uint64_t *t = table_of(&b, &mask);
+        if (t) res = count_result(count_leading(t, mask, PySequence_Fast_GET_SIZE(*seq), next, ctx));
+        PyBuffer_Release(&b);
+    }
+    Py_CLEAR(*seq);
+    return res;
+}
+
 /* count_keys(table, keys) -> leading keys present, or -1 (ask the daemon). */
 static PyObject *py_count_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "count_keys(table, keys)"); return NULL; }
-    Py_buffer b;
-    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) return NULL;
-    PyObject *res = NULL;
-    uint64_t mask;
-    const uint64_t *t = table_of(&b, &mask);
-    keys_ctx c = {PySequence_Fast(args[1], "keys must be a sequence")};
-    if (t && c.seq) res = count_result(count_leading(t, mask, PySequence_Fast_GET_SIZE(c.seq), next_key, &c));
-    Py_XDECREF(c.seq);
-    PyBuffer_Release(&b);
-    return res;
+    keys_ctx c;
+    return count_with(args[0], args[1], "keys must be a sequence", &c.seq, next_key, &c);
 }
 
 /* count_ints(table, prefix, hashes, suffix) -> leading keys prefix + "%x" % h + suffix
@@ -207,23 +216,13 @@ static PyObject *py_count_ints(PyObject *self, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_TypeError, "count_ints(table, prefix: bytes, hashes, suffix: bytes)");
         return NULL;
     }
-    Py_ssize_t plen = PyBytes_GET_SIZE(args[1]), slen = PyBytes_GET_SIZE(args[3]);
-    if (plen + slen + 16 > KS_KEY_MAX) { PyErr_SetString(PyExc_ValueError, "key prefix and suffix too long"); return NULL; }
-    Py_buffer b;
-    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) return NULL;
-    PyObject *res = NULL;
-    uint64_t mask;
-    const uint64_t *t = table_of(&b, &mask);
     ints_ctx c;
-    c.seq = PySequence_Fast(args[2], "hashes must be a sequence");
-    c.plen = plen;
+    c.plen = PyBytes_GET_SIZE(args[1]);
+    c.slen = PyBytes_GET_SIZE(args[3]);
+    if (c.plen + c.slen + 16 > KS_KEY_MAX) { PyErr_SetString(PyExc_ValueError, "key prefix and suffix too long"); return NULL; }
     c.suffix = PyBytes_AS_STRING(args[3]);
-    c.slen = slen;
-    memcpy(c.buf, PyBytes_AS_STRING(args[1]), (size_t)plen);
-    if (t && c.seq) res = count_result(count_leading(t, mask, PySequence_Fast_GET_SIZE(c.seq), next_int, &c));
-    Py_XDECREF(c.seq);
-    PyBuffer_Release(&b);
-    return res;
+    memcpy(c.buf, PyBytes_AS_STRING(args[1]), (size_t)c.plen);
+    return count_with(args[0], args[2], "hashes must be a sequence", &c.seq, next_int, &c);
 }
 
 /* init(table) -> nslots: an empty, valid table filling the writable buffer. */
@@ -244,10 +243,25 @@ static PyObject *py_init(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return PyLong_FromUnsignedLongLong(n);
 }
 
-/* Writer side.  add(table, key) -> 1 added, 0 already there, -1 no room (rebuild first). */
-static PyObject *py_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "add(table, key)"); return NULL; }
+/* Writer side: one key's fingerprint applied to the writable table. */
+typedef long (*key_op)(uint64_t *t, uint64_t mask, uint64_t fp);
+
+static long op_add(uint64_t *t, uint64_t mask, uint64_t fp) {
+    if (find(t + KS_HDR, mask, fp) >= 0) return 0;
+    if (t[H_USED] + 1 > (mask + 1) / 4 * 3) return -1;
+    return put(t, mask, fp);
+}
+
+static long op_discard(uint64_t *t, uint64_t mask, uint64_t fp) {
+    int64_t i = find(t + KS_HDR, mask, fp);
+    if (i < 0) return 0;
+    st(&t[KS_HDR + i], KS_TOMB);
+    st(&t[H_LIVE], t[H_LIVE] - 1);
+    return 1;
+}
+
+static PyObject *with_key(PyObject *const *args, Py_ssize_t nargs, const char *usage, key_op op) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, usage); return NULL; }
     const char *p;
     Py_ssize_t n;
     if (key_bytes(args[1], &p, &n) < 0) return NULL;
@@ -255,38 +269,21 @@ static PyObject *py_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (PyObject_GetBuffer(args[0], &b, PyBUF_WRITABLE) < 0) return NULL;
     uint64_t mask;
     uint64_t *t = table_of(&b, &mask);
-    long r = -1;
-    if (t) {
-        uint64_t fp = fingerprint((const unsigned char *)p, (size_t)n);
-        if (find(t + KS_HDR, mask, fp) >= 0) r = 0;
-        else if (t[H_USED] + 1 <= (mask + 1) / 4 * 3) r = put(t, mask, fp);
-    }
+    long r = t ? op(t, mask, fingerprint((const unsigned char *)p, (size_t)n)) : 0;
     PyBuffer_Release(&b);
     return t ? PyLong_FromLong(r) : NULL;
+}
+
+/* add(table, key) -> 1 added, 0 already there, -1 no room (rebuild first). */
+static PyObject *py_add(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return with_key(args, nargs, "add(table, key)", op_add);
 }
 
 /* discard(table, key) -> 1 removed, 0 was absent. */
 static PyObject *py_discard(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "discard(table, key)"); return NULL; }
-    const char *p;
-    Py_ssize_t n;
-    if (key_bytes(args[1], &p, &n) < 0) return NULL;
-    Py_buffer b;
-    if (PyObject_GetBuffer(args[0], &b, PyBUF_WRITABLE) < 0) return NULL;
-    uint64_t mask;
-    uint64_t *t = table_of(&b, &mask);
-    long r = 0;
-    if (t) {
-        int64_t i = find(t + KS_HDR, mask, fingerprint((const unsigned char *)p, (size_t)n));
-        if (i >= 0) {
-            st(&t[KS_HDR + i], KS_TOMB);
-            st(&t[H_LIVE], t[H_LIVE] - 1);
-            r = 1;
-        }
-    }
-    PyBuffer_Release(&b);
-    return t ? PyLong_FromLong(r) : NULL;
+    return with_key(args, nargs, "discard(table, key)", op_discard);
 }
 
 /* rebuild(table, keys) -> live count: the table holds exactly ``keys`` (no tombstones),
