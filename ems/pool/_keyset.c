@@ -225,7 +225,8 @@ static PyObject *py_count_ints(PyObject *self, PyObject *const *args, Py_ssize_t
     return count_with(args[0], args[2], "hashes must be a sequence", &c.seq, next_int, &c);
 }
 
-/* init(table) -> nslots: an empty, valid table filling the writable buffer. */
+/* init(table) -> nslots: an empty, valid table filling the writable buffer, which must be
+ * zero (a fresh memfd is): the slots are not written, so a large sparse table stays sparse. */
 static PyObject *py_init(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 1) { PyErr_SetString(PyExc_TypeError, "init(table)"); return NULL; }
@@ -235,7 +236,7 @@ static PyObject *py_init(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     while (n * 2 <= room) n *= 2;
     if (room < 2) { PyBuffer_Release(&b); PyErr_SetString(PyExc_ValueError, "key set buffer too small"); return NULL; }
     uint64_t *t = b.buf;
-    memset(t, 0, (KS_HDR + n) * 8);
+    memset(t, 0, KS_HDR * 8);
     t[H_NSLOTS] = n;
     t[H_VALID] = 1;
     __atomic_store_n(&t[H_MAGIC], KS_MAGIC, __ATOMIC_RELEASE);

@@ -43,9 +43,10 @@ log = logging.getLogger("ems.server.store")
 #: Allocation unit of the arenas (4 KiB): a value of a few tokens wastes little capacity.
 PAGE_SHIFT = 12
 PAGE = 1 << PAGE_SHIFT
-#: Most keys a tenant's published key set is sized for (2**24 keys: a 128 MiB sparse memfd);
-#: beyond it, or with more empty values than pages, clients ask the daemon instead.
-MAX_PUBLISHED_KEYS = 1 << 24
+#: Most keys a tenant's published key set is sized for (2**22 keys: 2**23 slots, a 64 MiB
+#: memfd, resident as keys spread over it); beyond it, or with more empty values than
+#: pages, clients ask the daemon instead.
+MAX_PUBLISHED_KEYS = 1 << 22
 
 
 class Entry:
