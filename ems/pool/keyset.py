@@ -40,7 +40,8 @@ class KeySet:
         self._arena = Arena(name, self.size)
         self._table = self._arena.view()
         _keyset.init(self._table)
-        self.overflowed = False
+        self.overflowed = False  # more keys than fit: readers ask the daemon until they do
+        self.withdrawn = False  # invalidated for good (the daemon is closing)
 
     @property
     def fd(self) -> int:
@@ -49,12 +50,14 @@ class KeySet:
     def add(self, key: str, present: Callable[[], List[str]]) -> None:
         """Publish ``key``; ``present()`` lists every present key in case the table must
         be rebuilt (tombstones piled up) -- called rarely, never per key."""
-        if self.overflowed or _keyset.add(self._table, key) >= 0:
+        if self.withdrawn or self.overflowed or _keyset.add(self._table, key) >= 0:
             return
         self.rebuild(present())
 
     def discard(self, key: str, present_count: int, present: Callable[[], List[str]]) -> None:
         """Withdraw ``key``; an overflowed table comes back once the keys fit again."""
+        if self.withdrawn:
+            return
         if not self.overflowed:
             _keyset.discard(self._table, key)
         elif present_count <= self.nslots // 2:
@@ -62,6 +65,8 @@ class KeySet:
 
     def rebuild(self, keys: Sequence[str]) -> None:
         """Hold exactly ``keys``; past the table's load readers are told to ask the daemon."""
+        if self.withdrawn:
+            return
         _keyset.rebuild(self._table, keys)
         self.overflowed = _keyset.stats(self._table)[3] != 1
 
@@ -70,9 +75,9 @@ class KeySet:
         return {"slots": nslots, "keys": live, "tombstones": used - live, "published": bool(valid)}
 
     def invalidate(self) -> None:
-        """Tell readers to stop trusting the table (they ask the daemon instead)."""
+        """Tell readers to stop trusting the table for good (they ask the daemon instead)."""
         _keyset.invalidate(self._table)
-        self.overflowed = True
+        self.withdrawn = True
 
     def close(self) -> None:
         """Invalidate, then free the table."""

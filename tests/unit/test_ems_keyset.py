@@ -98,6 +98,11 @@ def test_invalidated_and_foreign_tables():
     ks = KeySet("test-inv", 10)
     view = KeySetView(ks.fd, ks.size)
     ks.add(key_of(1), lambda: [])
+    ks.invalidate()
+    ks.discard(key_of(1), 0, lambda: [])  # nothing brings a withdrawn table back
+    ks.add(key_of(2), lambda: [key_of(2)])
+    ks.rebuild([key_of(2)])
+    assert view.count([key_of(2)]) is None
     ks.close()
     assert view.count([key_of(1)]) is None  # a closing daemon: ask it instead
     view.close()
