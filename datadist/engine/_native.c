@@ -126,12 +126,6 @@ static int next_chunk(chunks_t *w, uint64_t *lo, uint64_t *hi) {
     return 1;
 }
 
-typedef struct {
-    const plan_t *p;
-    chunks_t *work;
-    int stream; /* streaming stores (copies well beyond the cache) */
-} copy_part;
-
 #if defined(__SSE2__)
 /* Copy and sum `n` bytes (a multiple of 64) to a 16-byte aligned `d` with streaming
  * stores: they skip the read-for-ownership of the destination and leave the caches alone,
@@ -175,60 +169,6 @@ static void copy_run(uint8_t *d, const uint8_t *s, uint64_t n, int stream) {
     memmove(d, s, n);
 }
 
-/* Copy bytes [lo, hi) of the plan's concatenated stream. */
-static void copy_range(const plan_t *p, uint64_t lo, uint64_t hi, int stream) {
-    uint64_t per_t = 0;
-    for (size_t u = 0; u < p->nu; u++) per_t += p->len[u];
-    if (per_t == 0) return;
-    for (size_t t = lo / per_t; t < p->nt; t++) {
-        uint64_t pos = t * per_t;
-        if (pos >= hi) return;
-        for (size_t u = 0; u < p->nu && pos < hi; u++) {
-            uint64_t a = pos, b = pos + p->len[u];
-            pos = b;
-            if (b <= lo) continue;
-            uint64_t s = a < lo ? lo - a : 0;
-            uint64_t e = (b > hi ? hi : b) - a;
-            copy_run((uint8_t *)(uintptr_t)(p->b_base[t] + p->b_off[u] + s),
-                     (const uint8_t *)(uintptr_t)(p->a_base[t] + p->a_off[u] + s), e - s, stream);
-        }
-    }
-}
-
-static void *copy_thread(void *arg) {
-    const copy_part *cp = arg;
-    uint64_t lo, hi;
-    while (next_chunk(cp->work, &lo, &hi)) copy_range(cp->p, lo, hi, cp->stream);
-#if defined(__SSE2__)
-    if (cp->stream) _mm_sfence(); /* streaming stores are weakly ordered: drain them first */
-#endif
-    return NULL;
-}
-
-/* Copy every run (a = source, b = destination); destinations must not overlap.  The plan
- * is split by bytes (4 KiB aligned chunks), not by runs, so one huge run is shared too. */
-static int64_t dd_copy_plan(size_t nt, const uint64_t *sbase, const uint64_t *dbase, size_t nu,
-                     const uint64_t *soff, const uint64_t *doff, const uint64_t *len,
-                     int max_threads) {
-    plan_t p = {sbase, dbase, soff, doff, len, nt, nu};
-    uint64_t per_t = 0;
-    for (size_t u = 0; u < nu; u++) per_t += len[u];
-    uint64_t total = per_t * nt;
-    int parts = max_threads < 1 ? 1 : (max_threads > DD_MAX_THREADS ? DD_MAX_THREADS : max_threads);
-    if (total < DD_PARALLEL_MIN_BYTES) parts = 1;
-    int stream = total >= DD_STREAM_MIN_BYTES;
-    chunks_t work = chunks_for(total, parts);
-    copy_part cp = {&p, &work, stream};
-    pthread_t th[DD_MAX_THREADS];
-    int started[DD_MAX_THREADS] = {0};
-    for (int k = 1; k < parts; k++)
-        started[k] = pthread_create(&th[k], NULL, copy_thread, &cp) == 0;
-    copy_thread(&cp); /* this thread works too, and takes every chunk if none could start */
-    for (int k = 1; k < parts; k++)
-        if (started[k]) pthread_join(th[k], NULL);
-    return (int64_t)total;
-}
-
 /* ---------------------------------------------------------------- copies with block sums */
 
 /* The same copy, also adding every copied byte into the running sum of its 4 KiB block of
@@ -237,15 +177,6 @@ static int64_t dd_copy_plan(size_t nt, const uint64_t *sbase, const uint64_t *db
  * it.  A checksum built on those sums then costs no pass of its own over the value: the
  * bytes are summed while they are in registers anyway.  `vbase` is the value's address on
  * the side named by `value_is_src`; every run's bytes on that side lie inside the value. */
-
-typedef struct {
-    const plan_t *p;
-    chunks_t *work;
-    int value_is_src;
-    uint64_t vbase;
-    uint64_t *sums; /* this thread's own block sums (merged by the caller) */
-    int stream;     /* streaming stores (copies well beyond the cache) */
-} sum_part;
 
 static void copy_sum_bytes(uint8_t *d, const uint8_t *s, uint64_t n, uint64_t o, uint64_t *sums) {
     for (uint64_t i = 0; i < n; i++, o++) {
@@ -294,8 +225,23 @@ static void copy_sum(uint8_t *d, const uint8_t *s, uint64_t n, uint64_t o, uint6
     copy_sum_bytes(d, s, n, o, sums);
 }
 
-static void copy_sum_range(const sum_part *sp, uint64_t lo, uint64_t hi) {
-    const plan_t *p = sp->p;
+/* ---------------------------------------------------------------- running a local copy */
+
+/* One thread's share of a local copy: the plan, the shared chunk counter and, for a copy
+ * with block sums, the value and this thread's own sums (merged by the caller). */
+typedef struct {
+    const plan_t *p;
+    chunks_t *work;
+    int stream;       /* streaming stores (copies well beyond the cache) */
+    int summed;       /* a copy with block sums: the fields below apply */
+    int value_is_src;
+    uint64_t vbase;
+    uint64_t *sums;
+} part_t;
+
+/* Copy bytes [lo, hi) of the plan's concatenated stream. */
+static void copy_range(const part_t *w, uint64_t lo, uint64_t hi) {
+    const plan_t *p = w->p;
     uint64_t per_t = 0;
     for (size_t u = 0; u < p->nu; u++) per_t += p->len[u];
     if (per_t == 0) return;
@@ -309,59 +255,95 @@ static void copy_sum_range(const sum_part *sp, uint64_t lo, uint64_t hi) {
             uint64_t s = a < lo ? lo - a : 0;
             uint64_t e = (b > hi ? hi : b) - a;
             uint64_t src = p->a_base[t] + p->a_off[u] + s, dst = p->b_base[t] + p->b_off[u] + s;
-            copy_sum((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, e - s,
-                     (sp->value_is_src ? src : dst) - sp->vbase, sp->sums, sp->stream);
+            if (w->summed)
+                copy_sum((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, e - s,
+                         (w->value_is_src ? src : dst) - w->vbase, w->sums, w->stream);
+            else
+                copy_run((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, e - s, w->stream);
         }
     }
 }
 
-static void *copy_sum_thread(void *arg) {
-    const sum_part *sp = arg;
+static void *copy_thread(void *arg) {
+    const part_t *w = arg;
     uint64_t lo, hi;
-    while (next_chunk(sp->work, &lo, &hi)) copy_sum_range(sp, lo, hi);
+    while (next_chunk(w->work, &lo, &hi)) copy_range(w, lo, hi);
 #if defined(__SSE2__)
-    if (sp->stream) _mm_sfence(); /* streaming stores are weakly ordered: drain them first */
+    if (w->stream) _mm_sfence(); /* streaming stores are weakly ordered: drain them first */
 #endif
     return NULL;
 }
 
-/* Returns bytes copied, or -ERANGE (nothing copied) if a run leaves the value's
- * nsums blocks, -ENOMEM if a helper thread's sums cannot be allocated. */
+static uint64_t plan_bytes(const plan_t *p) {
+    uint64_t per_t = 0;
+    for (size_t u = 0; u < p->nu; u++) per_t += p->len[u];
+    return per_t * p->nt;
+}
+
+/* Threads for a copy of `total` bytes: one core rarely saturates memory bandwidth alone,
+ * but small copies are not worth a thread. */
+static int parts_for(int max_threads, uint64_t total) {
+    if (total < DD_PARALLEL_MIN_BYTES || max_threads < 1) return 1;
+    return max_threads > DD_MAX_THREADS ? DD_MAX_THREADS : max_threads;
+}
+
+/* Run parts[0] on this thread and the others on threads of their own; all take chunks
+ * until none are left, so this thread does them all if no thread could start. */
+static void run_parts(part_t *parts, int n) {
+    pthread_t th[DD_MAX_THREADS];
+    int started[DD_MAX_THREADS] = {0};
+    for (int k = 1; k < n; k++)
+        started[k] = pthread_create(&th[k], NULL, copy_thread, &parts[k]) == 0;
+    copy_thread(&parts[0]);
+    for (int k = 1; k < n; k++)
+        if (started[k]) pthread_join(th[k], NULL);
+}
+
+/* Copy every run (a = source, b = destination); destinations must not overlap.  The plan
+ * is split by bytes (4 KiB aligned chunks), not by runs, so one huge run is shared too. */
+static int64_t dd_copy_plan(size_t nt, const uint64_t *sbase, const uint64_t *dbase, size_t nu,
+                     const uint64_t *soff, const uint64_t *doff, const uint64_t *len,
+                     int max_threads) {
+    plan_t p = {sbase, dbase, soff, doff, len, nt, nu};
+    uint64_t total = plan_bytes(&p);
+    int n = parts_for(max_threads, total);
+    chunks_t work = chunks_for(total, n);
+    part_t parts[DD_MAX_THREADS];
+    for (int k = 0; k < n; k++) parts[k] = (part_t){&p, &work, total >= DD_STREAM_MIN_BYTES, 0, 0, 0, NULL};
+    run_parts(parts, n);
+    return (int64_t)total;
+}
+
+/* The copy with block sums.  Returns bytes copied, or -ERANGE (nothing copied) if a run
+ * leaves the value's nsums blocks, -ENOMEM if a helper thread's sums cannot be allocated. */
 static int64_t dd_copy_plan_sum(size_t nt, const uint64_t *sbase, const uint64_t *dbase, size_t nu,
                                 const uint64_t *soff, const uint64_t *doff, const uint64_t *len,
                                 int max_threads, int value_is_src, uint64_t vbase,
                                 uint64_t *sums, size_t nsums) {
     plan_t p = {sbase, dbase, soff, doff, len, nt, nu};
     const uint64_t *vb = value_is_src ? sbase : dbase, *vo = value_is_src ? soff : doff;
-    uint64_t limit = (uint64_t)nsums << 12, per_t = 0;
-    for (size_t u = 0; u < nu; u++) per_t += len[u];
+    uint64_t limit = (uint64_t)nsums << 12;
     for (size_t t = 0; t < nt; t++)
         for (size_t u = 0; u < nu; u++) {
             if (!len[u]) continue;
             uint64_t o = vb[t] + vo[u] - vbase;
             if (vb[t] + vo[u] < vbase || o > limit || len[u] > limit - o) return -ERANGE;
         }
-    uint64_t total = per_t * nt;
-    int parts = max_threads < 1 ? 1 : (max_threads > DD_MAX_THREADS ? DD_MAX_THREADS : max_threads);
-    if (total < DD_PARALLEL_MIN_BYTES) parts = 1;
-    chunks_t work = chunks_for(total, parts);
-    sum_part sp[DD_MAX_THREADS];
-    pthread_t th[DD_MAX_THREADS];
-    int started[DD_MAX_THREADS] = {0};
-    for (int k = 0; k < parts; k++) {
-        sp[k] = (sum_part){&p, &work, value_is_src, vbase, sums, total >= DD_STREAM_MIN_BYTES};
-        if (k && !(sp[k].sums = calloc(nsums, sizeof(uint64_t)))) {
-            for (int j = 1; j < k; j++) free(sp[j].sums);
+    uint64_t total = plan_bytes(&p);
+    int n = parts_for(max_threads, total);
+    chunks_t work = chunks_for(total, n);
+    part_t parts[DD_MAX_THREADS];
+    for (int k = 0; k < n; k++) {
+        parts[k] = (part_t){&p, &work, total >= DD_STREAM_MIN_BYTES, 1, value_is_src, vbase, sums};
+        if (k && !(parts[k].sums = calloc(nsums, sizeof(uint64_t)))) {
+            for (int j = 1; j < k; j++) free(parts[j].sums);
             return -ENOMEM;
         }
     }
-    for (int k = 1; k < parts; k++)
-        started[k] = pthread_create(&th[k], NULL, copy_sum_thread, &sp[k]) == 0;
-    copy_sum_thread(&sp[0]); /* this thread works too, and takes every chunk if none could start */
-    for (int k = 1; k < parts; k++) {
-        if (started[k]) pthread_join(th[k], NULL);
-        for (size_t i = 0; i < nsums; i++) sums[i] += sp[k].sums[i];
-        free(sp[k].sums);
+    run_parts(parts, n);
+    for (int k = 1; k < n; k++) {
+        for (size_t i = 0; i < nsums; i++) sums[i] += parts[k].sums[i];
+        free(parts[k].sums);
     }
     return (int64_t)total;
 }
