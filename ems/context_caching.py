@@ -218,7 +218,7 @@ class ContextCaching:
                     continue
                 vp = req.values[i]
                 if conn.arena is not None:
-                    crcs.append(_save_value(copier, vp, conn.arena, off))
+                    crcs.append(_move_value(copier, vp, conn.arena, off, save=True))
                 else:
                     conn.send(wire.Write(off, vp.size), deadline)
                     for plan in vp.plans:
@@ -249,7 +249,7 @@ class ContextCaching:
                         break  # stored under another layout: a miss, never a partial fill
                     if conn.arena is not None:
                         if self._verify:
-                            if _load_value(copier, vp, conn.arena, off) != crc:
+                            if _move_value(copier, vp, conn.arena, off, save=False) != crc:
                                 bad = (req.keys[i], off)
                                 break
                         else:
@@ -277,21 +277,13 @@ class ContextCaching:
             executor.shutdown(wait=True)
 
 
-def _save_value(copier: Any, vp: ValuePlan, arena: MappedArena, off: int) -> int:
-    """Copy one value into the arena at ``off``; its checksum."""
+def _move_value(copier: Any, vp: ValuePlan, arena: MappedArena, off: int, *, save: bool) -> int:
+    """Copy one value into (``save``) or out of the arena at ``off``; the checksum of the
+    bytes moved (summed during the copy when the cache is in host memory)."""
     if isinstance(copier, HostCopier):
-        sums = copier.save_summed(vp, arena.base + off)
+        sums = (copier.save_summed if save else copier.load_summed)(vp, arena.base + off)
         return from_block_sums(sums, arena.array[off + vp.size - vp.size % BLOCK:off + vp.size], vp.size)
-    copier.save(vp, arena.base + off)
-    return checksum(arena.array[off:off + vp.size])
-
-
-def _load_value(copier: Any, vp: ValuePlan, arena: MappedArena, off: int) -> int:
-    """Copy one value out of the arena at ``off``; the checksum of what was read."""
-    if isinstance(copier, HostCopier):
-        sums = copier.load_summed(vp, arena.base + off)
-        return from_block_sums(sums, arena.array[off + vp.size - vp.size % BLOCK:off + vp.size], vp.size)
-    copier.load(vp, arena.base + off)
+    (copier.save if save else copier.load)(vp, arena.base + off)
     return checksum(arena.array[off:off + vp.size])
 
 
