@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import wait_until  # noqa: E402
 from ems_helpers import RedisServer, daemon_factory, free_port, init_cc, kvcache, need_redis  # noqa: E402,F401
 
 from ems import CcKvOption, Ems, KvBufferWrapper, PrimaryKey  # noqa: E402
@@ -46,14 +47,9 @@ def cluster_url(tmp_path):
         assert out.returncode == 0, out.stdout + out.stderr
         import redis
         from redis.cluster import RedisCluster
-        import time
-        deadline = time.monotonic() + 30
-        while True:  # slots are assigned; wait until every node agrees the cluster is up
-            states = [redis.Redis(port=s.port).cluster("info").get("cluster_state") for s in servers]
-            if all(st == "ok" for st in states):
-                break
-            assert time.monotonic() < deadline, f"cluster not ok: {states}"
-            time.sleep(0.1)
+        # slots are assigned; wait until every node agrees the cluster is up
+        wait_until(lambda: all(redis.Redis(port=s.port).cluster("info").get("cluster_state") == "ok"
+                               for s in servers), 30, "every cluster node reports cluster_state ok")
         RedisCluster(host="127.0.0.1", port=servers[0].port).ping()
         yield f"redis+cluster://127.0.0.1:{servers[0].port}", servers
     finally:
