@@ -35,7 +35,7 @@
 
 /* Copies at least this large use streaming stores (x86): their destination would not
  * stay in the cache anyway, and skipping its read-for-ownership saves a third of the
- * memory traffic (measured: ems save/load from 0.65-0.75x to 0.93-0.97x memcpy). */
+ * memory traffic (figures before and after: docs/benchmarks.md). */
 #define DD_STREAM_MIN_BYTES (4u << 20)
 
 static int64_t now_ms(void) {
