@@ -15,6 +15,7 @@ from ._objects import BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAn
 from ._status import LLMStatusCode, raise_error
 from ._tensors import tensor_at
 from ._types import LLMRole, Placement
+from .engine import cuda
 from .engine.core import Engine
 from .engine.layout import Plan, block_offsets, layer_tensor_indices, plan_units
 from .engine.memory import PoolExhausted
@@ -31,12 +32,15 @@ _PULL_ROLES = (LLMRole.DECODER, LLMRole.MIX)
 
 
 class _Side:
-    """Geometry of one side of a transfer: tensor addresses and row stride."""
+    """Geometry of one side of a transfer: tensor addresses, row stride, and the memory
+    the tensors are in ("cpu" or "cuda:N")."""
 
-    __slots__ = ("addrs", "num_tensors", "tensor_size", "batch_size")
+    __slots__ = ("addrs", "num_tensors", "tensor_size", "batch_size", "device")
 
-    def __init__(self, addrs: np.ndarray, num_tensors: int, tensor_size: int, batch_size: int) -> None:
+    def __init__(self, addrs: np.ndarray, num_tensors: int, tensor_size: int, batch_size: int,
+                 device: str = "cpu") -> None:
         self.addrs, self.num_tensors, self.tensor_size, self.batch_size = addrs, num_tensors, tensor_size, batch_size
+        self.device = device
 
     @property
     def stride(self) -> int:
@@ -49,7 +53,7 @@ class _Side:
 
     @classmethod
     def of_remote(cls, r: RemoteCache) -> "_Side":
-        return cls(r.addrs, r.num_tensors, r.tensor_size, r.batch_size)
+        return cls(r.addrs, r.num_tensors, r.tensor_size, r.batch_size, r.device)
 
 
 # ------------------------------------------------------------------------- validation
@@ -139,14 +143,15 @@ def _blocks_plan(src: _Side, dst: _Side, src_blocks, dst_blocks, tnpl, src_range
                     f"src_blocks has {sb.shape[0]} entries, dst_blocks {db.shape[0]}; they must be equal")
     ts, td = _selection(src, dst, tnpl, src_range, dst_range, same_range)
     stride = _same_stride(src, dst, "block size")
-    return plan_units(src.addrs[ts], block_offsets(sb, stride), dst.addrs[td], block_offsets(db, stride), stride)
+    return plan_units(src.addrs[ts], block_offsets(sb, stride), dst.addrs[td], block_offsets(db, stride),
+                      stride).on(src.device, dst.device)
 
 
 def _row_plan(src: _Side, src_row: int, dst: _Side, dst_row: int, size: int, offset: int, tnpl,
               src_range, dst_range, same_range: bool = False) -> Plan:
     ts, td = _selection(src, dst, tnpl, src_range, dst_range, same_range)
     return plan_units(src.addrs[ts], [src_row * src.stride + offset], dst.addrs[td],
-                      [dst_row * dst.stride + offset], size)
+                      [dst_row * dst.stride + offset], size).on(src.device, dst.device)
 
 
 def _row_blocks_plan(src: _Side, src_row: int, dst: _Side, dst_blocks, tnpl, src_range, dst_range) -> Plan:
@@ -158,7 +163,8 @@ def _row_blocks_plan(src: _Side, src_row: int, dst: _Side, dst_blocks, tnpl, src
                     f"{db.shape[0]} blocks of {chunk} bytes exceed the source row of {src.stride} bytes")
     ts, td = _selection(src, dst, tnpl, src_range, dst_range)
     src_offs = block_offsets(np.arange(db.shape[0]), chunk, src_row * src.stride)
-    return plan_units(src.addrs[ts], src_offs, dst.addrs[td], block_offsets(db, chunk), chunk)
+    return plan_units(src.addrs[ts], src_offs, dst.addrs[td], block_offsets(db, chunk), chunk).on(src.device,
+                                                                                                     dst.device)
 
 
 def _row_size(size, src: _Side, dst: _Side, offset: int = 0) -> int:
@@ -174,15 +180,34 @@ def _row_size(size, src: _Side, dst: _Side, offset: int = 0) -> int:
     return size
 
 
-def _host_addrs(addrs, desc: CacheDesc):
-    """``as_tensor_addrs`` for memory this build can move: host memory only, so device
-    tensors are refused here rather than misread as host addresses later."""
+def _registered_memory(addrs, desc: CacheDesc, engine_device: str):
+    """``as_tensor_addrs`` plus where the memory is: ``(ints, tensors, device, ipc)``.
+
+    Tensors say where they live.  Int addresses are asked of the CUDA driver on a CUDA
+    engine (so host memory registered with the default ``Placement.DEVICE``, as code
+    written for CPU machines does, still works); elsewhere they are host memory.  CUDA
+    memory on an engine without CUDA, and NPU tensors, are refused rather than misread as
+    host memory."""
     ints, tensors = as_tensor_addrs(addrs, desc)
-    for i, t in enumerate(tensors):
-        if t.device.type != "cpu":
-            raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                        f"addrs[{i}] is a tensor on {t.device}; this build registers host memory only")
-    return ints, tensors
+    kinds = sorted({str(t.device) for t in tensors})
+    if len(kinds) > 1:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"addrs holds tensors on several devices: {kinds}")
+    device = kinds[0] if kinds else "cpu"
+    if not kinds and engine_device != "cpu":
+        on_gpu = [cuda.is_device_memory(a) for a in ints]
+        if any(on_gpu) and not all(on_gpu):
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                        f"addrs mixes CUDA device memory (addrs[{on_gpu.index(True)}]) and host memory "
+                        f"(addrs[{on_gpu.index(False)}])")
+        device = engine_device if all(on_gpu) else "cpu"
+    if device == "cpu":
+        return ints, tensors, device, ()
+    if not device.startswith("cuda") or engine_device == "cpu":
+        raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                    f"addrs are memory of {device}; this engine moves host memory"
+                    + (" and CUDA memory" if engine_device != "cpu" else
+                       " only: init it with device_type 'cuda' (or 'auto' where torch sees a GPU)"))
+    return ints, tensors, device, cuda.export_regions(ints, desc.size)
 
 
 class CacheManager:
@@ -197,11 +222,12 @@ class CacheManager:
 
     # -- allocation ----------------------------------------------------------------------
     def _new_cache(self, desc: CacheDesc, addrs: List[int], *, blocks: bool, release, keys=(),
-                   blocks_key=None, registered: bool, handle=None) -> Cache:
+                   blocks_key=None, registered: bool, handle=None, device: str = "cpu", ipc: tuple = ()) -> Cache:
         eng = self._engine
         rec = eng.registry.add(dict(num_tensors=desc.num_tensors, tensor_size=desc.size, batch_size=desc.batch_size,
                                     is_blocks=blocks, dtype=desc.data_type.name,
-                                    addrs=np.asarray(addrs, dtype=np.uint64), release=release),
+                                    addrs=np.asarray(addrs, dtype=np.uint64), release=release, device=device,
+                                    ipc=ipc),
                                keys=keys, blocks_key=blocks_key)
         return Cache(cache_id=rec.cache_id, cache_desc=desc, tensor_addrs=addrs, is_blocks_cache=blocks,
                      is_registered=registered, handle=handle)
@@ -222,9 +248,12 @@ class CacheManager:
             code = LLMStatusCode.LLM_OUT_OF_MEMORY if host else LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
             raise_error(code, f"cannot allocate {desc.num_tensors} x {desc.size} bytes: {exc}")
         addrs = [base + i * desc.size for i in range(desc.num_tensors)]
+        arena = eng.device_arena if not host else None
         try:
             return self._new_cache(desc, addrs, blocks=blocks, release=lambda: pool.free(base), keys=keys,
-                                   blocks_key=blocks_key, registered=False)
+                                   blocks_key=blocks_key, registered=False,
+                                   device=arena.device if arena is not None else "cpu",
+                                   ipc=arena.regions if arena is not None else ())
         except BaseException:
             pool.free(base)
             raise
@@ -243,17 +272,17 @@ class CacheManager:
                        remote_accessible: Optional[bool] = None) -> Cache:
         """Register caller-owned memory (int addresses or tensors) as a cache."""
         keys = self._check_keys(cache_keys, cache_desc)
-        ints, tensors = _host_addrs(addrs, cache_desc)
+        ints, tensors, device, ipc = _registered_memory(addrs, cache_desc, self._engine.device)
         return self._new_cache(cache_desc, ints, blocks=False, release=None, keys=keys, registered=True,
-                               handle=tensors or None)
+                               handle=tensors or None, device=device, ipc=ipc)
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs, blocks_cache_key: Optional[BlocksCacheKey] = None,
                               remote_accessible: Optional[bool] = None) -> Cache:
         """Register caller-owned memory as a blocks cache."""
         self._check_blocks_key(blocks_cache_key)
-        ints, tensors = _host_addrs(addrs, cache_desc)
+        ints, tensors, device, ipc = _registered_memory(addrs, cache_desc, self._engine.device)
         return self._new_cache(cache_desc, ints, blocks=True, release=None, blocks_key=blocks_cache_key,
-                               registered=True, handle=tensors or None)
+                               registered=True, handle=tensors or None, device=device, ipc=ipc)
 
     @staticmethod
     def _check_keys(keys, desc: CacheDesc) -> list:
@@ -300,10 +329,11 @@ class CacheManager:
         self._engine.registry.remove_key(cache_key)
 
     def get_cache_tensors(self, cache: Cache) -> list:
-        """Torch tensors viewing the cache memory, one per tensor."""
-        self._local(cache)
+        """Torch tensors viewing the cache memory, one per tensor, on the device the
+        memory is on (``cuda:N`` for device caches of a CUDA engine, else CPU)."""
+        side = self._local(cache)
         d = cache.cache_desc
-        return [tensor_at(a, d.shape, d.data_type) for a in cache.tensor_addrs]
+        return [tensor_at(a, d.shape, d.data_type, side.device) for a in cache.tensor_addrs]
 
     # -- local side of transfers --------------------------------------------------------
     def _local(self, cache: Cache) -> _Side:
@@ -315,7 +345,7 @@ class CacheManager:
         if rec is None:
             raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                         f"cache {cache.cache_id} is not (or no longer) known to this engine")
-        return _Side(rec.addrs, rec.num_tensors, rec.tensor_size, rec.batch_size)
+        return _Side(rec.addrs, rec.num_tensors, rec.tensor_size, rec.batch_size, rec.device)
 
     def _role(self, allowed, call: str) -> None:
         role = self._owner.role
@@ -505,7 +535,8 @@ class CacheManager:
             raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                         f"source has {s.num_tensors} tensors, destination {d.num_tensors}")
         n = _row_size(size, s, d, off)
-        LocalTransport.copy(plan_units(s.addrs, [si * s.stride + off], d.addrs, [di * d.stride + off], n))
+        LocalTransport.copy(plan_units(s.addrs, [si * s.stride + off], d.addrs, [di * d.stride + off],
+                                       n).on(s.device, d.device))
 
     def copy_blocks(self, cache: Cache, copy_block_info: Dict[int, List[int]]) -> None:
         """Copy block ``src`` to every block in ``copy_block_info[src]``, in every tensor."""

@@ -21,7 +21,8 @@ def _torch_dtype(dtype):
 
 
 def tensor_at(addr: int, shape: Sequence[int], dtype, device: str = "cpu"):
-    """A tensor of ``shape``/``dtype`` viewing the memory at ``addr`` (no copy).
+    """A tensor of ``shape``/``dtype`` viewing the memory at ``addr`` (no copy), host
+    memory for ``device="cpu"``, CUDA device memory for ``"cuda"`` / ``"cuda:N"``.
 
     The memory must outlive the tensor: the caller owns that (as with ``llm_datadist``).
     """
@@ -32,13 +33,22 @@ def tensor_at(addr: int, shape: Sequence[int], dtype, device: str = "cpu"):
     for d in shape:
         numel *= int(d)
     nbytes = numel * torch.empty((), dtype=tdtype).element_size()
-    if str(device).split(":")[0] != "cpu":
+    kind = str(device).split(":")[0]
+    if kind not in ("cpu", "cuda"):
         raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                    f"create_tensors on device {device!r} needs that device's runtime; this build maps CPU memory only")
+                    f"create_tensors on device {device!r}: this build maps CPU and CUDA memory only")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                    f"create_tensors on device {device!r}, but torch sees no CUDA device here")
     if nbytes == 0:
-        return torch.empty(tuple(shape), dtype=tdtype)
-    raw = (ctypes.c_uint8 * nbytes).from_address(int(addr))
-    return torch.frombuffer(raw, dtype=torch.uint8).view(tdtype).view(tuple(int(d) for d in shape))
+        return torch.empty(tuple(shape), dtype=tdtype, device=device)
+    if kind == "cuda":
+        from .engine.cuda import cuda_tensor
+
+        raw_t = cuda_tensor(int(addr), nbytes, str(device))
+    else:
+        raw_t = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(int(addr)), dtype=torch.uint8)
+    return raw_t.view(tdtype).view(tuple(int(d) for d in shape))
 
 
 def create_tensors(shape: Sequence[int], dtype: Union["DataType", "object"], addrs: Sequence[int],

@@ -348,6 +348,30 @@ static int64_t dd_copy_plan_sum(size_t nt, const uint64_t *sbase, const uint64_t
     return (int64_t)total;
 }
 
+/* ---------------------------------------------------------------- foreign copy functions */
+
+/* A copy function of the shape of CUDA's cuMemcpyAsync(dst, src, bytes, stream): returns
+ * 0 on success, an error code otherwise.  Taken by address, so this file needs no header
+ * or library of the runtime that provides it. */
+typedef int (*run_fn)(uint64_t dst, uint64_t src, size_t n, void *stream);
+
+/* Call fn once per non-empty run, in plan order; stops at the first failure.  Returns the
+ * bytes of the runs issued and stores fn's status (0, or the failing call's code). */
+static uint64_t dd_call_plan(run_fn fn, void *stream, size_t nt, const uint64_t *sbase, const uint64_t *dbase,
+                             size_t nu, const uint64_t *soff, const uint64_t *doff, const uint64_t *len,
+                             int *status) {
+    uint64_t done = 0;
+    *status = 0;
+    for (size_t t = 0; t < nt; t++)
+        for (size_t u = 0; u < nu; u++) {
+            if (!len[u]) continue;
+            int rc = fn(dbase[t] + doff[u], sbase[t] + soff[u], (size_t)len[u], stream);
+            if (rc) { *status = rc; return done; }
+            done += len[u];
+        }
+    return done;
+}
+
 /* ---------------------------------------------------------------- cross-memory attach */
 
 /* One-sided copy between this process (a side) and process `pid` (b side): write=1 moves
@@ -529,6 +553,28 @@ static PyObject *py_copy_plan(PyObject *self, PyObject *const *args, Py_ssize_t 
     return result_or_oserror(r);
 }
 
+static PyObject *py_call_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "call_plan(fn, stream, sbase, dbase, soff, doff, len)");
+        return NULL;
+    }
+    unsigned long long fn = PyLong_AsUnsignedLongLong(args[0]);
+    unsigned long long stream = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (!fn) { PyErr_SetString(PyExc_ValueError, "call_plan: fn is NULL"); return NULL; }
+    plan_args a;
+    if (get_plan(args + 2, 5, &a) < 0) return NULL;
+    uint64_t done;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    done = dd_call_plan((run_fn)(uintptr_t)fn, (void *)(uintptr_t)stream, a.nt, U64P(a, 0), U64P(a, 1), a.nu,
+                        U64P(a, 2), U64P(a, 3), U64P(a, 4), &status);
+    Py_END_ALLOW_THREADS
+    release_plan(&a);
+    return Py_BuildValue("(Ki)", (unsigned long long)done, status);
+}
+
 static PyObject *py_copy_plan_sum(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 9) {
@@ -657,6 +703,9 @@ static PyMethodDef methods[] = {
     {"copy_plan_sum", (PyCFunction)(void (*)(void))py_copy_plan_sum, METH_FASTCALL,
      "copy_plan_sum(sbase, dbase, soff, doff, len, threads, sums, value_base, value_is_src) -> bytes copied; "
      "adds the copied bytes into the value's 4 KiB block sums (OSError ERANGE if a run leaves the value)"},
+    {"call_plan", (PyCFunction)(void (*)(void))py_call_plan, METH_FASTCALL,
+     "call_plan(fn, stream, sbase, dbase, soff, doff, len) -> (bytes issued, status): calls "
+     "int fn(dst, src, bytes, stream) per run until one returns non-zero"},
     {"cma_plan", (PyCFunction)(void (*)(void))py_cma_plan, METH_FASTCALL,
      "cma_plan(pid, write, lbase, rbase, loff, roff, len) -> bytes moved (OSError on failure)"},
     {"sock_plan", (PyCFunction)(void (*)(void))py_sock_plan, METH_FASTCALL,

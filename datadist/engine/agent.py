@@ -9,6 +9,7 @@ broken and its sockets are shut down, which also wakes any call blocked on them.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import selectors
@@ -24,6 +25,7 @@ from . import native, wire
 from .layout import Plan, tensor_span
 from ..transports.base import ANY_CACHE, STALE
 from ..transports.collective import VIA_COLLECTIVE, CollectiveTransport
+from ..transports.local import host_side
 from .link import Link
 from .registry import CacheRecord, Registry
 
@@ -220,11 +222,12 @@ class Agent:
     def _serve(self, link: Link) -> None:
         sock = link.serve_sock
         try:
-            msg = wire.read_message(sock)
-            reply = self._handle(link, msg, sock)
-            if reply is not None:  # a pull's payload follows its reply in the same writev
-                native.sock_send(sock.fileno(), self._pending_plan or _NO_PAYLOAD, self.engine.timeout_ms,
-                                 wire.encode(reply))
+            with contextlib.ExitStack() as self._request_scope:  # staging buffers of this request
+                msg = wire.read_message(sock)
+                reply = self._handle(link, msg, sock)
+                if reply is not None:  # a pull's payload follows its reply in the same writev
+                    native.sock_send(sock.fileno(), self._pending_plan or _NO_PAYLOAD, self.engine.timeout_ms,
+                                     wire.encode(reply))
             if isinstance(msg, wire.Unlink):
                 self._unregister(link)
                 self.engine.drop_link(link, notify=False)
@@ -233,8 +236,10 @@ class Agent:
             link.retire("peer closed the connection" if isinstance(exc, ConnectionError) else str(exc))
         finally:
             self._pending_plan = None
+            self._request_scope = None
 
     _pending_plan: Optional[Plan] = None
+    _request_scope: Optional[contextlib.ExitStack] = None
 
     def _handle(self, link: Link, msg: wire.Message, sock: socket.socket) -> Optional[wire.Message]:
         reg: Registry = self.engine.registry
@@ -248,7 +253,7 @@ class Agent:
             return wire.Resolved(cache_id=rec.cache_id, row=row, num_tensors=rec.num_tensors,
                                  tensor_size=rec.tensor_size, batch_size=rec.batch_size, is_blocks=rec.is_blocks,
                                  dtype=rec.dtype, epoch=reg.epoch, watched=reg.watched(rec.cache_id) is not None,
-                                 arrays=[rec.addrs])
+                                 device=rec.device, ipc=[r.to_wire() for r in rec.ipc], arrays=[rec.addrs])
         if isinstance(msg, wire.ReleaseKey):
             # Only keys of pool-allocated caches are consumed by a pull (as in CANN);
             # keys of registered memory stay until the owner removes them.
@@ -264,17 +269,21 @@ class Agent:
             rec = reg.get(msg.cache_id)
             status, why = self._check_request(reg, rec, msg)
             bases, offs, lens = msg.arrays
+            device = "cpu" if status else _device_of(reg, rec, bases, offs)
             if msg.via == VIA_COLLECTIVE:
-                return self._serve_collective(link, msg, sock, status, why)
+                return self._serve_collective(link, msg, sock, status, why, device)
             if isinstance(msg, wire.Pull):
                 if status:
                     return wire.Reply(status=status, message=why)
-                self._pending_plan = Plan(bases, bases, offs, offs, lens)
+                # Sent after this returns, from a host copy if the cache is device memory.
+                self._pending_plan = self._request_scope.enter_context(
+                    host_side(Plan(bases, bases, offs, offs, lens, device, device), local_is_src=True))
                 return wire.Reply()
             if status:
                 _drain(sock, msg.nbytes, self.engine.timeout_ms)
                 return wire.Reply(status=status, message=why)
-            native.sock_recv(sock.fileno(), Plan(bases, bases, offs, offs, lens), self.engine.timeout_ms)
+            with host_side(Plan(bases, bases, offs, offs, lens, device, device), local_is_src=False) as plan:
+                native.sock_recv(sock.fileno(), plan, self.engine.timeout_ms)
             self._arrived(link, rec, msg)
             return wire.Reply()
         if isinstance(msg, wire.Unlink):
@@ -287,7 +296,7 @@ class Agent:
         raise wire.WireError(f"unexpected request {type(msg).__name__}")
 
     def _serve_collective(self, link: Link, msg: wire.Push, sock: socket.socket, status: int,
-                          why: str) -> Optional[wire.Reply]:
+                          why: str, device: str) -> Optional[wire.Reply]:
         """A validated transfer whose bytes go through the link's process group: answer
         "ready" first, so the initiator never posts an operation that has no partner."""
         transport = link.transport
@@ -298,10 +307,10 @@ class Agent:
             return None
         bases, offs, lens = msg.arrays
         if isinstance(msg, wire.Pull):
-            transport.serve_pull(bases, offs, lens, msg.nbytes, self.engine.timeout_ms)
+            transport.serve_pull(bases, offs, lens, msg.nbytes, self.engine.timeout_ms, device)
             return None
         try:
-            transport.serve_push(bases, offs, lens, msg.nbytes, self.engine.timeout_ms)
+            transport.serve_push(bases, offs, lens, msg.nbytes, self.engine.timeout_ms, device)
         except RuntimeError as exc:  # torch.distributed: the initiator gave up or died
             return wire.Reply(status=int(LLMStatusCode.LLM_LINK_FAILED), message=f"collective receive failed: {exc}")
         self._arrived(link, self.engine.registry.get(msg.cache_id), msg)
@@ -375,6 +384,21 @@ def _inside_spans(recs: list[CacheRecord], bases: np.ndarray, offs: np.ndarray, 
     if (seg < 0).any():
         return False
     return bool((ends <= seg_end[seg]).all())
+
+
+def _device_of(reg: Registry, rec: Optional[CacheRecord], bases: np.ndarray, offs: np.ndarray) -> str:
+    """Where the (validated) runs of a request live: the cache's memory, or for raw
+    addresses (``ANY_CACHE``) that of the cache holding the first run (a plan never spans
+    host and device memory: they are different allocations)."""
+    if rec is not None:
+        return rec.device
+    if bases.shape[0] == 0 or offs.shape[0] == 0:
+        return "cpu"
+    first = np.uint64(int(bases[0]) + int(offs[0]))
+    for r in reg.all():
+        if ((r.addrs <= first) & (first < r.addrs + np.uint64(r.tensor_size))).any():
+            return r.device
+    return "cpu"
 
 
 def _drain(sock: socket.socket, nbytes: int, timeout_ms: int) -> None:

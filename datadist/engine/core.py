@@ -26,14 +26,14 @@ from .._status import LLMStatusCode, raise_error
 from ..transports.collective import COLLECTIVE_BACKENDS, CollectiveTransport, make_group
 from ..transports.shm import ShmTransport
 from ..transports.tcp import TcpTransport
-from . import native, wire
+from . import cuda, native, wire
 from .agent import Agent
 from .layout import Plan
 from .link import Link
 from .memory import Arena, PeerArena, PoolAllocator
 from .registry import EPOCH_PAGE_SIZE, Registry
 
-__all__ = ["Engine", "host_identity"]
+__all__ = ["Engine", "host_identity", "resolve_device"]
 
 log = logging.getLogger("datadist")
 
@@ -44,6 +44,21 @@ def _seconds(s: float):
     import datetime
 
     return datetime.timedelta(seconds=s)
+
+
+def resolve_device(device_type: str, device_id: int) -> str:
+    """Where ``Placement.DEVICE`` caches of an engine live: ``"cuda:<device_id>"`` or
+    ``"cpu"`` (host memory).  ``auto`` picks CUDA when torch sees a device; ``npu``
+    caches are host memory here (this build has no NPU copy path; ``hccl`` links still
+    work on them).  An explicit ``cuda`` without a usable device is an error."""
+    if device_type == "cuda" or (device_type == "auto" and cuda.driver_present()):
+        if cuda.available():
+            return f"cuda:{device_id}"
+        if device_type == "cuda":
+            raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                        "device_type = 'cuda', but torch sees no CUDA device here (CPU-only torch, no driver, "
+                        "or CUDA_VISIBLE_DEVICES empty); use device_type 'cpu' or 'auto'")
+    return "cpu"
 
 
 def host_identity() -> str:
@@ -70,14 +85,26 @@ class Engine:
         self._links_changed = threading.Condition(self._links_lock)
         self.pools: dict[str, PoolAllocator] = {}
         self.arenas: list[Arena] = []
+        self.pinned: list[Arena] = []
+        self.device_arena: Optional[cuda.DeviceArena] = None
         self.registry: Optional[Registry] = None
         self.agent: Optional[Agent] = None
+        #: Where Placement.DEVICE caches live: "cpu" (host memory) or "cuda:N".
+        self.device = resolve_device(options.device_type, options.device_id)
         try:
+            gpu = cuda.device(options.device_id) if self.device != "cpu" else None
             for name, cfg in (("host", options.host_mem_pool), ("device", options.mem_pool)):
-                if cfg is not None:
-                    arena = Arena(f"datadist-{cluster_id}-{name}", cfg.memory_size)
-                    self.arenas.append(arena)
-                    self.pools[name] = PoolAllocator(arena, cfg.page_shift)
+                if cfg is None:
+                    continue
+                if name == "device" and gpu is not None:
+                    self.device_arena = cuda.DeviceArena(gpu, cfg.memory_size)
+                    self.pools[name] = PoolAllocator(self.device_arena, cfg.page_shift)
+                    continue
+                arena = Arena(f"datadist-{cluster_id}-{name}", cfg.memory_size)
+                self.arenas.append(arena)
+                self.pools[name] = PoolAllocator(arena, cfg.page_shift)
+                if gpu is not None and cuda.pin(arena.base, arena.size):
+                    self.pinned.append(arena)  # host <-> device copies of its caches run at DMA speed
             self.registry = Registry(cluster_id, secrets.randbits(63))
             self.agent = Agent(self, options.listen_address)
         except BaseException:
@@ -95,6 +122,7 @@ class Engine:
         return dict(cluster_id=self.cluster_id, role=int(self.role), host=self.host, pid=self.pid,
                     ctrl={"fd": page.fd, "size": page.size, "base": page.base, "nonce": self.registry.nonce},
                     arenas=[{"fd": a.fd, "size": a.size, "base": a.base} for a in self.arenas],
+                    device_regions=[r.to_wire() for r in self.device_arena.regions] if self.device_arena else [],
                     backend=self.backend)
 
     def _make_transport(self, peer: wire.Hello, link: Link) -> None:
@@ -131,7 +159,9 @@ class Engine:
             link.transport = tcp
             return
         link.peer_epoch_addr = mapped[0].local_base
-        link.transport = ShmTransport(peer.pid, mapped, self._probe_cma(peer), fallback=tcp)
+        link.transport = ShmTransport(peer.pid, mapped, self._probe_cma(peer), fallback=tcp,
+                                      device_pool=[cuda.IpcRegion.from_wire(r) for r in peer.device_regions],
+                                      cuda_here=self.device != "cpu")
         log.info("link to cluster %d uses shm (cross-memory attach %s)", peer.cluster_id,
                  "on" if link.transport.cma_ok else "off")
 
@@ -379,7 +409,13 @@ class Engine:
         if self.registry is not None:
             self.registry.close()
             self.registry = None
+        for arena in self.pinned:
+            cuda.unpin(arena.base)
+        self.pinned = []
         for arena in self.arenas:
             arena.close()
         self.arenas = []
+        if self.device_arena is not None:
+            self.device_arena.close()
+            self.device_arena = None
         self.pools = {}

@@ -30,6 +30,10 @@ class Plan:
     The factored form keeps a 4096-block x 64-tensor plan at 4096 + 64 entries instead of
     262144 runs, so building, shipping and executing it stay cheap.  A flat list of runs is
     the case ``T == 1`` with zero bases.  Destinations never overlap.
+
+    ``src_dev`` / ``dst_dev`` say what memory each side addresses: ``"cpu"`` (host memory)
+    or a CUDA device (``"cuda:0"``).  Executors that can only reach host memory stage the
+    other kind (:mod:`datadist.transports.local`).
     """
 
     src_bases: np.ndarray
@@ -37,6 +41,8 @@ class Plan:
     src_offs: np.ndarray
     dst_offs: np.ndarray
     lens: np.ndarray
+    src_dev: str = "cpu"
+    dst_dev: str = "cpu"
 
     @property
     def nbytes(self) -> int:
@@ -48,16 +54,26 @@ class Plan:
         """Number of contiguous copies the plan executes."""
         return int(self.lens.shape[0]) * int(self.src_bases.shape[0])
 
+    @property
+    def on_host(self) -> bool:
+        """Both sides are host memory (the C copy loops can run the plan)."""
+        return self.src_dev == "cpu" and self.dst_dev == "cpu"
+
+    def on(self, src_dev: str, dst_dev: str) -> "Plan":
+        """The same runs, with the memory kinds of the two sides set."""
+        return Plan(self.src_bases, self.dst_bases, self.src_offs, self.dst_offs, self.lens, src_dev, dst_dev)
+
     def swapped(self) -> "Plan":
         """The same runs in the other direction (a pull is a reversed push)."""
-        return Plan(self.dst_bases, self.src_bases, self.dst_offs, self.src_offs, self.lens)
+        return Plan(self.dst_bases, self.src_bases, self.dst_offs, self.src_offs, self.lens, self.dst_dev,
+                    self.src_dev)
 
     def rebase(self, *, src_delta: int = 0, dst_delta: int = 0) -> "Plan":
         """Shift every source (destination) address by a constant, e.g. from a peer's
         address space to where this process maps the same memory."""
         sb = self.src_bases + _U64(src_delta % (1 << 64)) if src_delta else self.src_bases
         db = self.dst_bases + _U64(dst_delta % (1 << 64)) if dst_delta else self.dst_bases
-        return Plan(sb, db, self.src_offs, self.dst_offs, self.lens)
+        return Plan(sb, db, self.src_offs, self.dst_offs, self.lens, self.src_dev, self.dst_dev)
 
     def src_runs(self) -> tuple[np.ndarray, np.ndarray]:
         """Flat (address, length) arrays of the source side, in execution order."""

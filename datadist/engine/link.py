@@ -22,6 +22,7 @@ from typing import Callable, NoReturn, Optional
 from .._status import LLMException, LLMStatusCode, raise_error
 from ..transports.base import RemoteCache, StaleLookup, Transport
 from . import native, wire
+from .cuda import IpcRegion
 from .layout import Plan, tensor_span
 from .registry import Registry
 
@@ -145,7 +146,8 @@ class Link:
             raise_error(reply.status, reply.message)
         remote = RemoteCache(cache_id=reply.cache_id, row=reply.row, num_tensors=reply.num_tensors,
                              tensor_size=reply.tensor_size, batch_size=reply.batch_size, is_blocks=reply.is_blocks,
-                             dtype=reply.dtype, addrs=reply.arrays[0], epoch=reply.epoch, watched=reply.watched)
+                             dtype=reply.dtype, addrs=reply.arrays[0], epoch=reply.epoch, watched=reply.watched,
+                             device=reply.device, ipc=tuple(IpcRegion.from_wire(r) for r in reply.ipc))
         if kt[0] != "key":
             # CacheKey lookups are consumed by pulls; caching them buys little.
             self._lookups[kt] = remote

@@ -42,6 +42,8 @@ class CacheRecord:
     dtype: str
     addrs: np.ndarray         # uint64, one per tensor, in this process
     release: Optional[callable] = None   # frees pool memory; None for registered memory
+    device: str = "cpu"       # "cpu" (host memory) or "cuda:N"
+    ipc: tuple = ()           # CUDA IPC regions (cuda.IpcRegion) covering the tensors
     keys: set = field(default_factory=set)
 
     def __post_init__(self) -> None:

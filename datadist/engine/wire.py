@@ -33,7 +33,7 @@ __all__ = [
 U64 = int
 
 MAGIC = b"DDKV"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("<4sBBHII")
 _MAX_BODY = 16 << 20
 _JSON = json.JSONEncoder(separators=(",", ":"))
@@ -76,6 +76,7 @@ class Hello(Message):
     pid: int = 0
     ctrl: dict = field(default_factory=dict)       # {"fd", "size", "base"} of the epoch page
     arenas: list = field(default_factory=list)      # [{"fd", "size", "base"}]
+    device_regions: list = field(default_factory=list)  # CUDA IPC regions of the device pool
     backend: str = "auto"
     remote_cluster_id: U64 = 0                      # whom the client expects to reach
 
@@ -128,6 +129,8 @@ class Resolved(Message):
     dtype: str = ""
     epoch: U64 = 0
     watched: bool = False     # the owner keeps arrival notices for this cache
+    device: str = "cpu"       # where its tensors live: "cpu" or "cuda:N"
+    ipc: list = field(default_factory=list)   # CUDA IPC regions covering a device cache
 
 
 @dataclass

@@ -66,6 +66,8 @@ class RemoteCache:
     addrs: np.ndarray
     epoch: int
     watched: bool = False     # the owner wants arrival notices for this cache
+    device: str = "cpu"       # "cpu" or the owner's "cuda:N"
+    ipc: tuple = ()           # CUDA IPC regions a same-host peer may map (cuda.IpcRegion)
 
     @property
     def stride(self) -> int:

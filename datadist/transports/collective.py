@@ -16,7 +16,10 @@ process group:
 
 Waiting for "ready" first means a rejected request never leaves a send without a matching
 receive.  Gathering into one staging tensor per transfer keeps it to one collective
-operation whatever the block list.
+operation whatever the block list.  The staging tensor lives where the backend sends
+from: host memory for ``gloo`` (device caches are gathered into it with device copies),
+the engine's GPU for ``nccl`` (host or device caches gathered straight into it), host
+memory moved to the NPU for ``hccl``.
 """
 from __future__ import annotations
 
@@ -26,11 +29,12 @@ import time
 import numpy as np
 
 from .._status import LLMStatusCode, raise_error
-from ..engine import native, wire
+from ..engine import cuda, wire
 from ..engine.layout import Plan
 from .base import RemoteCache, Transport, check_reply
+from .local import LocalTransport, staging_buffer, staging_plan
 
-__all__ = ["CollectiveTransport", "COLLECTIVE_BACKENDS", "VIA_COLLECTIVE", "staging_plans", "make_group"]
+__all__ = ["CollectiveTransport", "COLLECTIVE_BACKENDS", "VIA_COLLECTIVE", "make_group"]
 
 log = logging.getLogger("datadist")
 
@@ -56,27 +60,6 @@ def make_group(backend: str, store, rank: int, timeout_s: float):
     return torch_npu._C._distributed_c10d.ProcessGroupHCCL(store, rank, 2, timeout)
 
 
-def staging_plans(half_bases: np.ndarray, half_offs: np.ndarray, lens: np.ndarray, staging: int,
-                  gather: bool) -> Plan:
-    """The plan between one side of a transfer and a contiguous staging buffer at
-    ``staging``: runs in transfer order, packed back to back."""
-    per_t = int(lens.sum())
-    packed_bases = np.uint64(staging) + np.arange(half_bases.shape[0], dtype=np.uint64) * np.uint64(per_t)
-    packed_offs = np.zeros(lens.shape[0], dtype=np.uint64)
-    if lens.shape[0] > 1:
-        np.cumsum(lens[:-1], out=packed_offs[1:])
-    if gather:
-        return Plan(half_bases, packed_bases, half_offs, packed_offs, lens)
-    return Plan(packed_bases, half_bases, packed_offs, half_offs, lens)
-
-
-def _staging(nbytes: int):
-    import torch
-
-    buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-    return buf, buf.data_ptr()
-
-
 class CollectiveTransport(Transport):
     """Moves plan bytes through ``group`` (see the module docstring)."""
 
@@ -84,51 +67,62 @@ class CollectiveTransport(Transport):
         self.name = backend
         self.group = group
         self.peer_rank = peer_rank
-        self.device = "cpu" if backend == "gloo" else ("cuda" if backend == "nccl" else "npu")
+        gpu = cuda.active()
+        #: Where staging tensors live, and where the backend wants them moved to (if anywhere).
+        self.staging_dev = gpu.name if backend == "nccl" and gpu is not None else "cpu"
+        self.wire_dev = {"gloo": None, "nccl": "cuda", "hccl": "npu"}[backend] if self.staging_dev == "cpu" else None
         self._store = store  # keeps the rendezvous alive as long as the group
 
     # -- initiator side ---------------------------------------------------------------
     def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
-        buf, addr = _staging(plan.nbytes)
-        native.copy_plan(staging_plans(plan.src_bases, plan.src_offs, plan.lens, addr, gather=True))
+        buf = self._gather(plan.src_bases, plan.src_offs, plan.lens, plan.src_dev, plan.nbytes)
         msg = wire.Push(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes, via=VIA_COLLECTIVE,
                         arrays=[plan.dst_bases, plan.dst_offs, plan.lens])
         check_reply(link, link.rpc(msg, deadline))
-        self._run(link, self.group.send([self._device_view(buf)], self.peer_rank, _TAG), deadline, "send")
+        self._run(link, self.group.send([self._wire_view(buf)], self.peer_rank, _TAG), deadline, "send")
         check_reply(link, link.read_reply(deadline))
         return True
 
     def pull(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
-        buf, addr = _staging(plan.nbytes)
+        buf, addr = staging_buffer(plan.nbytes, self.staging_dev)
         msg = wire.Pull(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes, via=VIA_COLLECTIVE,
                         arrays=[plan.src_bases, plan.src_offs, plan.lens])
         check_reply(link, link.rpc(msg, deadline))
-        dev = self._device_view(buf)
+        dev = self._wire_view(buf)
         self._run(link, self.group.recv([dev], self.peer_rank, _TAG), deadline, "recv")
-        if dev is not buf:
-            buf.copy_(dev)
-        native.copy_plan(staging_plans(plan.dst_bases, plan.dst_offs, plan.lens, addr, gather=False))
+        self._scatter(buf, dev, addr, plan.dst_bases, plan.dst_offs, plan.lens, plan.dst_dev)
 
     # -- server side (agent thread) -----------------------------------------------------
-    def serve_push(self, bases: np.ndarray, offs: np.ndarray, lens: np.ndarray, nbytes: int, timeout_ms: int) -> None:
-        """Receive a validated push into the cache runs ``(bases, offs, lens)``."""
-        buf, addr = _staging(nbytes)
-        dev = self._device_view(buf)
+    def serve_push(self, bases: np.ndarray, offs: np.ndarray, lens: np.ndarray, nbytes: int, timeout_ms: int,
+                   device: str = "cpu") -> None:
+        """Receive a validated push into the cache runs ``(bases, offs, lens)`` on ``device``."""
+        buf, addr = staging_buffer(nbytes, self.staging_dev)
+        dev = self._wire_view(buf)
         self.group.recv([dev], self.peer_rank, _TAG).wait(datetime.timedelta(milliseconds=timeout_ms))
-        if dev is not buf:
-            buf.copy_(dev)
-        native.copy_plan(staging_plans(bases, offs, lens, addr, gather=False))
+        self._scatter(buf, dev, addr, bases, offs, lens, device)
 
-    def serve_pull(self, bases: np.ndarray, offs: np.ndarray, lens: np.ndarray, nbytes: int, timeout_ms: int) -> None:
-        """Send the cache runs ``(bases, offs, lens)`` of a validated pull."""
-        buf, addr = _staging(nbytes)
-        native.copy_plan(staging_plans(bases, offs, lens, addr, gather=True))
-        self.group.send([self._device_view(buf)], self.peer_rank, _TAG).wait(
+    def serve_pull(self, bases: np.ndarray, offs: np.ndarray, lens: np.ndarray, nbytes: int, timeout_ms: int,
+                   device: str = "cpu") -> None:
+        """Send the cache runs ``(bases, offs, lens)`` on ``device`` of a validated pull."""
+        buf = self._gather(bases, offs, lens, device, nbytes)
+        self.group.send([self._wire_view(buf)], self.peer_rank, _TAG).wait(
             datetime.timedelta(milliseconds=timeout_ms))
 
     # -- helpers ------------------------------------------------------------------------
-    def _device_view(self, buf):
-        return buf if self.device == "cpu" else buf.to(self.device)
+    def _gather(self, bases, offs, lens, device: str, nbytes: int):
+        buf, addr = staging_buffer(nbytes, self.staging_dev)
+        LocalTransport.copy(staging_plan(bases, offs, lens, addr, gather=True, half_dev=device,
+                                         staging_dev=self.staging_dev))
+        return buf
+
+    def _scatter(self, buf, received, addr: int, bases, offs, lens, device: str) -> None:
+        if received is not buf:
+            buf.copy_(received)
+        LocalTransport.copy(staging_plan(bases, offs, lens, addr, gather=False, half_dev=device,
+                                         staging_dev=self.staging_dev))
+
+    def _wire_view(self, buf):
+        return buf if self.wire_dev is None else buf.to(self.wire_dev)
 
     @staticmethod
     def _run(link, work, deadline: float, what: str) -> None:

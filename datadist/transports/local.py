@@ -1,19 +1,91 @@
-"""Copies inside this process: between two local caches (copy/swap) or to a peer's arena
-that this process has mapped (the shared-memory path reuses it)."""
+"""Copies inside this process: between two local caches (copy/swap), to a peer's memory
+that this process has mapped (the shared-memory path reuses it), and through staging
+buffers for executors that only reach one kind of memory.
+
+Host-only plans run in the C copy loop; a plan with a CUDA side runs through the driver
+(:func:`datadist.engine.cuda.copy_plan`), which handles every host/device combination.
+Sockets and cross-memory attach reach host memory only, so a transfer whose local side is
+device memory is *staged*: gathered into one contiguous host buffer before it is sent, or
+received there and scattered afterwards (:func:`host_side`).
+"""
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import numpy as np
 
 from ..engine import native
 from ..engine.layout import Plan
 
-__all__ = ["LocalTransport"]
+__all__ = ["LocalTransport", "host_side", "staging_buffer", "staging_plan"]
 
 
 class LocalTransport:
-    """Executes a plan whose both sides are addressable here, with the C copy loop."""
+    """Executes a plan whose both sides are addressable here."""
 
     name = "local"
 
     @staticmethod
     def copy(plan: Plan) -> int:
         """Copy the plan; returns the bytes moved."""
-        return native.copy_plan(plan)
+        if plan.on_host:
+            return native.copy_plan(plan)
+        from ..engine import cuda
+
+        return cuda.copy_plan(plan)
+
+
+def staging_buffer(nbytes: int, device: str = "cpu"):
+    """A contiguous buffer of ``nbytes`` on ``device`` and its address: a torch tensor,
+    page-locked when it is host memory in a CUDA process (host <-> device copies then run
+    at DMA speed; torch caches such blocks, so repeated transfers do not pin again)."""
+    import torch
+
+    from ..engine import cuda
+
+    pinned = device == "cpu" and cuda.active() is not None
+    buf = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=device, pin_memory=pinned)
+    return buf, buf.data_ptr()
+
+
+def staging_plan(half_bases: np.ndarray, half_offs: np.ndarray, lens: np.ndarray, staging: int, *, gather: bool,
+                 half_dev: str = "cpu", staging_dev: str = "cpu") -> Plan:
+    """The plan between one side of a transfer (``half_*`` on ``half_dev``) and a
+    contiguous staging buffer at ``staging``: runs in transfer order, packed back to back
+    (the order a socket or a collective moves them in).  ``gather``: half -> staging."""
+    packed_bases, packed_offs = _packed(half_bases, lens, staging)
+    if gather:
+        return Plan(half_bases, packed_bases, half_offs, packed_offs, lens, half_dev, staging_dev)
+    return Plan(packed_bases, half_bases, packed_offs, half_offs, lens, staging_dev, half_dev)
+
+
+def _packed(half_bases: np.ndarray, lens: np.ndarray, staging: int) -> tuple[np.ndarray, np.ndarray]:
+    per_t = int(lens.sum())
+    bases = np.uint64(staging) + np.arange(half_bases.shape[0], dtype=np.uint64) * np.uint64(per_t)
+    offs = np.zeros(lens.shape[0], dtype=np.uint64)
+    if lens.shape[0] > 1:
+        np.cumsum(lens[:-1], out=offs[1:])
+    return bases, offs
+
+
+@contextlib.contextmanager
+def host_side(plan: Plan, local_is_src: bool) -> Iterator[Plan]:
+    """The plan with its local side in host memory, for executors that reach only host
+    memory (sockets, cross-memory attach).  A host-side plan is yielded unchanged.  A
+    device-side source is gathered into a host staging buffer first; a device-side
+    destination is received into one and scattered when the block ends without error."""
+    dev = plan.src_dev if local_is_src else plan.dst_dev
+    if dev == "cpu":
+        yield plan
+        return
+    buf, addr = staging_buffer(plan.nbytes)
+    if local_is_src:
+        LocalTransport.copy(staging_plan(plan.src_bases, plan.src_offs, plan.lens, addr, gather=True, half_dev=dev))
+        bases, offs = _packed(plan.src_bases, plan.lens, addr)
+        yield Plan(bases, plan.dst_bases, offs, plan.dst_offs, plan.lens, "cpu", plan.dst_dev)
+    else:
+        bases, offs = _packed(plan.dst_bases, plan.lens, addr)
+        yield Plan(plan.src_bases, bases, plan.src_offs, offs, plan.lens, plan.src_dev, "cpu")
+        LocalTransport.copy(staging_plan(plan.dst_bases, plan.dst_offs, plan.lens, addr, gather=False, half_dev=dev))
+    del buf  # the staging memory lives until here

@@ -1,12 +1,15 @@
 """Same-host links: one-sided copies straight into or out of the peer's memory.
 
 Pool caches live in the peer's memfd arenas, which this process mapped at link time, so a
-transfer is a local memcpy of the rebased plan.  Caches over user memory that the peer
-registered are reached by cross-memory attach (``process_vm_writev/readv``).  The peer's
-threads take no part in either.  When neither works for a cache (cross-memory attach not
-permitted), the link's socket transport moves it instead.  Raw peer addresses
-(``ANY_CACHE``) are copied here only when they lie in a mapped pool arena; otherwise they
-go over the socket, where the peer checks them against its caches: cross-memory attach
+transfer is a local memcpy of the rebased plan.  Device caches of a CUDA peer are reached
+the same way through CUDA IPC: the peer's device pool is opened at link time, other
+device allocations (registered tensors) when a lookup first names them, and the rebased
+plan runs as device copies.  Caches over user host memory that the peer registered are
+reached by cross-memory attach (``process_vm_writev/readv``).  The peer's threads take no
+part in any of these.  When none works for a cache (cross-memory attach not permitted, no
+CUDA here, IPC refused), the link's socket transport moves it instead.  Raw peer addresses
+(``ANY_CACHE``) are copied here only when they lie in a mapped pool; otherwise they go
+over the socket, where the peer checks them against its caches: cross-memory attach
 could write anywhere in the peer.
 """
 from __future__ import annotations
@@ -16,10 +19,11 @@ import logging
 from typing import Optional
 
 from .._status import LLMStatusCode, raise_error
-from ..engine import native
+from ..engine import cuda, native
 from ..engine.layout import Plan
 from ..engine.memory import PeerArena
 from .base import ANY_CACHE, RemoteCache, Transport
+from .local import LocalTransport, host_side
 
 __all__ = ["ShmTransport"]
 
@@ -29,30 +33,61 @@ log = logging.getLogger("datadist")
 class ShmTransport(Transport):
     name = "shm"
 
-    def __init__(self, pid: int, arenas: list[PeerArena], cma_ok: bool, fallback: Transport) -> None:
+    def __init__(self, pid: int, arenas: list[PeerArena], cma_ok: bool, fallback: Transport,
+                 device_pool: tuple = (), cuda_here: bool = False) -> None:
         self.pid = pid
         self.arenas = arenas
         self.cma_ok = cma_ok
         self.fallback = fallback
         self._told_fallback = False
+        self._cuda_here = cuda_here
+        #: Peer device allocations opened here, by (peer base, IPC handle); None: refused.
+        self._device: dict[tuple, Optional[cuda.PeerDeviceRegion]] = {}
+        for region in device_pool:
+            self._open(region)
 
-    def _delta(self, remote: RemoteCache) -> Optional[int]:
-        """Offset from the peer's address of ``remote`` to where it is mapped here."""
+    def _open(self, region: cuda.IpcRegion) -> Optional[cuda.PeerDeviceRegion]:
+        key = (region.base, region.handle)
+        if key not in self._device:
+            opened = None
+            if self._cuda_here:
+                try:
+                    opened = cuda.PeerDeviceRegion.open(region)
+                except cuda.CudaError as exc:
+                    log.info("CUDA IPC open of a peer allocation (pid %d) failed: %s; it goes over the socket",
+                             self.pid, exc)
+            self._device[key] = opened
+        return self._device[key]
+
+    def _delta(self, remote: RemoteCache) -> tuple[Optional[int], bool]:
+        """Offset from the peer's address of ``remote`` to where it is mapped here, and
+        whether that mapping is device memory; (None, False) if it is not mapped."""
         lo, span = remote.span
         for arena in self.arenas:
             local = arena.translate(lo, span)
             if local is not None:
-                return local - lo
-        return None
+                return local - lo, False
+        for region in remote.ipc:
+            self._open(region)
+        for region in self._device.values():
+            local = region.translate(lo, span) if region is not None else None
+            if local is not None:
+                return local - lo, True
+        return None, False
 
     def _run(self, link, plan: Plan, remote: RemoteCache, deadline: float, write: bool) -> bool:
         """Move the plan; True if it went through the peer's agent (socket fallback)."""
-        delta = self._delta(remote)
+        delta, on_device = self._delta(remote)
         if delta is not None:
-            native.copy_plan(plan.rebase(dst_delta=delta) if write else plan.rebase(src_delta=delta))
-        elif self.cma_ok and remote.cache_id != ANY_CACHE:
+            peer_dev = cuda.active().name if on_device else "cpu"
+            if write:
+                LocalTransport.copy(plan.rebase(dst_delta=delta).on(plan.src_dev, peer_dev))
+            else:
+                LocalTransport.copy(plan.rebase(src_delta=delta).on(peer_dev, plan.dst_dev))
+        elif self.cma_ok and remote.cache_id != ANY_CACHE and remote.device == "cpu":
             try:
-                native.cma_plan(self.pid, plan, write=write)
+                with host_side(plan, local_is_src=write) as host_plan:
+                    native.cma_plan(self.pid, host_plan, write=write)
             except OSError as exc:
                 if exc.errno == errno.ESRCH:
                     link.mark_broken(f"peer process {self.pid} is gone")
@@ -63,9 +98,10 @@ class ShmTransport(Transport):
         else:
             if not self._told_fallback:
                 self._told_fallback = True
-                log.info("link to cluster %d: memory outside the peer's pools (registered caches%s) goes over "
-                         "the socket", link.remote_cluster_id,
-                         "" if self.cma_ok else "; cross-memory attach is not permitted")
+                log.info("link to cluster %d: memory outside the peer's mapped pools (%s) goes over the socket",
+                         link.remote_cluster_id,
+                         "device memory that CUDA IPC could not open" if remote.device != "cpu" else
+                         "registered caches" + ("" if self.cma_ok else "; cross-memory attach is not permitted"))
             (self.fallback.push if write else self.fallback.pull)(link, plan, remote, deadline)
             return True
         link.check_alive()
@@ -81,3 +117,7 @@ class ShmTransport(Transport):
         for arena in self.arenas:
             arena.close()
         self.arenas = []
+        for region in self._device.values():
+            if region is not None:
+                region.close()
+        self._device = {}

@@ -3,7 +3,9 @@
 A push is one ``PUSH`` frame carrying the peer's half of the plan, the payload right
 behind it (``writev`` of the local runs), and one ``REPLY``; a pull is a ``PULL`` frame, a
 ``REPLY`` and the payload (``readv`` into the local runs).  One round trip per call; no
-payload byte passes through a Python object.
+payload byte passes through a Python object.  Device memory cannot be read or written by
+the socket calls: such a side is staged through one host buffer on either end
+(:func:`~datadist.transports.local.host_side`).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from .._status import LLMStatusCode, raise_error
 from ..engine import native, wire
 from ..engine.layout import Plan
 from .base import RemoteCache, Transport, check_reply
+from .local import host_side
 
 __all__ = ["TcpTransport"]
 
@@ -27,13 +30,19 @@ class TcpTransport(Transport):
     def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
         msg = wire.Push(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes,
                         arrays=[plan.dst_bases, plan.dst_offs, plan.lens])
-        check_reply(link, link.rpc(msg, deadline, send_plan=plan))
+        with host_side(plan, local_is_src=True) as host_plan:
+            check_reply(link, link.rpc(msg, deadline, send_plan=host_plan))
         return True
 
     def pull(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
         msg = wire.Pull(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes,
                         arrays=[plan.src_bases, plan.src_offs, plan.lens])
         check_reply(link, link.rpc(msg, deadline))
+        with host_side(plan, local_is_src=False) as host_plan:
+            self._receive(link, host_plan, deadline)
+
+    @staticmethod
+    def _receive(link, plan: Plan, deadline: float) -> None:
         try:
             native.sock_recv(link.req_sock.fileno(), plan, _left_ms(deadline))
         except TimeoutError:
