@@ -16,6 +16,10 @@ Workloads (see PERF.md):
                 order and scattered), in one process; p50/p99 per plan
   --sweep       32 MiB in order at block sizes 4 KiB .. 1 MiB; ``--plot out.svg`` draws GB/s
                 against block size per transport
+
+``--device cuda`` puts both caches on the GPU (``Placement.DEVICE``, ``device_type`` cuda;
+shm then moves them by CUDA IPC, tcp and gloo through host staging, ``nccl`` becomes
+available), and the ceiling row is a torch copy of the same blocks on that GPU.
 """
 from __future__ import annotations
 
@@ -60,7 +64,8 @@ WORKLOADS = {
 SWEEP_KIB = (4, 16, 64, 256, 1024)
 WORKLOADS.update({f"sweep-{k}k": Workload(f"sweep-{k}k", k << 10, (32 << 10) // k, (32 << 10) // k, 1, False,
                                           rounds=5) for k in SWEEP_KIB})
-TRANSPORTS = ("local", "shm", "tcp", "gloo")
+TRANSPORTS = ("local", "shm", "tcp", "gloo", "nccl")
+DEVICES = ("cpu", "cuda")
 PLAN_BLOCKS, PLAN_TENSORS = 4096, 64
 
 
@@ -78,42 +83,49 @@ def _digest(tensors, blocks) -> str:
     h = hashlib.blake2b(digest_size=16)
     idx = np.asarray(blocks)
     for t in tensors:
-        h.update(t.view(-1, t.shape[-1]).numpy()[idx].tobytes())
+        h.update(t.view(-1, t.shape[-1]).cpu().numpy()[idx].tobytes())
     return h.hexdigest()
 
 
-def _config(transport: str, pool_bytes: int, listen: Optional[str] = None) -> dict:
+def _config(transport: str, pool_bytes: int, listen: Optional[str] = None, device: str = "cpu") -> dict:
     from datadist import LLMConfig
 
     cfg = LLMConfig()
     cfg.device_id = 0
     cfg.sync_kv_timeout = 60000
-    cfg.host_mem_pool_cfg = json.dumps({"memory_size": pool_bytes, "page_shift": 16})
+    pool = json.dumps({"memory_size": pool_bytes, "page_shift": 16})
+    if device == "cuda":
+        cfg.mem_pool_cfg = pool
+        cfg.device_type = "cuda"
+    else:
+        cfg.host_mem_pool_cfg = pool
+        cfg.device_type = "cpu"
     cfg.transfer_backend = "shm" if transport == "local" else transport
     if listen:
         cfg.listen_ip_info = listen
     return cfg.generate_options()
 
 
-def _desc(w: Workload):
+def _desc(w: Workload, device: str = "cpu"):
     from datadist import CacheDesc, DataType, Placement
 
-    return CacheDesc(w.num_tensors, [w.cache_blocks, w.block_bytes // 2], DataType.DT_FLOAT16, Placement.HOST)
+    return CacheDesc(w.num_tensors, [w.cache_blocks, w.block_bytes // 2], DataType.DT_FLOAT16,
+                     Placement.DEVICE if device == "cuda" else Placement.HOST)
 
 
 def _pool_bytes(w: Workload) -> int:
     return w.block_bytes * w.cache_blocks * w.num_tensors + (1 << 20)
 
 
-def _decoder(conn, workload: str, transport: str, port: int) -> None:
+def _decoder(conn, workload: str, transport: str, port: int, device: str) -> None:
     """Child: own the destination cache, link to the prompt, report digests on request."""
     from datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole
 
     w = WORKLOADS[workload]
     engine = LLMDataDist(LLMRole.DECODER, 2)
     try:
-        engine.init(_config(transport, _pool_bytes(w)))
-        cache = engine.cache_manager.allocate_blocks_cache(_desc(w), BlocksCacheKey(2, 0))
+        engine.init(_config(transport, _pool_bytes(w), device=device))
+        cache = engine.cache_manager.allocate_blocks_cache(_desc(w, device), BlocksCacheKey(2, 0))
         info = LLMClusterInfo()
         info.remote_cluster_id = 1
         info.append_remote_ip_info("127.0.0.1", port)
@@ -129,8 +141,11 @@ def _decoder(conn, workload: str, transport: str, port: int) -> None:
         engine.finalize()
 
 
-def _memcpy(w: Workload, src_blocks, dst_blocks) -> float:
-    """Seconds per batch of a numpy copy of the same blocks in one process (median)."""
+def _memcpy(w: Workload, src_blocks, dst_blocks, device: str = "cpu") -> float:
+    """Seconds per batch of a numpy copy of the same blocks in one process (median); on
+    a GPU, of a torch copy of them on that GPU."""
+    if device == "cuda":
+        return _torch_copy(w, src_blocks, dst_blocks)
     src = np.ones((w.num_tensors * w.cache_blocks, w.block_bytes), np.uint8)
     dst = np.zeros_like(src)
     times = []
@@ -147,7 +162,29 @@ def _memcpy(w: Workload, src_blocks, dst_blocks) -> float:
     return statistics.median(times[1:])
 
 
-def run(workload: str, transport: str) -> dict:
+def _torch_copy(w: Workload, src_blocks, dst_blocks) -> float:
+    import torch
+
+    src = torch.ones((w.num_tensors * w.cache_blocks, w.block_bytes), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    si = torch.tensor(src_blocks, device="cuda")
+    di = torch.tensor(dst_blocks, device="cuda")
+    times = []
+    for _ in range(min(w.rounds, 20) + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for k in range(w.num_tensors):
+            off = k * w.cache_blocks
+            if w.scatter:
+                dst[off: off + w.cache_blocks].index_copy_(0, di, src[off: off + w.cache_blocks].index_select(0, si))
+            else:
+                dst[off: off + w.blocks].copy_(src[off: off + w.blocks])
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def run(workload: str, transport: str, device: str = "cpu") -> dict:
     """Run one workload over one transport; returns the result row (raises on bad data)."""
     import torch
     from datadist import BlocksCacheKey, LLMDataDist, LLMRole
@@ -159,21 +196,21 @@ def run(workload: str, transport: str) -> dict:
     child = None
     try:
         engine.init(_config(transport, _pool_bytes(w) * (2 if transport == "local" else 1),
-                            listen=None if transport == "local" else "127.0.0.1:0"))
+                            listen=None if transport == "local" else "127.0.0.1:0", device=device))
         cm = engine.cache_manager
-        src = cm.allocate_blocks_cache(_desc(w), BlocksCacheKey(1, 0))
+        src = cm.allocate_blocks_cache(_desc(w, device), BlocksCacheKey(1, 0))
         gen = torch.Generator().manual_seed(1)
         for t in cm.get_cache_tensors(src):
             t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, dtype=torch.int16, generator=gen))
         if transport == "local":
-            dst = cm.allocate_blocks_cache(_desc(w))
+            dst = cm.allocate_blocks_cache(_desc(w, device))
             mapping = dict(zip(src_blocks, dst_blocks))
 
             def one_batch() -> None:
                 cm.swap_blocks(src, dst, mapping)
         else:
             parent_conn, child_conn = ctx.Pipe()
-            child = ctx.Process(target=_decoder, args=(child_conn, workload, transport, engine.listen_port))
+            child = ctx.Process(target=_decoder, args=(child_conn, workload, transport, engine.listen_port, device))
             child.start()
             if not parent_conn.poll(60):
                 raise RuntimeError("decoder process did not link within 60 s")
@@ -218,10 +255,11 @@ def run(workload: str, transport: str) -> dict:
             if child.is_alive():
                 child.kill()
     med = statistics.median(times)
-    memcpy_s = _memcpy(w, src_blocks, dst_blocks)
+    memcpy_s = _memcpy(w, src_blocks, dst_blocks, device)
     us = sorted(t * 1e6 for t in times)
     return {
-        "workload": workload, "transport": transport, "system": f"datadist-{transport}",
+        "workload": workload, "transport": transport, "device": device,
+        "system": f"datadist-{transport}" + ("-cuda" if device == "cuda" else ""),
         "gbps": w.batch_bytes / med / 1e9, "batch_ms": med * 1e3,
         "p50_us": us[len(us) // 2], "p99_us": us[min(len(us) - 1, int(len(us) * 0.99))],
         "memcpy_gbps": w.batch_bytes / memcpy_s / 1e9,
@@ -262,11 +300,20 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     ap.add_argument("--sweep", action="store_true", help="sweep block sizes (instead of the standard workloads)")
     ap.add_argument("--plot", metavar="OUT.svg", help="with --sweep: write GB/s against block size as SVG")
+    ap.add_argument("--device", choices=DEVICES, default="cpu",
+                    help="where both caches live (cuda: GPU memory; the ceiling is a torch copy on the GPU)")
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        from .engine import cuda
+
+        if not cuda.available():
+            ap.error("--device cuda: torch sees no CUDA device here")
+    elif "nccl" in (args.transport or ()):
+        ap.error("--transport nccl needs --device cuda")
     standard = [w for w in WORKLOADS if not w.startswith("sweep-")] + ["plan"]
     sweep = [f"sweep-{k}k" for k in SWEEP_KIB]
     workloads = sweep if args.sweep or args.plot else (args.workload or standard)
-    transports = args.transport or list(TRANSPORTS)
+    transports = args.transport or [t for t in TRANSPORTS if t != "nccl" or args.device == "cuda"]
     rows = []
     if not args.json:
         print(f"{'workload':14s} {'transport':9s} {'GB/s':>8s} {'batch ms':>9s} {'p50 us':>9s} {'p99 us':>9s} "
@@ -279,7 +326,7 @@ def main(argv: Optional[list] = None) -> int:
                       f"   ({row['runs']} runs)", flush=True)
             continue
         for tr in transports:
-            row = run(wl, tr)
+            row = run(wl, tr, args.device)
             rows.append(row)
             if args.json:
                 print(json.dumps(row), flush=True)

@@ -48,7 +48,19 @@ class CudaError(RuntimeError):
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * _IPC_HANDLE_SIZE)]
+    # c_ubyte, not c_char: a c_char array field reads back cut at the first NUL byte.
+    _fields_ = [("reserved", ctypes.c_ubyte * _IPC_HANDLE_SIZE)]
+
+    def raw(self) -> bytes:
+        return ctypes.string_at(ctypes.addressof(self), _IPC_HANDLE_SIZE)
+
+    @classmethod
+    def of(cls, raw: bytes) -> "_IpcHandle":
+        if len(raw) != _IPC_HANDLE_SIZE:
+            raise ValueError(f"a CUDA IPC handle has {_IPC_HANDLE_SIZE} bytes, got {len(raw)}")
+        handle = cls()
+        ctypes.memmove(ctypes.addressof(handle), raw, _IPC_HANDLE_SIZE)
+        return handle
 
 
 class _Driver:
@@ -241,7 +253,7 @@ def export_regions(addrs, nbytes: int) -> tuple[IpcRegion, ...]:
             drv.check("cuMemGetAddressRange", drv.cuMemGetAddressRange(ctypes.byref(base), ctypes.byref(size), a))
             handle = _IpcHandle()
             drv.check("cuIpcGetMemHandle", drv.cuIpcGetMemHandle(ctypes.byref(handle), base.value))
-            regions[base.value] = IpcRegion(bytes(handle.reserved), base.value, size.value)
+            regions[base.value] = IpcRegion(handle.raw(), base.value, size.value)
     except CudaError as exc:
         log.info("device memory cannot be shared by CUDA IPC (%s); same-host peers use the socket path", exc)
         return ()
@@ -262,8 +274,7 @@ class PeerDeviceRegion:
         """Map a peer's exported allocation; raises :class:`CudaError` if it cannot."""
         drv = _current().enter()
         local = ctypes.c_uint64()
-        handle = _IpcHandle()
-        handle.reserved = region.handle
+        handle = _IpcHandle.of(region.handle)
         drv.check("cuIpcOpenMemHandle",
                   drv.cuIpcOpenMemHandle(ctypes.byref(local), handle, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
         return cls(region.base, local.value, region.size)

@@ -165,7 +165,7 @@ class _Child:
         import torch
 
         dtype = getattr(torch, DTYPES[d.dtype][1])
-        return [torch.zeros(tuple(d.shape), dtype=dtype) for _ in range(d.num_tensors)]
+        return [torch.zeros(tuple(d.shape), dtype=dtype, device=d.device) for _ in range(d.num_tensors)]
 
     def _byte_views(self, name: str) -> List[Any]:
         import torch
@@ -348,14 +348,24 @@ class _Child:
         assert len(views) == len(data), (len(views), len(data))
         for view, chunk in zip(views, data):
             view.copy_(torch.frombuffer(bytearray(chunk), dtype=torch.uint8))
+        if views and views[0].device.type == "cuda":
+            torch.cuda.synchronize(views[0].device)
 
     def op_read(self, name: str) -> List[bytes]:
-        return [v.numpy().tobytes() for v in self._byte_views(name)]
+        return [v.cpu().numpy().tobytes() for v in self._byte_views(name)]
 
     def op_tensor_info(self, name: str) -> List[Dict[str, Any]]:
         tensors = self.engine.cache_manager.get_cache_tensors(self.caches[name])
         return [{"shape": list(t.shape), "dtype": str(t.dtype), "ptr": t.data_ptr(),
                  "device": str(t.device)} for t in tensors]
+
+    def op_links(self) -> Dict[int, Dict[str, Any]]:
+        """Per linked cluster: the transport's name and how many of the peer's device
+        allocations it has open by CUDA IPC (shm links)."""
+        links = self.engine._engine_or_raise().links
+        return {cid: {"path": link.path,
+                      "ipc_open": sum(r is not None for r in getattr(link.transport, "_device", {}).values())}
+                for cid, link in links.items()}
 
     def op_warm_collectives(self) -> None:
         """Create and drop one TCPStore server: torch.distributed opens a wake-up pipe the

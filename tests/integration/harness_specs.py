@@ -59,6 +59,7 @@ class Desc:
     shape: Tuple[int, ...]
     dtype: str = "fp16"
     placement: str = "DEVICE"
+    device: str = "cpu"       # where the child makes the tensors of a registered cache
 
     @property
     def tensor_bytes(self) -> int:

@@ -1,0 +1,190 @@
+"""The parts of the CUDA data path that run without a GPU: the C loop that calls a copy
+function per run (driven here by a host memmove with cuMemcpyAsync's shape), plans that
+carry memory kinds, host staging, the wire form of IPC regions, and how an engine decides
+where its device caches live.  The device copies themselves are tested in tests/gpu."""
+from __future__ import annotations
+
+import ctypes
+import socket
+
+import numpy as np
+import pytest
+
+from datadist import LLMException, LLMStatusCode, create_tensors
+from datadist.engine import _native, cuda, wire
+from datadist.engine.agent import _device_of
+from datadist.engine.core import resolve_device
+from datadist.engine.layout import Plan, plan_units
+from datadist.engine.registry import Registry
+from datadist.transports.local import LocalTransport, host_side, staging_plan
+
+pytestmark = pytest.mark.timeout(60)
+
+U64 = np.uint64
+_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
+
+
+class _Memmove:
+    """A copy function with cuMemcpyAsync's signature that records its calls and fails
+    with ``fail_code`` on call number ``fail_at``."""
+
+    def __init__(self, fail_at: int = -1, fail_code: int = 0) -> None:
+        self.calls: list[tuple[int, int, int, int]] = []
+        self.fail_at, self.fail_code = fail_at, fail_code
+        self.fn = _FN(self._call)
+
+    def _call(self, dst: int, src: int, n: int, stream) -> int:
+        if len(self.calls) == self.fail_at:
+            return self.fail_code
+        self.calls.append((dst, src, n, stream or 0))
+        ctypes.memmove(dst, src, n)
+        return 0
+
+    @property
+    def address(self) -> int:
+        return ctypes.cast(self.fn, ctypes.c_void_p).value
+
+
+def _call_plan(fn: _Memmove, plan: Plan, stream: int = 0):
+    return _native.call_plan(fn.address, stream, plan.src_bases, plan.dst_bases, plan.src_offs, plan.dst_offs,
+                             plan.lens)
+
+
+def _tensors(n: int, size: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, size), dtype=np.uint8)
+
+
+def test_call_plan_calls_once_per_run_in_plan_order_and_matches_copy_plan() -> None:
+    src, dst, ref = _tensors(3, 4096, 1), np.zeros((3, 4096), np.uint8), np.zeros((3, 4096), np.uint8)
+    base = lambda a: [a[i].ctypes.data for i in range(a.shape[0])]  # noqa: E731
+    blocks_src, blocks_dst = np.array([5, 0, 7, 2]) * 256, np.array([1, 6, 3, 4]) * 256
+    plan = plan_units(base(src), blocks_src, base(dst), blocks_dst, 256)
+    fn = _Memmove()
+    assert _call_plan(fn, plan, stream=0x1234) == (3 * 4 * 256, 0)
+    LocalTransport.copy(plan.rebase(dst_delta=ref.ctypes.data - dst.ctypes.data))
+    np.testing.assert_array_equal(dst, ref)
+    want = [(int(d), int(s), 256, 0x1234) for t in range(3) for s, d in
+            zip(src[t].ctypes.data + blocks_src, dst[t].ctypes.data + blocks_dst)]
+    assert fn.calls == want
+
+
+def test_call_plan_skips_empty_runs_and_stops_at_the_first_failure() -> None:
+    src, dst = _tensors(1, 1024, 2)[0], np.zeros(1024, np.uint8)
+    plan = Plan(np.array([src.ctypes.data], U64), np.array([dst.ctypes.data], U64), np.array([0, 10, 20, 30], U64),
+                np.array([0, 10, 20, 30], U64), np.array([4, 0, 4, 4], U64))
+    fn = _Memmove(fail_at=1, fail_code=700)
+    assert _call_plan(fn, plan) == (4, 700)  # the empty run is no call; the second call fails
+    assert [c[2] for c in fn.calls] == [4]
+    assert dst[20:24].tolist() == [0, 0, 0, 0] and dst[:4].tolist() == src[:4].tolist()
+
+
+def test_call_plan_refuses_a_null_function_and_mismatched_arrays() -> None:
+    e = np.zeros(1, U64)
+    with pytest.raises(ValueError, match="NULL"):
+        _native.call_plan(0, 0, e, e, e, e, e)
+    with pytest.raises(ValueError, match="disagree"):
+        _native.call_plan(_Memmove().address, 0, e, e, np.zeros(2, U64), e, e)
+
+
+def test_plans_carry_memory_kinds_through_swap_and_rebase() -> None:
+    plan = plan_units([0x1000], [0, 64], [0x9000], [128, 0], 32).on("cuda:1", "cpu")
+    assert (plan.src_dev, plan.dst_dev, plan.on_host) == ("cuda:1", "cpu", False)
+    back = plan.swapped()
+    assert (back.src_dev, back.dst_dev) == ("cpu", "cuda:1")
+    moved = plan.rebase(src_delta=16, dst_delta=-16)
+    assert (moved.src_dev, moved.dst_dev) == ("cuda:1", "cpu")
+    assert int(moved.src_bases[0]) == 0x1010 and int(moved.dst_bases[0]) == 0x8FF0
+    assert plan_units([1], [0], [2], [0], 8).on_host
+
+
+def test_host_side_passes_host_plans_through_unchanged() -> None:
+    plan = plan_units([0x1000], [0], [0x2000], [0], 64)
+    for local_is_src in (True, False):
+        with host_side(plan, local_is_src) as p:
+            assert p is plan
+
+
+def test_staging_plans_pack_runs_in_transfer_order_and_round_trip() -> None:
+    src, back = _tensors(2, 2048, 3), np.zeros((2, 2048), np.uint8)
+    bases = np.array([src[0].ctypes.data, src[1].ctypes.data], U64)
+    offs, lens = np.array([1024, 0, 300], U64), np.array([100, 200, 50], U64)
+    staging = np.zeros(2 * 350, np.uint8)
+    gather = staging_plan(bases, offs, lens, staging.ctypes.data, gather=True, half_dev="cuda:0")
+    assert (gather.src_dev, gather.dst_dev) == ("cuda:0", "cpu")
+    LocalTransport.copy(gather.on("cpu", "cpu"))
+    want = np.concatenate([np.concatenate([src[t, 1024:1124], src[t, 0:200], src[t, 300:350]]) for t in range(2)])
+    np.testing.assert_array_equal(staging, want)
+    out_bases = np.array([back[0].ctypes.data, back[1].ctypes.data], U64)
+    scatter = staging_plan(out_bases, offs, lens, staging.ctypes.data, gather=False)
+    LocalTransport.copy(scatter)
+    for t in range(2):
+        for o, n in zip(offs.tolist(), lens.tolist()):
+            np.testing.assert_array_equal(back[t, o:o + n], src[t, o:o + n])
+    assert not back[:, 1124:].any()
+
+
+def test_ipc_regions_and_device_fields_survive_the_wire() -> None:
+    region = cuda.IpcRegion(bytes(range(64)), 0x7F00_0000_0000, 1 << 30)
+    assert cuda.IpcRegion.from_wire(region.to_wire()) == region
+    msg = wire.Resolved(cache_id=3, device="cuda:1", ipc=[region.to_wire()], arrays=[np.array([5, 6], U64)])
+    frame = wire.encode(msg)
+
+    a, b = socket.socketpair()
+    try:
+        a.sendall(frame)
+        b.settimeout(1.0)
+        got = wire.read_message(b)
+    finally:
+        a.close()
+        b.close()
+    assert isinstance(got, wire.Resolved) and got.device == "cuda:1" and got.cache_id == 3
+    assert [cuda.IpcRegion.from_wire(r) for r in got.ipc] == [region]
+    hello = wire.Hello(device_regions=[region.to_wire()])
+    assert hello.device_regions[0]["handle"] == bytes(range(64)).hex()
+
+
+def test_ipc_handles_keep_every_byte_including_nuls() -> None:
+    raw = bytes([0, 7, 0, 0, 255] * 12 + [1, 0, 0, 2])
+    assert cuda._IpcHandle.of(raw).raw() == raw
+    with pytest.raises(ValueError, match="64 bytes"):
+        cuda._IpcHandle.of(raw[:63])
+
+
+def test_requests_are_served_on_the_memory_of_the_cache_they_reach() -> None:
+    reg = Registry(77, 1)
+    try:
+        host = np.zeros((2, 256), np.uint8)
+        host_rec = reg.add(dict(num_tensors=2, tensor_size=256, batch_size=4, is_blocks=True, dtype="DT_UINT8",
+                                addrs=np.array([host[0].ctypes.data, host[1].ctypes.data], U64)))
+        dev_rec = reg.add(dict(num_tensors=1, tensor_size=4096, batch_size=1, is_blocks=False, dtype="DT_UINT8",
+                               addrs=np.array([0x7000_0000_0000], U64), device="cuda:0"))
+        one = lambda x: np.array([x], U64)  # noqa: E731
+        assert _device_of(reg, dev_rec, one(0), one(0)) == "cuda:0"
+        assert _device_of(reg, host_rec, one(0), one(0)) == "cpu"
+        # Raw addresses (no cache id): the cache holding the first run decides.
+        assert _device_of(reg, None, one(0x7000_0000_0000), one(100)) == "cuda:0"
+        assert _device_of(reg, None, one(host[1].ctypes.data), one(8)) == "cpu"
+        assert _device_of(reg, None, np.zeros(0, U64), np.zeros(0, U64)) == "cpu"
+    finally:
+        reg.close()
+
+
+@pytest.mark.skipif(cuda.available(), reason="checks the machine without CUDA")
+def test_without_cuda_device_caches_are_host_memory_and_cuda_requests_are_refused() -> None:
+    assert resolve_device("auto", 0) == "cpu"
+    assert resolve_device("cpu", 3) == "cpu"
+    assert resolve_device("npu", 0) == "cpu"
+    with pytest.raises(LLMException) as caught:
+        resolve_device("cuda", 0)
+    assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    assert "device_type = 'cuda'" in str(caught.value)
+    owner = np.zeros(16, np.int32)
+    with pytest.raises(LLMException) as caught:
+        create_tensors([16], __import__("torch").int32, [owner.ctypes.data], "cuda:0")
+    assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    with pytest.raises(LLMException) as caught:
+        create_tensors([16], __import__("torch").int32, [owner.ctypes.data], "npu:0")
+    assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    with pytest.raises(LLMException) as caught:
+        cuda.copy_plan(plan_units([1], [0], [2], [0], 8).on("cuda:0", "cpu"))
+    assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
