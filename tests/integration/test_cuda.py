@@ -19,7 +19,8 @@ from datadist.engine import cuda
 from harness import (DECODER_ID, PROMPT_ID, Desc, Peer, Ref, base_config, blocks_key, cache_key, expect_blocks,
                      expect_row_to_blocks, free_port)
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(not cuda.available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180),
+              pytest.mark.skipif(not cuda.available(), reason="needs a CUDA device")]
 
 #: 8 tensors (4 layers of K,V) of 8 blocks x 16 tokens x 64 elements.
 BLOCKS = Desc(8, (8, 16, 64), "fp16")
