@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .._status import LLMStatusCode, raise_error
+from .memory import PeerSpan
 
 __all__ = ["CudaDevice", "CudaError", "DeviceArena", "IpcRegion", "PeerDeviceRegion", "active", "available",
            "copy_plan", "cuda_tensor", "device", "driver_present", "export_regions", "is_device_memory", "pin", "unpin"]
@@ -261,13 +262,8 @@ def export_regions(addrs, nbytes: int) -> tuple[IpcRegion, ...]:
 
 
 @dataclass
-class PeerDeviceRegion:
-    """A same-host peer's device allocation opened here: ``remote_base`` in the peer,
-    ``local_base`` here (same shape as :class:`~datadist.engine.memory.PeerArena`)."""
-
-    remote_base: int
-    local_base: int
-    size: int
+class PeerDeviceRegion(PeerSpan):
+    """A same-host peer's device allocation opened here by CUDA IPC."""
 
     @classmethod
     def open(cls, region: IpcRegion) -> "PeerDeviceRegion":
@@ -278,12 +274,6 @@ class PeerDeviceRegion:
         drv.check("cuIpcOpenMemHandle",
                   drv.cuIpcOpenMemHandle(ctypes.byref(local), handle, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
         return cls(region.base, local.value, region.size)
-
-    def translate(self, remote_addr: int, nbytes: int = 0) -> Optional[int]:
-        off = remote_addr - self.remote_base
-        if 0 <= off and off + nbytes <= self.size:
-            return self.local_base + off
-        return None
 
     def close(self) -> None:
         if self.local_base:

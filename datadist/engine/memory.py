@@ -17,7 +17,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-__all__ = ["Arena", "InvalidFree", "PeerArena", "PoolAllocator", "PoolExhausted", "SharedMapping",
+__all__ = ["Arena", "InvalidFree", "PeerArena", "PeerSpan", "PoolAllocator", "PoolExhausted", "SharedMapping",
            "bytes_view", "round_to_pages"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -115,12 +115,25 @@ class Arena(SharedMapping):
 
 
 @dataclass
-class PeerArena:
-    """A peer's arena mapped here: ``remote_base`` in the peer, ``local_base`` here."""
+class PeerSpan:
+    """Memory of a peer that this process reaches: ``size`` bytes at ``remote_base`` in
+    the peer and at ``local_base`` here."""
 
     remote_base: int
     local_base: int
     size: int
+
+    def translate(self, remote_addr: int, nbytes: int = 0) -> int | None:
+        """The local address of ``remote_addr`` or None if the span is not all inside."""
+        off = remote_addr - self.remote_base
+        if 0 <= off and off + nbytes <= self.size:
+            return self.local_base + off
+        return None
+
+
+@dataclass
+class PeerArena(PeerSpan):
+    """A peer's arena mapped here."""
 
     @classmethod
     def open(cls, pid: int, fd: int, size: int, remote_base: int) -> "PeerArena":
@@ -133,13 +146,6 @@ class PeerArena:
         finally:
             os.close(local_fd)
         return cls(remote_base, local, size)
-
-    def translate(self, remote_addr: int, nbytes: int = 0) -> int | None:
-        """The local address of ``remote_addr`` or None if the span is not in this arena."""
-        off = remote_addr - self.remote_base
-        if 0 <= off and off + nbytes <= self.size:
-            return self.local_base + off
-        return None
 
     def close(self) -> None:
         if self.local_base:
