@@ -306,6 +306,8 @@ def init_llm_datadist(role: LLMRole, cluster_id: int, transport: str = "auto", *
     config.device_id = 0
     config.sync_kv_timeout = SYNC_KV_TIMEOUT_MS
     config.mem_pool_cfg = json.dumps({"memory_size": pool_bytes, "page_shift": 16})
+    # The sample models compute on the CPU, so their caches live there too, GPU or not.
+    config.device_type = "cpu"
     config.transfer_backend = transport
     if listen:
         config.listen_ip_info = f"{LOCALHOST}:0"

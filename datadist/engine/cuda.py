@@ -12,17 +12,22 @@ the other.
 
 Ordering: copies are issued on the legacy default stream (stream 0) of the primary
 context and waited for before a call returns.  Work the caller queued on torch's
-default stream therefore completes before a copy reads the memory; work on streams
-created with ``non_blocking=True`` is the caller's to synchronize (as with
-``llm_datadist``, whose transfers also read the memory as it is when called).
+default stream therefore completes before a copy reads the memory.  torch's other streams
+(``torch.cuda.Stream()``, side streams of frameworks) are non-blocking, so work on them is
+the caller's to synchronize first, as with ``llm_datadist``, whose transfers also read
+the memory as it is when called.
+
+Contexts: each driver call here runs with the device's primary context pushed on the
+calling thread and popped after, so a thread whose torch device is another GPU keeps it.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 from .._status import LLMStatusCode, raise_error
 from .memory import PeerSpan
@@ -75,15 +80,15 @@ class _Driver:
         self.cuDeviceGet = self._fn(("cuDeviceGet",), ctypes.POINTER(c_int), c_int)
         self.cuDeviceGetCount = self._fn(("cuDeviceGetCount",), ctypes.POINTER(c_int))
         self.cuDevicePrimaryCtxRetain = self._fn(("cuDevicePrimaryCtxRetain",), ctypes.POINTER(vp), c_int)
-        self.cuCtxSetCurrent = self._fn(("cuCtxSetCurrent",), vp)
-        self.cuMemGetAddressRange = self._fn(("cuMemGetAddressRange_v2", "cuMemGetAddressRange"),
-                                             ctypes.POINTER(u64), ctypes.POINTER(size_t), u64)
+        self.cuCtxPushCurrent = self._fn(("cuCtxPushCurrent_v2",), vp)
+        self.cuCtxPopCurrent = self._fn(("cuCtxPopCurrent_v2",), ctypes.POINTER(vp))
+        self.cuMemGetAddressRange = self._fn(("cuMemGetAddressRange_v2",), ctypes.POINTER(u64),
+                                             ctypes.POINTER(size_t), u64)
         self.cuPointerGetAttribute = self._fn(("cuPointerGetAttribute",), vp, c_int, u64)
         self.cuIpcGetMemHandle = self._fn(("cuIpcGetMemHandle",), ctypes.POINTER(_IpcHandle), u64)
-        self.cuIpcOpenMemHandle = self._fn(("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"),
-                                           ctypes.POINTER(u64), _IpcHandle, c_uint)
+        self.cuIpcOpenMemHandle = self._fn(("cuIpcOpenMemHandle_v2",), ctypes.POINTER(u64), _IpcHandle, c_uint)
         self.cuIpcCloseMemHandle = self._fn(("cuIpcCloseMemHandle",), u64)
-        self.cuMemHostRegister = self._fn(("cuMemHostRegister_v2", "cuMemHostRegister"), vp, size_t, c_uint)
+        self.cuMemHostRegister = self._fn(("cuMemHostRegister_v2",), vp, size_t, c_uint)
         self.cuMemHostUnregister = self._fn(("cuMemHostUnregister",), vp)
         self.cuStreamSynchronize = self._fn(("cuStreamSynchronize",), vp)
         self._error_string = lib.cuGetErrorString
@@ -94,6 +99,8 @@ class _Driver:
         self.check("cuInit", self.cuInit(0))
 
     def _fn(self, names: tuple, *argtypes):
+        # Exactly the names cuda.h maps the calls to: an older version of a call may take
+        # other argument types (cuMemGetAddressRange v1 has 32-bit sizes).
         for name in names:
             fn = getattr(self._lib, name, None)
             if fn is not None:
@@ -145,11 +152,11 @@ def available() -> bool:
 
 
 class CudaDevice:
-    """One CUDA device's primary context, made current on whichever thread asks.
+    """One CUDA device's primary context, pushed on whichever thread makes a call.
 
     Engine threads (the caller's, the agent's, ``transfer_cache_async`` workers) all copy;
-    each must have the context current before a driver call, which :meth:`enter` does
-    once per thread."""
+    :meth:`entered` pushes the context for the calls and pops it after, leaving the
+    thread's own current device (torch's) as it was."""
 
     def __init__(self, index: int) -> None:
         import torch
@@ -168,15 +175,16 @@ class CudaDevice:
         self.index = index
         self.name = f"cuda:{index}"
         self._ctx = ctx
-        self._local = threading.local()
 
-    def enter(self) -> _Driver:
-        """Make this device's context current on the calling thread; returns the driver."""
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[_Driver]:
+        """The driver, with this device's context current on the calling thread."""
         drv = _drv()
-        if getattr(self._local, "ctx", None) != self._ctx.value:
-            drv.check("cuCtxSetCurrent", drv.cuCtxSetCurrent(self._ctx))
-            self._local.ctx = self._ctx.value
-        return drv
+        drv.check("cuCtxPushCurrent", drv.cuCtxPushCurrent(self._ctx))
+        try:
+            yield drv
+        finally:
+            drv.cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p()))
 
 
 _active: Optional[CudaDevice] = None
@@ -207,10 +215,10 @@ def copy_plan(plan) -> int:
     run from C, on the legacy default stream, then wait for it.  Returns the bytes."""
     from . import _native
 
-    drv = _current().enter()
-    nbytes, status = _native.call_plan(drv.memcpy_async, 0, plan.src_bases, plan.dst_bases, plan.src_offs,
-                                       plan.dst_offs, plan.lens)
-    sync = drv.cuStreamSynchronize(None)  # even after a failed run: earlier runs are in flight
+    with _current().entered() as drv:
+        nbytes, status = _native.call_plan(drv.memcpy_async, 0, plan.src_bases, plan.dst_bases, plan.src_offs,
+                                           plan.dst_offs, plan.lens)
+        sync = drv.cuStreamSynchronize(None)  # even after a failed run: earlier runs are in flight
     drv.check("cuMemcpyAsync", status)
     drv.check("cuStreamSynchronize", sync)
     return nbytes
@@ -218,9 +226,9 @@ def copy_plan(plan) -> int:
 
 def is_device_memory(addr: int) -> bool:
     """Whether ``addr`` points into CUDA device memory (not host, not unregistered)."""
-    drv = _current().enter()
     kind = ctypes.c_uint(0)
-    code = drv.cuPointerGetAttribute(ctypes.byref(kind), _CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr)
+    with _current().entered() as drv:
+        code = drv.cuPointerGetAttribute(ctypes.byref(kind), _CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr)
     return code == 0 and kind.value == _CU_MEMORYTYPE_DEVICE
 
 
@@ -244,17 +252,18 @@ def export_regions(addrs, nbytes: int) -> tuple[IpcRegion, ...]:
     """IPC regions covering ``[a, a + nbytes)`` for every address in ``addrs`` (one per
     distinct allocation).  Empty if the memory cannot be exported (an allocator that maps
     memory with the virtual memory API, say): peers then go through the socket path."""
-    drv = _current().enter()
     regions: dict[int, IpcRegion] = {}
     try:
-        for a in sorted({int(x) for x in addrs}):
-            if any(r.base <= a and a + nbytes <= r.base + r.size for r in regions.values()):
-                continue
-            base, size = ctypes.c_uint64(), ctypes.c_size_t()
-            drv.check("cuMemGetAddressRange", drv.cuMemGetAddressRange(ctypes.byref(base), ctypes.byref(size), a))
-            handle = _IpcHandle()
-            drv.check("cuIpcGetMemHandle", drv.cuIpcGetMemHandle(ctypes.byref(handle), base.value))
-            regions[base.value] = IpcRegion(handle.raw(), base.value, size.value)
+        with _current().entered() as drv:
+            for a in sorted({int(x) for x in addrs}):
+                if any(r.base <= a and a + nbytes <= r.base + r.size for r in regions.values()):
+                    continue
+                base, size = ctypes.c_uint64(), ctypes.c_size_t()
+                drv.check("cuMemGetAddressRange",
+                          drv.cuMemGetAddressRange(ctypes.byref(base), ctypes.byref(size), a))
+                handle = _IpcHandle()
+                drv.check("cuIpcGetMemHandle", drv.cuIpcGetMemHandle(ctypes.byref(handle), base.value))
+                regions[base.value] = IpcRegion(handle.raw(), base.value, size.value)
     except CudaError as exc:
         log.info("device memory cannot be shared by CUDA IPC (%s); same-host peers use the socket path", exc)
         return ()
@@ -268,17 +277,17 @@ class PeerDeviceRegion(PeerSpan):
     @classmethod
     def open(cls, region: IpcRegion) -> "PeerDeviceRegion":
         """Map a peer's exported allocation; raises :class:`CudaError` if it cannot."""
-        drv = _current().enter()
         local = ctypes.c_uint64()
         handle = _IpcHandle.of(region.handle)
-        drv.check("cuIpcOpenMemHandle",
-                  drv.cuIpcOpenMemHandle(ctypes.byref(local), handle, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
+        with _current().entered() as drv:
+            drv.check("cuIpcOpenMemHandle",
+                      drv.cuIpcOpenMemHandle(ctypes.byref(local), handle, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
         return cls(region.base, local.value, region.size)
 
     def close(self) -> None:
         if self.local_base:
-            drv = _current().enter()
-            code = drv.cuIpcCloseMemHandle(self.local_base)
+            with _current().entered() as drv:
+                code = drv.cuIpcCloseMemHandle(self.local_base)
             if code:
                 log.debug("cuIpcCloseMemHandle: CUDA error %d", code)
             self.local_base = 0
@@ -307,8 +316,8 @@ class DeviceArena:
 
 def pin(addr: int, size: int) -> bool:
     """Page-lock host memory (a pool arena) for fast copies; False if the driver refused."""
-    drv = _current().enter()
-    code = drv.cuMemHostRegister(addr, size, _CU_MEMHOSTREGISTER_PORTABLE)
+    with _current().entered() as drv:
+        code = drv.cuMemHostRegister(addr, size, _CU_MEMHOSTREGISTER_PORTABLE)
     if code and code != _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
         log.info("cuMemHostRegister of %d bytes failed (CUDA error %d); host copies stay pageable", size, code)
         return False
@@ -316,8 +325,8 @@ def pin(addr: int, size: int) -> bool:
 
 
 def unpin(addr: int) -> None:
-    drv = _current().enter()
-    drv.cuMemHostUnregister(addr)
+    with _current().entered() as drv:
+        drv.cuMemHostUnregister(addr)
 
 
 class _CudaBytes:

@@ -67,9 +67,10 @@ class ShmTransport(Transport):
             local = arena.translate(lo, span)
             if local is not None:
                 return local - lo, False
-        for region in remote.ipc:
-            self._open(region)
-        for region in self._device.values():
+        # The regions the lookup names first: memory freed and allocated again at the same
+        # address comes with a new handle, and an older mapping of it must not match.
+        named = [self._open(region) for region in remote.ipc]
+        for region in named + list(self._device.values()):
             local = region.translate(lo, span) if region is not None else None
             if local is not None:
                 return local - lo, True
