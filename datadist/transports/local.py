@@ -44,7 +44,7 @@ def staging_buffer(nbytes: int, device: str = "cpu"):
 
     from ..engine import cuda
 
-    pinned = device == "cpu" and cuda.active() is not None
+    pinned = device == "cpu" and cuda.active() is not None and torch.cuda.is_available()
     buf = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=device, pin_memory=pinned)
     return buf, buf.data_ptr()
 

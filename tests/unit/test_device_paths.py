@@ -188,3 +188,122 @@ def test_without_cuda_device_caches_are_host_memory_and_cuda_requests_are_refuse
     with pytest.raises(LLMException) as caught:
         cuda.copy_plan(plan_units([1], [0], [2], [0], 8).on("cuda:0", "cpu"))
     assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+
+
+# -- the driver-facing code, against a stand-in driver whose copy function is a host
+#    memmove with cuMemcpyAsync's signature (pure logic: dispatch, staging, error paths)
+
+class _FakeDriver:
+    def __init__(self, copy_fn: _Memmove) -> None:
+        self.copy_fn = copy_fn
+        self.memcpy_async = copy_fn.address
+        self.syncs = 0
+        self.depth = 0
+        self.opened: list[bytes] = []
+
+    def cuCtxPushCurrent(self, ctx) -> int:
+        self.depth += 1
+        return 0
+
+    def cuCtxPopCurrent(self, out) -> int:
+        self.depth -= 1
+        return 0
+
+    def cuStreamSynchronize(self, stream) -> int:
+        self.syncs += 1
+        return 0
+
+    def cuIpcOpenMemHandle(self, out, handle, flags) -> int:
+        raw = handle.raw()
+        self.opened.append(raw)
+        out._obj.value = 0x5000_0000 + 0x100_0000 * len(self.opened)  # a fresh local mapping per open
+        return 0
+
+    def check(self, call: str, code: int) -> None:
+        if code:
+            raise cuda.CudaError(call, code, "stand-in")
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    fn = _Memmove()
+    drv = _FakeDriver(fn)
+    dev = object.__new__(cuda.CudaDevice)
+    dev.index, dev.name, dev._ctx = 0, "cuda:0", ctypes.c_void_p(1)
+    monkeypatch.setattr(cuda, "_driver", drv)
+    monkeypatch.setattr(cuda, "_active", dev)
+    return drv
+
+
+def test_device_plans_run_through_the_driver_with_the_context_pushed(fake_gpu) -> None:
+    src, dst = _tensors(2, 512, 4), np.zeros((2, 512), np.uint8)
+    plan = plan_units([src[0].ctypes.data, src[1].ctypes.data], [0, 256], [dst[0].ctypes.data, dst[1].ctypes.data],
+                      [256, 0], 128).on("cuda:0", "cpu")
+    assert LocalTransport.copy(plan) == 512
+    np.testing.assert_array_equal(dst[:, 256:384], src[:, 0:128])
+    np.testing.assert_array_equal(dst[:, 0:128], src[:, 256:384])
+    assert fake_gpu.syncs == 1 and fake_gpu.depth == 0 and len(fake_gpu.copy_fn.calls) == 4
+
+
+def test_a_failed_device_copy_raises_after_waiting_for_the_runs_in_flight(fake_gpu) -> None:
+    fake_gpu.copy_fn.fail_at, fake_gpu.copy_fn.fail_code = 1, 700
+    src, dst = _tensors(1, 64, 5)[0], np.zeros(64, np.uint8)
+    plan = Plan(np.array([src.ctypes.data], U64), np.array([dst.ctypes.data], U64), np.array([0, 32], U64),
+                np.array([0, 32], U64), np.array([8, 8], U64), "cpu", "cuda:0")
+    with pytest.raises(cuda.CudaError, match="cuMemcpyAsync failed: CUDA error 700") as caught:
+        cuda.copy_plan(plan)
+    assert caught.value.code == 700 and fake_gpu.syncs == 1 and fake_gpu.depth == 0
+
+
+def test_host_side_stages_a_device_side_through_one_host_buffer(fake_gpu) -> None:
+    src, peer = _tensors(2, 1024, 6), np.zeros((2, 1024), np.uint8)
+    bases = np.array([src[0].ctypes.data, src[1].ctypes.data], U64)
+    peer_bases = np.array([peer[0].ctypes.data, peer[1].ctypes.data], U64)
+    offs, lens = np.array([512, 0], U64), np.array([100, 50], U64)
+    push = Plan(bases, peer_bases, offs, offs, lens, "cuda:0", "cpu")
+    with host_side(push, local_is_src=True) as host_plan:
+        assert host_plan.on_host and host_plan.dst_bases is peer_bases
+        assert int(host_plan.src_bases[1] - host_plan.src_bases[0]) == 150  # tensors packed back to back
+        LocalTransport.copy(host_plan)  # what a socket send would read
+    np.testing.assert_array_equal(peer[:, 512:612], src[:, 512:612])
+    np.testing.assert_array_equal(peer[:, 0:50], src[:, 0:50])
+
+    back = np.zeros((2, 1024), np.uint8)
+    back_bases = np.array([back[0].ctypes.data, back[1].ctypes.data], U64)
+    pull = Plan(peer_bases, back_bases, offs, offs, lens, "cpu", "cuda:0")
+    with pytest.raises(RuntimeError):
+        with host_side(pull, local_is_src=False) as host_plan:
+            LocalTransport.copy(host_plan)
+            raise RuntimeError("the receive failed")
+    assert not back.any()  # nothing scattered after a failed receive
+    with host_side(pull, local_is_src=False) as host_plan:
+        assert host_plan.on_host and host_plan.src_bases is peer_bases
+        LocalTransport.copy(host_plan)
+        assert not back.any()  # scattered only when the block ends
+    np.testing.assert_array_equal(back[:, 512:612], src[:, 512:612])
+
+
+def test_shm_prefers_the_regions_a_lookup_names_over_older_mappings(fake_gpu) -> None:
+    from datadist.transports.base import RemoteCache
+    from datadist.transports.shm import ShmTransport
+
+    pool = cuda.IpcRegion(b"\x01" * 64, 0x7000_0000, 1 << 20)
+    old = cuda.IpcRegion(b"\x02" * 64, 0x9000_0000, 1 << 20)
+    shm = ShmTransport(pid=1, arenas=[], cma_ok=False, fallback=None, device_pool=[pool], cuda_here=True)
+    try:
+        remote = lambda addr, regions: RemoteCache(cache_id=5, row=0, num_tensors=1, tensor_size=4096,  # noqa: E731
+                                                   batch_size=1, is_blocks=True, dtype="DT_UINT8",
+                                                   addrs=np.array([addr], U64), epoch=1, device="cuda:0",
+                                                   ipc=tuple(regions))
+        delta, on_device = shm._delta(remote(0x7000_1000, []))
+        assert on_device and 0x7000_1000 + delta == 0x5100_0000 + 0x1000  # the pool, opened at link time
+        first, _ = shm._delta(remote(0x9000_0000, [old]))
+        assert 0x9000_0000 + first == 0x5200_0000
+        renewed = cuda.IpcRegion(b"\x03" * 64, 0x9000_0000, 1 << 20)  # freed and allocated again
+        second, _ = shm._delta(remote(0x9000_0000, [renewed]))
+        assert 0x9000_0000 + second == 0x5300_0000
+        assert fake_gpu.opened == [pool.handle, old.handle, renewed.handle]
+        assert shm._delta(remote(0x1234_0000, [])) == (None, False)
+    finally:
+        shm._device = {}  # stand-in mappings: nothing to close
+        shm.close()
