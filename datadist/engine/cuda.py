@@ -315,13 +315,13 @@ class DeviceArena:
 
 
 def pin(addr: int, size: int) -> bool:
-    """Page-lock host memory (a pool arena) for fast copies; False if the driver refused."""
+    """Page-lock host memory (a pool arena) for fast copies.  True if this call pinned it
+    (the caller then unpins it); False if the driver refused or someone else pinned it."""
     with _current().entered() as drv:
         code = drv.cuMemHostRegister(addr, size, _CU_MEMHOSTREGISTER_PORTABLE)
     if code and code != _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
         log.info("cuMemHostRegister of %d bytes failed (CUDA error %d); host copies stay pageable", size, code)
-        return False
-    return True
+    return code == 0
 
 
 def unpin(addr: int) -> None:
