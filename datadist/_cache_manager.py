@@ -248,12 +248,10 @@ class CacheManager:
             code = LLMStatusCode.LLM_OUT_OF_MEMORY if host else LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
             raise_error(code, f"cannot allocate {desc.num_tensors} x {desc.size} bytes: {exc}")
         addrs = [base + i * desc.size for i in range(desc.num_tensors)]
-        arena = eng.device_arena if not host else None
         try:
             return self._new_cache(desc, addrs, blocks=blocks, release=lambda: pool.free(base), keys=keys,
-                                   blocks_key=blocks_key, registered=False,
-                                   device=arena.device if arena is not None else "cpu",
-                                   ipc=arena.regions if arena is not None else ())
+                                   blocks_key=blocks_key, registered=False, device=pool.arena.device,
+                                   ipc=pool.arena.regions)
         except BaseException:
             pool.free(base)
             raise

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from .._status import LLMStatusCode, raise_error
+from . import _native
 from .memory import PeerSpan
 
 __all__ = ["CudaDevice", "CudaError", "DeviceArena", "IpcRegion", "PeerDeviceRegion", "active", "available",
@@ -213,8 +214,6 @@ def _current() -> CudaDevice:
 def copy_plan(plan) -> int:
     """Execute a plan with one side (or both) in CUDA memory: one ``cuMemcpyAsync`` per
     run from C, on the legacy default stream, then wait for it.  Returns the bytes."""
-    from . import _native
-
     with _current().entered() as drv:
         nbytes, status = _native.call_plan(drv.memcpy_async, 0, plan.src_bases, plan.dst_bases, plan.src_offs,
                                            plan.dst_offs, plan.lens)

@@ -93,6 +93,11 @@ class Arena(SharedMapping):
     :class:`SharedMapping`).
     """
 
+    #: What the pool's caches are (as :class:`~datadist.engine.cuda.DeviceArena` has them):
+    #: host memory, which same-host peers map through the fd, not by CUDA IPC.
+    device = "cpu"
+    regions: tuple = ()
+
     def __init__(self, name: str, size: int) -> None:
         if size <= 0:
             raise ValueError(f"arena size must be > 0, got {size}")

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..engine import native
+from ..engine import cuda, native
 from ..engine.layout import Plan
 
 __all__ = ["LocalTransport", "host_side", "staging_buffer", "staging_plan"]
@@ -29,11 +29,7 @@ class LocalTransport:
     @staticmethod
     def copy(plan: Plan) -> int:
         """Copy the plan; returns the bytes moved."""
-        if plan.on_host:
-            return native.copy_plan(plan)
-        from ..engine import cuda
-
-        return cuda.copy_plan(plan)
+        return native.copy_plan(plan) if plan.on_host else cuda.copy_plan(plan)
 
 
 def staging_buffer(nbytes: int, device: str = "cpu"):
@@ -41,8 +37,6 @@ def staging_buffer(nbytes: int, device: str = "cpu"):
     page-locked when it is host memory in a CUDA process (host <-> device copies then run
     at DMA speed; torch caches such blocks, so repeated transfers do not pin again)."""
     import torch
-
-    from ..engine import cuda
 
     pinned = device == "cpu" and cuda.active() is not None and torch.cuda.is_available()
     buf = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=device, pin_memory=pinned)
@@ -81,11 +75,11 @@ def host_side(plan: Plan, local_is_src: bool) -> Iterator[Plan]:
         return
     buf, addr = staging_buffer(plan.nbytes)
     if local_is_src:
-        LocalTransport.copy(staging_plan(plan.src_bases, plan.src_offs, plan.lens, addr, gather=True, half_dev=dev))
-        bases, offs = _packed(plan.src_bases, plan.lens, addr)
-        yield Plan(bases, plan.dst_bases, offs, plan.dst_offs, plan.lens, "cpu", plan.dst_dev)
+        gather = staging_plan(plan.src_bases, plan.src_offs, plan.lens, addr, gather=True, half_dev=dev)
+        LocalTransport.copy(gather)
+        yield Plan(gather.dst_bases, plan.dst_bases, gather.dst_offs, plan.dst_offs, plan.lens, "cpu", plan.dst_dev)
     else:
-        bases, offs = _packed(plan.dst_bases, plan.lens, addr)
-        yield Plan(plan.src_bases, bases, plan.src_offs, offs, plan.lens, plan.src_dev, "cpu")
-        LocalTransport.copy(staging_plan(plan.dst_bases, plan.dst_offs, plan.lens, addr, gather=False, half_dev=dev))
+        scatter = staging_plan(plan.dst_bases, plan.dst_offs, plan.lens, addr, gather=False, half_dev=dev)
+        yield Plan(plan.src_bases, scatter.src_bases, plan.src_offs, scatter.src_offs, plan.lens, plan.src_dev, "cpu")
+        LocalTransport.copy(scatter)
     del buf  # the staging memory lives until here
