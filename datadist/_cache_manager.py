@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from ._arrivals import Arrival
-from ._objects import BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, as_tensor_addrs
+from ._objects import (_UINT32_MAX, BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, MemInfo,
+                       as_tensor_addrs)
 from ._status import LLMStatusCode, raise_error
 from ._tensors import tensor_at
-from ._types import LLMRole, Placement
+from ._types import Memtype, Placement
 from .engine import cuda
 from .engine.core import Engine
 from .engine.layout import Plan, block_offsets, layer_tensor_indices, plan_units
@@ -26,10 +27,6 @@ if TYPE_CHECKING:
     from ._transfer_async import CacheTask, LayerSynchronizer
 
 __all__ = ["CacheManager"]
-
-_PUSH_ROLES = (LLMRole.PROMPT, LLMRole.MIX)
-_PULL_ROLES = (LLMRole.DECODER, LLMRole.MIX)
-
 
 class _Side:
     """Geometry of one side of a transfer: tensor addresses, row stride, and the memory
@@ -65,13 +62,16 @@ def _int_arg(name: str, value) -> int:
 
 
 def _tnpl(value, num_tensors: int, ranges: bool) -> int:
+    """``tensor_num_per_layer``, checked as CANN does: any N > 0 (a uint32); only with layer
+    ranges does N matter, and then it must be at most, and divide, the cache's tensors."""
     n = _int_arg("tensor_num_per_layer", value)
     if n < 0:
         raise ValueError(f"tensor_num_per_layer = {n} must not be negative")
-    if n == 0 or n > num_tensors or (ranges and num_tensors % n):
+    if n == 0 or n > _UINT32_MAX or (ranges and (n > num_tensors or num_tensors % n)):
         raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    f"tensor_num_per_layer = {n} is invalid: it must be in [1, {num_tensors}]"
-                    + (f" and divide the cache's {num_tensors} tensors when layer ranges are given" if ranges else ""))
+                    f"tensor_num_per_layer = {n} is invalid: it must be > 0"
+                    + (f", at most and dividing the cache's {num_tensors} tensors when layer ranges are given"
+                       if ranges else ""))
     return n
 
 
@@ -101,6 +101,13 @@ def _blocks(name: str, value, num_blocks: int) -> np.ndarray:
         raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                     f"{name} holds index {lo if lo < 0 else hi}, outside [0, {num_blocks}) blocks")
     return arr
+
+
+def _nonempty(name: str, value) -> None:
+    """CANN refuses empty block lists on pull_blocks/push_blocks (an empty transfer is a bug
+    in the caller's bookkeeping, not a no-op)."""
+    if isinstance(value, (list, tuple, range, np.ndarray)) and len(value) == 0:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"{name} = {value!r} is empty; give at least one block index")
 
 
 def _selection(src: _Side, dst: _Side, tnpl, src_range, dst_range, same_range: bool = False):
@@ -326,6 +333,37 @@ class CacheManager:
             raise TypeError(f"cache_key must be a CacheKey, got {type(cache_key).__name__}")
         self._engine.registry.remove_key(cache_key)
 
+    def remap_registered_memory(self, mem_infos) -> None:
+        """Tell the engine that registered device memory was remapped after a memory fault
+        (CANN: after an HBM error the driver backs the same virtual range with new pages).
+
+        ``mem_infos``: a :class:`MemInfo` or a list of them, each ``MEM_TYPE_DEVICE``, with a
+        non-zero ``addr`` and ``size > 0``, lying inside memory registered with this engine.
+        Caches keep their virtual addresses, and host and CUDA mappings follow the backing
+        pages, so once checked nothing needs re-registering: peers keep reading and writing
+        the same ranges.  Raises ``LLM_PARAM_INVALID`` naming the entry otherwise.
+        """
+        infos = [mem_infos] if isinstance(mem_infos, MemInfo) else mem_infos
+        if not isinstance(infos, list):
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                        f"mem_infos must be a MemInfo or a list of MemInfo, got {type(mem_infos).__name__}")
+        spans = [(int(a), int(a) + rec.tensor_size) for rec in self._engine.registry.all() if rec.release is None
+                 for a in rec.addrs]
+        for i, info in enumerate(infos):
+            if not isinstance(info, MemInfo):
+                raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                            f"mem_infos[{i}] must be a MemInfo, got {type(info).__name__}")
+            if info.mem_type != Memtype.MEM_TYPE_DEVICE:
+                raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                            f"mem_infos[{i}].mem_type = {info.mem_type!r}: only Memtype.MEM_TYPE_DEVICE is remapped")
+            if info.addr == 0 or info.size <= 0:
+                raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                            f"mem_infos[{i}] = {info!r}: addr must be non-zero and size > 0")
+            end = info.addr + info.size
+            if not any(lo <= info.addr and end <= hi for lo, hi in spans):
+                raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                            f"mem_infos[{i}] = {info!r} does not lie inside memory registered with this engine")
+
     def get_cache_tensors(self, cache: Cache) -> list:
         """Torch tensors viewing the cache memory, one per tensor, on the device the
         memory is on (``cuda:N`` for device caches of a CUDA engine, else CPU)."""
@@ -345,13 +383,6 @@ class CacheManager:
                         f"cache {cache.cache_id} is not (or no longer) known to this engine")
         return _Side(rec.addrs, rec.num_tensors, rec.tensor_size, rec.batch_size, rec.device)
 
-    def _role(self, allowed, call: str) -> None:
-        role = self._owner.role
-        if role not in allowed:
-            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                        f"{call} needs role {' or '.join(r.name for r in allowed)}, this engine is {LLMRole(role).name}; "
-                        "use switch_role to change it")
-
     @staticmethod
     def _key_cluster(key, what: str, kinds) -> int:
         if not isinstance(key, kinds):
@@ -364,7 +395,6 @@ class CacheManager:
                    tensor_num_per_layer: int = 2) -> None:
         """Pull one remote row (by ``CacheKey`` or ``CacheKeyByIdAndIndex``) into row
         ``batch_index`` of ``cache``; ``size`` bytes per tensor (-1: the whole row)."""
-        self._role(_PULL_ROLES, "pull_cache")
         cluster = self._key_cluster(cache_key, "cache_key", (CacheKey, CacheKeyByIdAndIndex))
         dst = self._local(cache)
         row = _int_arg("batch_index", batch_index)
@@ -387,9 +417,11 @@ class CacheManager:
                     dst_layer_range: Optional[range] = None, tensor_num_per_layer: int = 2) -> None:
         """Pull remote blocks ``src_blocks[i] -> dst_blocks[i]``; with a row key and
         ``src_blocks=()`` chunk i of the remote row goes to ``dst_blocks[i]``."""
-        self._role(_PULL_ROLES, "pull_blocks")
         cluster = self._key_cluster(src_cache_key, "src_cache_key", (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
         dst = self._local(dst_cache)
+        _nonempty("dst_blocks", dst_blocks)
+        if isinstance(src_cache_key, BlocksCacheKey):
+            _nonempty("src_blocks", src_blocks)
         row_mode = not isinstance(src_cache_key, BlocksCacheKey) and len(src_blocks) == 0
         link = self._engine.get_link(cluster)
 
@@ -411,7 +443,6 @@ class CacheManager:
                    src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
                    size: int = -1, tensor_num_per_layer: int = 2) -> None:
         """Push row ``src_batch_index`` of ``src_cache`` into the remote row the key names."""
-        self._role(_PUSH_ROLES, "push_cache")
         cluster = self._key_cluster(dst_cache_key, "dst_cache_key", (CacheKeyByIdAndIndex, CacheKey))
         src = self._local(src_cache)
         row = _int_arg("src_batch_index", src_batch_index)
@@ -433,13 +464,17 @@ class CacheManager:
                     dst_blocks: Sequence[int] = (), src_layer_range: Optional[range] = None,
                     dst_layer_range: Optional[range] = None, tensor_num_per_layer: int = 2) -> None:
         """Push local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
-        self._role(_PUSH_ROLES, "push_blocks")
         cluster = self._key_cluster(dst_cache_key, "dst_cache_key", (BlocksCacheKey, CacheKeyByIdAndIndex))
         src = self._local(src_cache)
+        _nonempty("dst_blocks", dst_blocks)
         _blocks("src_blocks", src_blocks, src.batch_size)
         link = self._engine.get_link(cluster)
 
         def planner(remote: RemoteCache) -> Plan:
+            if not remote.is_blocks:
+                raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                            f"push_blocks: {dst_cache_key} names cache {remote.cache_id}, which is not a blocks "
+                            "cache (push_cache writes rows of contiguous caches)")
             return _blocks_plan(src, _Side.of_remote(remote), src_blocks, dst_blocks, tensor_num_per_layer,
                                 src_layer_range, dst_layer_range, same_range=True)
 
@@ -456,11 +491,10 @@ class CacheManager:
 
         Returns at once with a :class:`CacheTask`; see :mod:`datadist._transfer_async`.
         Every argument is checked first and nothing starts if one is wrong: ``TypeError``,
-        ``LLM_PARAM_INVALID`` (also for role DECODER), ``LLM_KV_CACHE_NOT_EXIST`` (unknown
+        ``LLM_PARAM_INVALID``, ``LLM_KV_CACHE_NOT_EXIST`` (unknown
         source cache), ``LLM_NOT_YET_LINK`` (a destination cluster not linked)."""
         from ._transfer_async import start_task  # that module builds on this one's planners
 
-        self._role(_PUSH_ROLES, "transfer_cache_async")
         src = self._local(src_cache)
         eng = self._engine
         return start_task(eng.get_link, eng.timeout_ms, src, src_cache.is_blocks_cache, lambda: self._local(src_cache),

@@ -13,6 +13,7 @@ The engine reads nothing but :class:`EngineOptions`; no string-keyed dict travel
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ __all__ = [
     "parse_options",
     "parse_listen_ip_info",
     "TRANSFER_BACKENDS",
+    "TRANSFER_BACKEND_ALIASES",
     "DEVICE_TYPES",
     "DEFAULT_SYNC_KV_TIMEOUT_MS",
     "DEFAULT_LINK_TOTAL_TIME_S",
@@ -68,8 +70,23 @@ OPTION_RDMA_TRAFFIC_CLASS = "llm.RdmaTrafficClass"
 OPTION_RDMA_SERVICE_LEVEL = "llm.RdmaServiceLevel"
 OPTION_TRANSFER_BACKEND = "llm.TransferBackend"
 OPTION_DEVICE_TYPE = "llm.DeviceType"
+# Options of CANN's LlmConfig that this library accepts, checks and documents as having no
+# effect here (docs/migration.md says why for each).
+OPTION_SESSION_DEVICE_ID = "ge.session_device_id"
+OPTION_DEPLOY_RES_PATH = "llm.deployResPath"
+OPTION_CLUSTER_INFO = "llm.ClusterInfo"
+OPTION_OUTPUT_MAX_SIZE = "llm.OutputMaxSize"
+OPTION_ENABLE_SWITCH_ROLE = "llm.EnableSwitchRole"
+OPTION_MEMORY_UTILIZATION = "llm.MemoryUtilization"
+OPTION_BUF_POOL_CFG = "llm.BufPoolCfg"
+OPTION_GLOBAL_RESOURCE_CONFIG = "llm.GlobalResourceConfig"
+# Keys CANN's LLMDataDist adds to the dict itself, or reads from it; known, not used here.
+_CANN_INTERNAL_KEYS = frozenset({"llm.Role", "llm.ListenIp", "llm.ListenPort", "ge.flowGraphMemMaxSize"})
 
 TRANSFER_BACKENDS: Tuple[str, ...] = ("auto", "shm", "tcp", "gloo", "nccl", "hccl")
+#: CANN's own ``llm.TransferBackend`` values (its engines, "adxl" by default and "hixl"),
+#: and the empty string, all meaning: the best transport this library has, i.e. "auto".
+TRANSFER_BACKEND_ALIASES: Dict[str, str] = {"hixl": "auto", "adxl": "auto", "": "auto"}
 DEVICE_TYPES: Tuple[str, ...] = ("auto", "npu", "cuda", "cpu")
 
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
@@ -100,6 +117,14 @@ _PROPERTY_OF_KEY: Dict[str, str] = {
     OPTION_RDMA_SERVICE_LEVEL: "rdma_service_level",
     OPTION_TRANSFER_BACKEND: "transfer_backend",
     OPTION_DEVICE_TYPE: "device_type",
+    OPTION_SESSION_DEVICE_ID: "device_id",
+    OPTION_DEPLOY_RES_PATH: "deploy_res_path",
+    OPTION_CLUSTER_INFO: "cluster_info",
+    OPTION_OUTPUT_MAX_SIZE: "output_max_size",
+    OPTION_ENABLE_SWITCH_ROLE: "enable_switch_role",
+    OPTION_MEMORY_UTILIZATION: "mem_utilization",
+    OPTION_BUF_POOL_CFG: "buf_pool_cfg",
+    OPTION_GLOBAL_RESOURCE_CONFIG: "global_resource_config",
 }
 
 # EngineOptions field -> option key, for messages
@@ -331,6 +356,33 @@ def _to_choice(choices: Tuple[str, ...]) -> Callable[[Any], str]:
     return convert
 
 
+def _to_backend(raw: Any) -> str:
+    if isinstance(raw, str) and raw.strip().lower() in TRANSFER_BACKEND_ALIASES:
+        return TRANSFER_BACKEND_ALIASES[raw.strip().lower()]
+    try:
+        return _to_choice(TRANSFER_BACKENDS)(raw)
+    except _Bad:
+        raise _Bad(f"must be one of {', '.join(TRANSFER_BACKENDS)} (or CANN's hixl / adxl, meaning auto)") from None
+
+
+def _to_fraction(raw: Any) -> float:
+    if isinstance(raw, bool):
+        raise _Bad("expected a number in [0, 1], got a bool")
+    try:
+        value = float(raw.strip() if isinstance(raw, str) else raw)
+    except (TypeError, ValueError):
+        raise _Bad("expected a number in [0, 1]") from None
+    if not 0.0 <= value <= 1.0:
+        raise _Bad("must be in [0, 1]")
+    return value
+
+
+def _to_text(raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise _Bad(f"expected a string, got {type(raw).__name__}")
+    return raw
+
+
 def parse_listen_ip_info(value: Any) -> Tuple[str, int]:
     """Split an ``"ip:port"`` listen address (``llm.listenIpInfo``) into a dotted-quad IPv4
     address and a port in [0, 65535] (0: the system picks one).
@@ -419,6 +471,14 @@ def _default_link_total_time() -> float:
     return DEFAULT_LINK_TOTAL_TIME_S
 
 
+def _checked(convert: Callable[[Any], Any]) -> Callable[[Any], Dict[str, Any]]:
+    """Parser of an option that is validated but sets nothing (no effect in this library)."""
+    def parse(raw: Any) -> Dict[str, Any]:
+        convert(raw)
+        return {}
+    return parse
+
+
 def _fields(*names: str, convert: Callable[[Any], Any]) -> Callable[[Any], Dict[str, Any]]:
     def parse(raw: Any) -> Dict[str, Any]:
         value = convert(raw)
@@ -440,17 +500,42 @@ _PARSERS: Dict[str, Callable[[Any], Dict[str, Any]]] = {
     OPTION_LOCAL_COMM_RES: _fields("local_comm_res", convert=_to_json_text),
     OPTION_RDMA_TRAFFIC_CLASS: _fields("rdma_traffic_class", convert=_to_int),
     OPTION_RDMA_SERVICE_LEVEL: _fields("rdma_service_level", convert=_to_int),
-    OPTION_TRANSFER_BACKEND: _fields("transfer_backend", convert=_to_choice(TRANSFER_BACKENDS)),
+    OPTION_TRANSFER_BACKEND: _fields("transfer_backend", convert=_to_backend),
     OPTION_DEVICE_TYPE: _fields("device_type", convert=_to_choice(DEVICE_TYPES)),
+    OPTION_SESSION_DEVICE_ID: _checked(_to_int),
+    OPTION_DEPLOY_RES_PATH: _checked(_to_text),
+    OPTION_CLUSTER_INFO: _checked(_to_json_text),
+    OPTION_OUTPUT_MAX_SIZE: _checked(_to_int),
+    OPTION_ENABLE_SWITCH_ROLE: _checked(_to_bool),
+    OPTION_MEMORY_UTILIZATION: _checked(_to_fraction),
+    OPTION_BUF_POOL_CFG: _checked(_to_json_text),
+    OPTION_GLOBAL_RESOURCE_CONFIG: _checked(_to_json_text),
 }
+
+#: Option keys a warning never names: ours, and every key CANN's LLMConfig emits or its
+#: LLMDataDist adds.
+KNOWN_OPTION_KEYS = frozenset(_PARSERS) | _CANN_INTERNAL_KEYS
+_warned_keys: set = set()
+
+
+def _warn_unknown_key(key: str) -> None:
+    """One warning per unknown key and process: GE ignores unknown options, so do we, but a
+    misspelt key would otherwise be lost without a word."""
+    if key in _warned_keys:
+        return
+    _warned_keys.add(key)
+    close = difflib.get_close_matches(key, sorted(KNOWN_OPTION_KEYS), n=1)
+    _log.warning("option %r is not known to datadist and is ignored%s", key,
+                 f"; did you mean {close[0]!r}?" if close else "")
 
 
 def parse_options(options: Mapping[str, Any], base: Optional[EngineOptions] = None) -> EngineOptions:
     """Read an options dict (from :meth:`LLMConfig.generate_options` or written by hand).
 
     Values are normally strings; ints, bools and (for the pool options) dicts are accepted
-    when they convert cleanly. Keys this library does not use (other GE/llm options such as
-    ``ge.session_device_id``) are ignored and logged at DEBUG, as GE ignores unknown options.
+    when they convert cleanly. Every key CANN's ``LlmConfig`` emits is known: those without
+    an effect here are still checked. A key known to neither library is ignored, as GE
+    ignores unknown options, with one warning per key naming it (and a close match).
 
     Args:
         options: the dict.
@@ -473,7 +558,8 @@ def parse_options(options: Mapping[str, Any], base: Optional[EngineOptions] = No
             raise TypeError(f"option keys must be str, got {key!r} ({type(key).__name__})")
         parser = _PARSERS.get(key)
         if parser is None:
-            _log.debug("ignoring option %r = %r (not used by datadist)", key, raw)
+            if key not in _CANN_INTERNAL_KEYS:
+                _warn_unknown_key(key)
             continue
         try:
             fields.update(parser(raw))
@@ -546,6 +632,19 @@ class _Option:
             options[self.key] = value if isinstance(value, str) else str(value)
 
 
+_warned_fields: set = set()
+
+
+def _warn_unknown_field(name: str) -> None:
+    if name in _warned_fields:
+        return
+    _warned_fields.add(name)
+    fields = [o.name for o in LLMConfig._OPTIONS] + ["ge_options"]
+    close = difflib.get_close_matches(name, fields, n=1)
+    _log.warning("LLMConfig.%s is not a field of LLMConfig and has no effect%s", name,
+                 f"; did you mean LLMConfig.{close[0]}?" if close else "")
+
+
 class LLMConfig:
     """Builder of the options dict for ``LLMDataDist.init`` (alias ``LlmConfig``).
 
@@ -578,13 +677,42 @@ class LLMConfig:
     transfer_backend = _Option(OPTION_TRANSFER_BACKEND, str, default="auto",
                                doc="auto (default), shm, tcp, gloo, nccl or hccl")
     device_type = _Option(OPTION_DEVICE_TYPE, str, default="auto", doc="auto (default), npu, cuda or cpu")
+    # CANN's fields without an effect here; accepted and checked (docs/migration.md).
+    deploy_res_path = _Option(OPTION_DEPLOY_RES_PATH, str, default="", empty_is_unset=True,
+                              doc="CANN deployment resource path; no effect here")
+    cluster_info = _Option(OPTION_CLUSTER_INFO, str, default="", empty_is_unset=True,
+                           doc="CANN offline cluster info JSON; no effect here")
+    output_max_size = _Option(OPTION_OUTPUT_MAX_SIZE, int, doc="CANN offline output size; no effect here")
+    enable_switch_role = _Option(OPTION_ENABLE_SWITCH_ROLE, bool, default=False,
+                                 doc="Accepted; switch_role is always available")
+    mem_utilization = _Option(OPTION_MEMORY_UTILIZATION, int, float, default=0.95,
+                              doc="CANN device memory share, [0, 1]; no effect here (pools are sized explicitly)")
+    buf_pool_cfg = _Option(OPTION_BUF_POOL_CFG, str, default="", empty_is_unset=True,
+                           doc="CANN transfer buffer pool JSON; no effect here")
+    global_resource_config = _Option(OPTION_GLOBAL_RESOURCE_CONFIG, str, default="",
+                                     doc="CANN HIXL communication resources JSON; checked, no effect here")
 
     _OPTIONS = (device_id, sync_kv_timeout, listen_ip_info, enable_cache_manager, enable_remote_cache_accessible,
                 mem_pool_cfg, host_mem_pool_cfg, link_total_time, link_retry_count, local_comm_res,
-                rdma_traffic_class, rdma_service_level, transfer_backend, device_type)
+                rdma_traffic_class, rdma_service_level, transfer_backend, device_type, deploy_res_path,
+                cluster_info, output_max_size, enable_switch_role, mem_utilization, buf_pool_cfg,
+                global_resource_config)
 
     def __init__(self) -> None:
         self._ge_options: Dict[str, str] = {}
+        self._options: Dict[str, str] = {}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # CANN's LlmConfig is a plain object: any attribute can be set, and a misspelt one is
+        # silently lost. Ours takes it too, but says so once, with the closest field.
+        if not name.startswith("_") and not hasattr(type(self), name) and name not in KNOWN_OPTION_KEYS:
+            _warn_unknown_field(name)
+        object.__setattr__(self, name, value)
+
+    @property
+    def options(self) -> Dict[str, str]:
+        """The dict the last :meth:`generate_options` returned (empty before the first)."""
+        return self._options
 
     @property
     def ge_options(self) -> Dict[str, str]:
@@ -611,8 +739,11 @@ class LLMConfig:
         options: Dict[str, str] = dict(self._ge_options)
         for option in self._OPTIONS:
             option.emit(self, options)
+        if isinstance(self.device_id, int) and OPTION_DEVICE_ID in options:
+            options.setdefault(OPTION_SESSION_DEVICE_ID, options[OPTION_DEVICE_ID])  # as CANN emits both
         parse_options(options)  # one validator for generated and hand-written dicts
-        return options
+        self._options = options
+        return dict(options)
 
     gen_options = generate_options
 

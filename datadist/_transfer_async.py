@@ -32,7 +32,8 @@ copies them directly only where they lie in the peer's mapped pool arenas (elsew
 over the socket and the peer checks them).
 
 Block mapping (the task's ``src_block_indices``/``dst_block_indices``): a blocks source sends
-block ``src_block_indices[j]`` to destination block ``dst_block_indices[j]``; a contiguous
+block ``src_block_indices[j]`` to destination block ``dst_block_indices[j]`` (neither given:
+every block i to block i, the whole cache, as CANN does); a contiguous
 source sends row ``src_batch_index`` of each config, whole into a contiguous destination row,
 or cut in destination blocks (chunk j -> ``dst_block_indices[j]``).  A blocks source into a
 contiguous destination is rejected, as in CANN.
@@ -256,10 +257,13 @@ class _Source:
         sb = None if src_block_indices is None else _blocks("src_block_indices", src_block_indices, side.batch_size)
         db = None if dst_block_indices is None else _blocks("dst_block_indices", dst_block_indices, _ANY_BLOCK)
         if is_blocks:
+            if sb is None and db is None:  # CANN: the whole blocks cache, block i -> block i
+                sb = db = np.arange(side.batch_size, dtype=np.int64)
             if sb is None or db is None:
                 raise_error(_S.LLM_PARAM_INVALID,
-                            "src_cache is a blocks cache: give src_block_indices and dst_block_indices "
-                            f"(got {src_block_indices!r:.60} and {dst_block_indices!r:.60})")
+                            "src_cache is a blocks cache: give both src_block_indices and dst_block_indices, "
+                            f"or neither (the whole cache); got {src_block_indices!r:.60} and "
+                            f"{dst_block_indices!r:.60}")
             if sb.shape != db.shape:
                 raise_error(_S.LLM_PARAM_INVALID, f"src_block_indices has {sb.shape[0]} entries, "
                                                   f"dst_block_indices {db.shape[0]}; they must be equal")

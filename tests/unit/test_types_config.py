@@ -3,6 +3,7 @@ parse_options (SPEC-datadist sections 1 and 2)."""
 import dataclasses
 import json
 import logging
+import re
 import pickle
 
 import numpy as np
@@ -198,6 +199,7 @@ def full_config():
 def test_generate_options_keys():
     assert full_config().generate_options() == {
         "ge.exec.deviceId": "3",
+        "ge.session_device_id": "3",  # CANN emits both device keys
         "llm.SyncKvCacheWaitTime": "2500",
         "llm.listenIpInfo": "10.0.0.5:26000",
         "llm.EnableCacheManager": "1",
@@ -331,7 +333,7 @@ GENERATE_VALUE_ERRORS = [
     ("local_comm_res", "{broken"),
     ("rdma_traffic_class", 256), ("rdma_traffic_class", 130), ("rdma_traffic_class", -4),
     ("rdma_service_level", 8), ("rdma_service_level", -1),
-    ("transfer_backend", "rdma"), ("transfer_backend", ""), ("device_type", "tpu"),
+    ("transfer_backend", "rdma"), ("transfer_backend", "hixl2"), ("device_type", "tpu"),
 ]
 
 
@@ -427,16 +429,92 @@ def test_parse_listen_address():
         parse_listen_ip_info(26000)
 
 
-def test_unknown_keys_are_ignored_and_logged(caplog):
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def warnings(self) -> list:
+        return [r.getMessage() for r in self.records if r.levelno == logging.WARNING]
+
+
+def _config_log(action) -> _Records:
+    """Run ``action`` and return what datadist._config logged meanwhile."""
     logger = logging.getLogger("datadist._config")
-    logger.addHandler(caplog.handler)  # seen even if the package logger stops propagation
+    handler, level = _Records(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
     try:
-        with caplog.at_level(logging.DEBUG, logger="datadist._config"):
-            opts = parse_options({"ge.session_device_id": "0", "llm.Role": "Prompt", "x.y": object()})
+        action()
     finally:
-        logger.removeHandler(caplog.handler)
-    assert opts == parse_options({})
-    assert "ge.session_device_id" in caplog.text and "llm.Role" in caplog.text
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return handler
+
+
+def test_cann_keys_are_known_and_unknown_keys_warn_once():
+    # every key CANN's generate_options can emit, and the ones its LLMDataDist adds
+    cann = {"ge.session_device_id": "0", "llm.Role": "Prompt", "llm.deployResPath": "/x",
+            "llm.ClusterInfo": '{"cluster_id": 1}', "llm.OutputMaxSize": "1024", "llm.EnableSwitchRole": "1",
+            "llm.MemoryUtilization": "0.95", "llm.BufPoolCfg": '{"buf_cfg": []}',
+            "llm.GlobalResourceConfig": '{"comm_resource_config.listen_port": 26666}',
+            "llm.ListenIp": "1", "llm.ListenPort": "2", "ge.flowGraphMemMaxSize": "1024"}
+    assert _config_log(lambda: parse_options(cann)).warnings() == []
+    assert parse_options(cann) == parse_options({})
+    warnings = _config_log(lambda: [parse_options({"llm.SyncKvCacheWaitTme": "5"}) for _ in range(3)]).warnings()
+    assert len(warnings) == 1
+    assert "llm.SyncKvCacheWaitTme" in warnings[0]
+    assert "llm.SyncKvCacheWaitTime" in warnings[0]  # the close match
+
+
+@pytest.mark.parametrize("key, value", [
+    ("llm.MemoryUtilization", "1.5"), ("llm.MemoryUtilization", "most"), ("llm.OutputMaxSize", "big"),
+    ("llm.EnableSwitchRole", "maybe"), ("llm.GlobalResourceConfig", "{broken"), ("llm.ClusterInfo", "{"),
+])
+def test_cann_only_keys_are_still_checked(key, value):
+    with pytest.raises(ParamInvalidError, match=re.escape(key)):
+        parse_options({key: value})
+
+
+@pytest.mark.parametrize("value", ["hixl", "adxl", "HIXL", ""])
+def test_cann_transfer_backends_mean_auto(value):
+    cfg = LLMConfig()
+    cfg.transfer_backend = value
+    assert parse_options(cfg.generate_options()).transfer_backend == "auto"
+
+
+def test_cann_fields_are_accepted():
+    cfg = LLMConfig()
+    cfg.enable_switch_role = True
+    cfg.mem_utilization = 0.8
+    cfg.output_max_size = 4096
+    cfg.deploy_res_path = "/opt/res"
+    cfg.buf_pool_cfg = '{"buf_cfg": [{"total_size": 2097152, "blk_size": 256, "max_buf_size": 8192}]}'
+    cfg.global_resource_config = '{"comm_resource_config.max_active_channels": 128}'
+    cfg.cluster_info = '{"cluster_id": 1}'
+    assert _config_log(cfg.generate_options).warnings() == []
+    options = cfg.generate_options()
+    assert options["llm.EnableSwitchRole"] == "1" and options["llm.MemoryUtilization"] == "0.8"
+    assert options["llm.OutputMaxSize"] == "4096" and options["llm.deployResPath"] == "/opt/res"
+    assert cfg.options == options
+    with pytest.raises(ParamInvalidError, match="mem_utilization"):
+        cfg.mem_utilization = 2.0
+        cfg.generate_options()
+
+
+def test_unknown_config_attribute_is_kept_and_warned_once():
+    cfg = LLMConfig()
+
+    def misspell():
+        cfg.sync_kv_timout = 5
+        cfg.sync_kv_timout = 6
+    warnings = _config_log(misspell).warnings()
+    assert cfg.sync_kv_timout == 6  # kept, like CANN's plain object
+    assert len(warnings) == 1 and "sync_kv_timout" in warnings[0] and "sync_kv_timeout" in warnings[0]
+    assert "llm.SyncKvCacheWaitTime" not in cfg.generate_options()
 
 
 BAD_PARSE_VALUES = [
