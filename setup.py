@@ -9,7 +9,7 @@ setup(
     name="datadist",
     version="0.1.0",
     description="llm_datadist-compatible KV-cache transfer and an EMS-compatible context-caching pool",
-    packages=find_packages(include=["datadist", "datadist.*", "ems", "ems.*"]),
+    packages=find_packages(include=["datadist", "datadist.*", "ems", "ems.*", "llm_datadist", "llm_datadist.*"]),
     python_requires=">=3.9",
     install_requires=["numpy", "torch", "pyzmq"],
     extras_require={

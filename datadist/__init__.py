@@ -6,6 +6,7 @@ CANN's ``llm_datadist`` (CacheManager mode), on CPU, CUDA or Ascend machines.
 from ._arrivals import Arrival
 from ._cache_manager import CacheManager
 from ._config import LLMConfig, LlmConfig
+from ._kv_cache import KvCache
 from ._llm_datadist import LLMDataDist
 from ._objects import (BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, LLMClusterInfo,
                        MemInfo)
@@ -21,6 +22,18 @@ __all__ = [
     "LLMRole", "Placement", "DataType", "RegisterMemStatus", "Memtype",
     "LLMStatusCode", "LLMException", "Status",
     "CacheDesc", "Cache", "CacheKey", "CacheKeyByIdAndIndex", "BlocksCacheKey", "LLMClusterInfo", "MemInfo",
-    "create_tensors", "Arrival",
+    "create_tensors", "Arrival", "KvCache",
     "LayerSynchronizer", "TransferConfig", "TransferWithCacheKeyConfig", "CacheTask",
 ]
+
+#: Names CANN's package imports lazily from its v1 (KvCacheManager mode) package.
+_V1_NAMES = ("TensorDesc", "Tensor", "KvCacheManager")
+
+
+def __getattr__(name: str):
+    if name in _V1_NAMES:
+        # As CANN does when its v1 package is absent: an import error, naming what is missing.
+        raise ModuleNotFoundError(f"{name} belongs to llm_datadist's v1 (KvCacheManager) mode, which datadist "
+                                  "does not implement; use CacheManager mode (LLMDataDist.cache_manager)",
+                                  name="llm_datadist_v1")
+    raise AttributeError(f"module 'datadist' has no attribute {name!r}")

@@ -73,14 +73,16 @@ class LLMDataDist:
 
     # -- lifecycle -------------------------------------------------------------------------
     def init(self, options: dict) -> None:
-        """Start the engine with the options dict from ``LLMConfig.generate_options()``."""
+        """Start the engine with the options dict from ``LLMConfig.generate_options()``.
+
+        As in CANN, ``init`` on a running engine does nothing, and a finalized engine can be
+        initialized again (serving adapters finalize and re-init one object)."""
         global _active
         if not isinstance(options, dict):
             raise TypeError(f"options must be a dict of option strings, got {type(options).__name__}")
-        if self._finalized:
-            raise_error(LLMStatusCode.LLM_ENGINE_FINALIZED, f"engine of cluster {self._cluster_id} was finalized")
-        if self._engine is not None:
-            raise_error(LLMStatusCode.LLM_FAILED, f"engine of cluster {self._cluster_id} is already initialized")
+        if self._engine is not None:  # CANN returns at once; the running engine stays as it is
+            log.info("engine of cluster %d is already initialized; init ignored", self._cluster_id)
+            return
         parsed = parse_options(options)
         with _active_lock:
             other = _active() if _active is not None else None
@@ -93,6 +95,7 @@ class LLMDataDist:
             except OSError as exc:
                 raise_error(LLMStatusCode.LLM_FAILED, f"engine start failed: {exc}")
             self._options = parsed
+            self._finalized = False  # CANN lets a finalized engine be initialized again
             _active = weakref.ref(self)
         atexit.register(self.finalize)
 
@@ -195,8 +198,13 @@ class LLMDataDist:
 
     # -- roles -----------------------------------------------------------------------------
     def switch_role(self, role: LLMRole, switch_options: Optional[dict] = None) -> None:
-        """Become ``role``; ``switch_options["llm.listenIpInfo"]`` also makes this engine a
-        server listening there.  Not while links exist (``LLM_EXIST_LINK``)."""
+        """Become ``role``.  Not while links exist (``LLM_EXIST_LINK``).
+
+        Listening follows the role, as in CANN: with ``switch_options["llm.listenIpInfo"]``
+        the engine listens there (and nowhere else); without it a DECODER stops listening and
+        a PROMPT or MIX engine keeps its address.  A closed address is free for another
+        process as soon as this returns (CANN's switch_role sample hands one ip:port over).
+        Listeners of comm domains (``link``) are left alone."""
         engine = self._engine_or_raise()
         if isinstance(role, bool) or not isinstance(role, int):
             raise TypeError(f"role must be an LLMRole, got {type(role).__name__}")
@@ -207,16 +215,24 @@ class LLMDataDist:
         if switch_options is not None and not isinstance(switch_options, dict):
             raise TypeError(f"switch_options must be a dict or None, got {type(switch_options).__name__}")
         listen = parse_options(switch_options).listen_address if switch_options else None
-        with engine._links_lock:
-            linked = sorted(engine.links)
+        linked = engine.linked_clusters()
         if linked:
             raise_error(LLMStatusCode.LLM_EXIST_LINK,
                         f"cannot switch role while linked to cluster(s) {linked}; unlink them first")
-        if listen is not None and listen not in engine.agent.listeners:
-            try:
-                engine.agent.add_listener(listen)
-            except OSError as exc:
-                raise_error(LLMStatusCode.LLM_FAILED, f"switch_role cannot listen on {listen[0]}:{listen[1]}: {exc}")
+        agent = engine.agent
+        keep = {d.listener for d in self._comms.values() if d.listener is not None}
+        if listen is not None:
+            if listen not in agent.listeners:
+                try:
+                    listen = agent.add_listener(listen)
+                except OSError as exc:
+                    raise_error(LLMStatusCode.LLM_FAILED,
+                                f"switch_role cannot listen on {listen[0]}:{listen[1]}: {exc}")
+            keep.add(listen)
+        elif new_role != LLMRole.DECODER:
+            keep.update(agent.listeners)
+        for addr in [a for a in agent.listeners if a not in keep]:
+            agent.remove_listener(addr)
         self._role = new_role
         engine.role = int(new_role)
 

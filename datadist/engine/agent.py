@@ -99,16 +99,22 @@ class Agent:
             raise got
         return got
 
-    def remove_listener(self, addr: tuple[str, int]) -> None:
-        """Stop listening on ``addr`` (no-op if not listening there)."""
+    def remove_listener(self, addr: tuple[str, int], timeout: float = 5.0) -> None:
+        """Stop listening on ``addr`` (no-op if not listening there).  Returns once the
+        socket is closed, so another process may bind the address right after."""
+        done: "queue.Queue" = queue.Queue()
 
         def close() -> None:
             ls = self.listeners.pop(tuple(addr), None)
             if ls is not None:
                 self._sel.unregister(ls)
                 ls.close()
+            done.put(None)
 
         self.call(close)
+        if threading.current_thread() is not self._thread:
+            with contextlib.suppress(queue.Empty):  # a stopped agent has closed it already
+                done.get(timeout=timeout)
 
     # -- control from other threads -------------------------------------------------------
     def call(self, fn: Callable[[], None]) -> None:
@@ -214,7 +220,7 @@ class Agent:
         if getattr(reply, "status", 0):
             sock.close()
         elif isinstance(msg, wire.Attach):
-            link = self.engine.links.get(msg.cluster_id)
+            link = self.engine.links.get((msg.cluster_id, False))
             if link is not None:
                 self.engine.after_attach(link)
 
@@ -225,12 +231,15 @@ class Agent:
             with contextlib.ExitStack() as self._request_scope:  # staging buffers of this request
                 msg = wire.read_message(sock)
                 reply = self._handle(link, msg, sock)
+                if isinstance(msg, wire.Unlink):
+                    # Forgotten before it is confirmed: once the peer's unlink returns, this
+                    # end has no link either (a switch_role right after must not see one).
+                    # The socket itself closes on the next turn of the loop, after the reply.
+                    self._unregister(link)
+                    self.engine.drop_link(link, notify=False)
                 if reply is not None:  # a pull's payload follows its reply in the same writev
                     native.sock_send(sock.fileno(), self._pending_plan or _NO_PAYLOAD, self.engine.timeout_ms,
                                      wire.encode(reply))
-            if isinstance(msg, wire.Unlink):
-                self._unregister(link)
-                self.engine.drop_link(link, notify=False)
         except (OSError, RuntimeError, wire.WireError, ValueError) as exc:
             self._unregister(link)
             link.retire("peer closed the connection" if isinstance(exc, ConnectionError) else str(exc))

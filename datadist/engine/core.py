@@ -80,7 +80,10 @@ class Engine:
         self.backend = options.transfer_backend
         self.host = host_identity()
         self.pid = os.getpid()
-        self.links: dict[int, Link] = {}
+        #: Links by (peer cluster id, whether this end initiated it).  Two peers may link to
+        #: each other at once (both listening, as CANN's hixl backend allows): each end then
+        #: holds the link it made and the one it accepted, and unlinks its own first.
+        self.links: dict[tuple[int, bool], Link] = {}
         self._links_lock = threading.Lock()
         self._links_changed = threading.Condition(self._links_lock)
         self.pools: dict[str, PoolAllocator] = {}
@@ -110,6 +113,15 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    def find_link(self, cluster_id: int) -> Optional[Link]:
+        """The link to ``cluster_id``: the one this end made if any, else the accepted one."""
+        with self._links_lock:
+            return self.links.get((cluster_id, True)) or self.links.get((cluster_id, False))
+
+    def linked_clusters(self) -> list[int]:
+        with self._links_lock:
+            return sorted({cluster for cluster, _ in self.links})
 
     @property
     def listen_port(self) -> Optional[int]:
@@ -187,7 +199,7 @@ class Engine:
             return wire.HelloAck(status=int(LLMStatusCode.LLM_LINK_FAILED),
                                  message=f"this is cluster {self.cluster_id}, not {msg.remote_cluster_id}", **fields)
         with self._links_lock:
-            old = self.links.get(msg.cluster_id)
+            old = self.links.get((msg.cluster_id, False))
             if old is not None and old.broken is None:
                 return wire.HelloAck(status=int(LLMStatusCode.LLM_ALREADY_LINK),
                                      message=f"cluster {msg.cluster_id} is already linked", **fields)
@@ -215,7 +227,7 @@ class Engine:
 
     def accept_attach(self, msg: wire.Attach, sock: socket.socket) -> wire.Reply:
         with self._links_lock:
-            link = self.links.get(msg.cluster_id)
+            link = self.links.get((msg.cluster_id, False))
         if link is None or link.req_sock is not None:
             return wire.Reply(status=int(LLMStatusCode.LLM_LINK_FAILED), message=f"no pending link from {msg.cluster_id}")
         link.req_sock = sock
@@ -250,9 +262,10 @@ class Engine:
 
     def _install(self, link: Link) -> None:
         self.registry.source_linked(link.remote_cluster_id)
+        key = (link.remote_cluster_id, link.is_client)
         with self._links_lock:
-            old = self.links.pop(link.remote_cluster_id, None)
-            self.links[link.remote_cluster_id] = link
+            old = self.links.pop(key, None)
+            self.links[key] = link
             self._links_changed.notify_all()
         if old is not None:
             self.agent.unwatch(old)
@@ -262,7 +275,7 @@ class Engine:
     def link(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> LLMStatusCode:
         """Link to the server at ``ip:port``; returns the per-cluster status."""
         with self._links_lock:
-            old = self.links.get(remote_cluster_id)
+            old = self.links.get((remote_cluster_id, True))
         if old is not None and old.broken is None:
             return LLMStatusCode.LLM_ALREADY_LINK
         socks: list[socket.socket] = []
@@ -343,7 +356,7 @@ class Engine:
         False at the deadline or once ``cancel`` is set."""
         while not cancel.is_set():
             with self._links_lock:
-                link = self.links.get(cluster_id)
+                link = self.links.get((cluster_id, True)) or self.links.get((cluster_id, False))
                 if link is None:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -359,16 +372,14 @@ class Engine:
 
     def get_link(self, cluster_id: int) -> Link:
         """The link to ``cluster_id`` ready for transfers; ``LLM_NOT_YET_LINK`` otherwise."""
-        with self._links_lock:
-            link = self.links.get(cluster_id)
+        link = self.find_link(cluster_id)
         if link is None or not link.ready.is_set():
             raise_error(LLMStatusCode.LLM_NOT_YET_LINK,
                         f"cluster {cluster_id} is not linked with cluster {self.cluster_id}; call link_clusters first")
         return link
 
     def unlink(self, cluster_id: int, deadline: float, force: bool) -> LLMStatusCode:
-        with self._links_lock:
-            link = self.links.get(cluster_id)
+        link = self.find_link(cluster_id)
         if link is None:
             return LLMStatusCode.LLM_NOT_YET_LINK
         if not link.lock.acquire(blocking=False):
@@ -387,10 +398,13 @@ class Engine:
 
     def drop_link(self, link: Link, notify: bool) -> None:
         """Forget ``link`` and close it (any thread; the agent calls it on UNLINK)."""
+        key = (link.remote_cluster_id, link.is_client)
         with self._links_lock:
-            if self.links.get(link.remote_cluster_id) is link:
-                del self.links[link.remote_cluster_id]
-        self._link_broken(link.remote_cluster_id, "the link was unlinked")  # no more pushes from there
+            if self.links.get(key) is link:
+                del self.links[key]
+            others = (link.remote_cluster_id, not link.is_client) in self.links
+        if not others:
+            self._link_broken(link.remote_cluster_id, "the link was unlinked")  # no more pushes from there
         self.agent.unwatch(link)
         # Closing must wait until the agent has unregistered the socket.
         self.agent.call(link.close)
