@@ -382,7 +382,10 @@ class Engine:
         link = self.find_link(cluster_id)
         if link is None:
             return LLMStatusCode.LLM_NOT_YET_LINK
-        if not link.lock.acquire(blocking=False):
+        # A transfer in flight makes the link busy.  A link being retired (its peer just went
+        # away: the agent holds the lock for a moment) is not busy: wait for that moment.
+        if not (link.lock.acquire(blocking=False)
+                or (link.broken is not None and link.lock.acquire(timeout=max(0.0, deadline - time.monotonic())))):
             return LLMStatusCode.LLM_LINK_BUSY
         link.closing = True
         try:

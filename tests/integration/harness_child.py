@@ -362,10 +362,10 @@ class _Child:
     def op_links(self) -> Dict[int, Dict[str, Any]]:
         """Per linked cluster: the transport's name and how many of the peer's device
         allocations it has open by CUDA IPC (shm links)."""
-        links = self.engine._engine_or_raise().links
+        engine = self.engine._engine_or_raise()
         return {cid: {"path": link.path,
                       "ipc_open": sum(r is not None for r in getattr(link.transport, "_device", {}).values())}
-                for cid, link in links.items()}
+                for cid in engine.linked_clusters() for link in [engine.find_link(cid)] if link is not None}
 
     def op_warm_collectives(self) -> None:
         """Create and drop one TCPStore server: torch.distributed opens a wake-up pipe the

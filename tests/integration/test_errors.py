@@ -281,23 +281,6 @@ def test_row_arguments(caches: Dict[str, Any]) -> None:
     _assert_unchanged(caches)
 
 
-def test_wrong_role(caches: Dict[str, Any]) -> None:
-    """push_* from a DECODER and pull_* from a PROMPT: LLM_PARAM_INVALID naming the role
-    and switch_role."""
-    p, d = caches["pair"].peers()
-    with expect_llm(S.LLM_PARAM_INVALID) as caught:
-        d.cm("push_blocks", blocks_key(PROMPT_ID), Ref("dst"), [0], [1])
-    assert "switch_role" in caught[0].message and "DECODER" in caught[0].message
-    with expect_llm(S.LLM_PARAM_INVALID):
-        d.cm("push_cache", id_key(PROMPT_ID, caches["rows"]["cache_id"], 0), Ref("drows"), 0)
-    with expect_llm(S.LLM_PARAM_INVALID) as caught:
-        p.cm("pull_blocks", blocks_key(DECODER_ID), Ref("src"), [0], [1])
-    assert "switch_role" in caught[0].message and "PROMPT" in caught[0].message
-    with expect_llm(S.LLM_PARAM_INVALID):
-        p.cm("pull_cache", id_key(DECODER_ID, caches["drows"]["cache_id"], 0), Ref("rows"), 0)
-    _assert_unchanged(caches)
-
-
 # ------------------------------------------------------------------ link results
 
 

@@ -1,0 +1,55 @@
+"""CANN's published llm_datadist samples, in their own shape, run unchanged against
+``import llm_datadist`` (tests/integration/vendor_shaped.py): pushes from the decoder,
+both ends linking to each other, a role switch handing one ip:port over, two prompts and a
+decoder, layer-wise async without block indices, a rank-table comm domain with swaps.
+
+Each scenario runs as real processes joined by a gloo process group (the samples' own
+barriers); the test passes when every process exits 0, and shows each one's output if not.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import free_port
+
+SCRIPT = Path(__file__).with_name("vendor_shaped.py")
+DEADLINE_S = 100
+
+
+def run_scenario(name: str, world: int, ports: int) -> None:
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    port_list = ",".join(str(free_port()) for _ in range(ports))
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), name, str(rank), str(world), port_list], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world)]
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=DEADLINE_S)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
+    assert not failed, "\n".join(f"--- rank {rank} exited {rc} ---\n{outputs[rank] if rank < len(outputs) else ''}"
+                                 for rank, rc in failed)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name, world, ports", [
+    ("push_from_decoder", 2, 1),
+    ("link_both_ways", 2, 2),
+    ("switch_roles", 2, 1),
+    ("two_prompts_one_decoder", 3, 3),
+    ("async_whole_cache", 2, 2),
+    ("rank_table_pull_and_swap", 2, 1),
+])
+def test_vendor_shaped_sample(name: str, world: int, ports: int) -> None:
+    run_scenario(name, world, ports)

@@ -1,0 +1,299 @@
+"""Client programs in the shape of CANN's published llm_datadist samples, written against
+``import llm_datadist`` exactly as those samples use it (torch tensors registered by
+address with ``Placement.DEVICE``, a gloo process group for barriers, ``link_clusters`` or
+``link`` with a rank table, fixed roles and cluster ids).  Only what cannot run here
+changed: tensors are CPU tensors, addresses are loopback, ports are given.
+
+Run as ``python vendor_shaped.py SCENARIO RANK WORLD PORTS`` with ``MASTER_ADDR`` and
+``MASTER_PORT`` set; ``PORTS`` is a comma-separated list of free ports.  Exit code 0 means
+every check of the scenario held; anything else raises with a message.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from llm_datadist import (BlocksCacheKey, Cache, CacheDesc, DataType, LayerSynchronizer, LLMClusterInfo, LLMConfig,
+                          LLMDataDist, LLMRole, LLMStatusCode, Placement, RegisterMemStatus,
+                          TransferWithCacheKeyConfig)
+
+IP = "127.0.0.1"
+BLOCKS_NUM = 3
+KV_SHAPE = 10
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def make_engine(role: LLMRole, cluster_id: int, listen: str = "", backend: str = "",
+                cache_manager: bool = False) -> LLMDataDist:
+    engine = LLMDataDist(role, cluster_id)
+    config = LLMConfig()
+    config.device_id = 0
+    config.local_comm_res = ""
+    if cache_manager:
+        config.enable_cache_manager = True
+        config.enable_remote_cache_accessible = True
+    if backend:
+        config.transfer_backend = backend
+    if listen:
+        config.listen_ip_info = listen
+    engine.init(config.generate_options())
+    return engine
+
+
+def register(engine: LLMDataDist, tensors, key) -> Cache:
+    desc = CacheDesc(num_tensors=len(tensors), shape=list(tensors[0].shape), data_type=DataType.DT_FLOAT,
+                     placement=Placement.DEVICE)
+    return engine.cache_manager.register_blocks_cache(desc, [int(t.data_ptr()) for t in tensors], key)
+
+
+def cluster(remote_id: int, remote_port: int, local_port: int = 0) -> LLMClusterInfo:
+    info = LLMClusterInfo()
+    info.remote_cluster_id = remote_id
+    info.append_local_ip_info(IP, local_port)
+    info.append_remote_ip_info(IP, remote_port)
+    return info
+
+
+def ok(ret) -> None:
+    status, _ = ret
+    if status != LLMStatusCode.LLM_SUCCESS:
+        raise RuntimeError(f"expected LLM_SUCCESS, got {status}")
+
+
+def expect(tensor: torch.Tensor, rows: dict, what: str) -> None:
+    for row, value in rows.items():
+        if not torch.equal(tensor[row], torch.full((KV_SHAPE,), float(value))):
+            raise AssertionError(f"{what}: row {row} is {tensor[row].tolist()}, expected all {value}")
+
+
+# ---------------------------------------------------------------------------- scenarios
+
+def push_from_decoder(rank: int, ports: list) -> None:
+    """The push_blocks sample: the DECODER links to the prompt and pushes into it."""
+    prompt_id, decoder_id = 0, 1
+    if rank == 0:
+        engine = make_engine(LLMRole.PROMPT, prompt_id, f"{IP}:{ports[0]}")
+        tensors = [torch.ones(BLOCKS_NUM, KV_SHAPE), torch.ones(BLOCKS_NUM, KV_SHAPE)]
+        cache = register(engine, tensors, BlocksCacheKey(prompt_id, 0))
+        barrier()  # registered
+        barrier()  # the decoder pushed
+        for t in tensors:
+            expect(t, {0: 0, 1: 1, 2: 0}, "prompt after the decoder's push")
+        ok(engine.unlink_clusters([cluster(decoder_id, 0)], 5000, force=True))
+    else:
+        engine = make_engine(LLMRole.DECODER, decoder_id)
+        tensors = [torch.zeros(BLOCKS_NUM, KV_SHAPE), torch.zeros(BLOCKS_NUM, KV_SHAPE)]
+        cache = register(engine, tensors, BlocksCacheKey(decoder_id, 0))
+        barrier()
+        ok(engine.link_clusters([cluster(prompt_id, ports[0])], 5000))
+        engine.cache_manager.push_blocks(BlocksCacheKey(prompt_id, 0), cache, src_blocks=[0, 1], dst_blocks=[0, 2])
+        barrier()
+        ok(engine.unlink_clusters([cluster(prompt_id, ports[0])], 5000, force=True))
+    engine.cache_manager.unregister_cache(cache.cache_id)
+    engine.finalize()
+
+
+def link_both_ways(rank: int, ports: list) -> None:
+    """The hixl backend sample: both ends listen and link to each other; the prompt pulls,
+    the decoder pushes, both unlink their own link."""
+    me, peer = rank, 1 - rank
+    engine = make_engine(LLMRole.PROMPT if rank == 0 else LLMRole.DECODER, me, f"{IP}:{ports[me]}", backend="hixl")
+    tensors = [torch.full((BLOCKS_NUM, KV_SHAPE), float(1 - rank)) for _ in range(2)]
+    cache = register(engine, tensors, BlocksCacheKey(me, 0))
+    barrier()  # registered
+    ok(engine.link_clusters([cluster(peer, ports[peer], ports[me])], 5000))
+    if rank == 0:
+        engine.cache_manager.pull_blocks(BlocksCacheKey(peer, 0), cache, src_blocks=[2], dst_blocks=[2])
+    else:
+        engine.cache_manager.push_blocks(BlocksCacheKey(peer, 0), cache, src_blocks=[0, 1], dst_blocks=[0, 1])
+    barrier()  # both transfers done
+    ok(engine.unlink_clusters([cluster(peer, ports[peer])], 5000))
+    barrier()  # both unlinked
+    if rank == 0:
+        for t in tensors:
+            expect(t, {0: 0, 1: 0, 2: 0}, "prompt after its pull and the decoder's push")
+    engine.cache_manager.unregister_cache(cache.cache_id)
+    engine.finalize()
+
+
+def switch_roles(rank: int, ports: list) -> None:
+    """The switch_role sample: the decoder pulls from the prompt, then both switch roles
+    and the old decoder listens on the very ip:port the old prompt gave up."""
+    port = ports[0]
+    prompt_id, decoder_id = 0, 1
+    if rank == 0:
+        engine = make_engine(LLMRole.PROMPT, prompt_id, f"{IP}:{port}")
+        tensors = [torch.ones(BLOCKS_NUM, KV_SHAPE), torch.ones(BLOCKS_NUM, KV_SHAPE)]
+        cache = register(engine, tensors, BlocksCacheKey(prompt_id, 0))
+        barrier()  # registered
+        barrier()  # the decoder pulled and unlinked
+        engine.switch_role(LLMRole.DECODER)
+        barrier()  # switched; the port is free
+        barrier()  # the other end listens there now
+        ok(engine.link_clusters([cluster(decoder_id, port, port)], 5000))
+        barrier()  # linked
+        barrier()  # it pushed
+        for t in tensors:
+            expect(t, {0: 2, 1: 2, 2: 2}, "old prompt after the push of the old decoder")
+        ok(engine.unlink_clusters([cluster(decoder_id, port)], 5000, force=True))
+    else:
+        engine = make_engine(LLMRole.DECODER, decoder_id)
+        tensors = [torch.zeros(BLOCKS_NUM, KV_SHAPE), torch.zeros(BLOCKS_NUM, KV_SHAPE)]
+        cache = register(engine, tensors, BlocksCacheKey(decoder_id, 0))
+        barrier()
+        ok(engine.link_clusters([cluster(prompt_id, port, port)], 5000))
+        engine.cache_manager.pull_blocks(BlocksCacheKey(prompt_id, 0), cache, src_blocks=[0, 1], dst_blocks=[0, 2])
+        for t in tensors:
+            expect(t, {0: 1, 1: 0, 2: 1}, "decoder after its pull")
+        ok(engine.unlink_clusters([cluster(prompt_id, port)], 5000))
+        barrier()
+        barrier()
+        config = LLMConfig()
+        config.listen_ip_info = f"{IP}:{port}"
+        engine.switch_role(LLMRole.PROMPT, config.generate_options())
+        barrier()
+        barrier()
+        for t in tensors:
+            t.fill_(2.0)
+        engine.cache_manager.push_blocks(BlocksCacheKey(prompt_id, 0), cache, src_blocks=[0, 1, 2],
+                                         dst_blocks=[0, 1, 2], src_layer_range=range(0, 2),
+                                         dst_layer_range=range(0, 2), tensor_num_per_layer=1)
+        barrier()
+        ok(engine.unlink_clusters([cluster(prompt_id, port)], 5000, force=True))
+    engine.cache_manager.unregister_cache(cache.cache_id)
+    engine.finalize()
+
+
+def _ip_port_id(port: int) -> int:
+    # the xpyd sample names clusters by ip:port packed into one integer
+    return (0x7F000001 << 16) | port
+
+
+def two_prompts_one_decoder(rank: int, ports: list) -> None:
+    """The xpyd sample: one-tensor caches, a decoder (not listening) links to two prompts
+    and pulls the same blocks from each; tensor_num_per_layer keeps its default of 2."""
+    if rank < 2:
+        me = _ip_port_id(ports[rank])
+        engine = make_engine(LLMRole.PROMPT, me, f"{IP}:{ports[rank]}")
+        tensor = torch.full((BLOCKS_NUM, KV_SHAPE), float(rank + 1))
+        cache = register(engine, [tensor], BlocksCacheKey(me, 0))
+        barrier()  # registered
+        barrier()  # the decoder is done
+    else:
+        me = _ip_port_id(ports[2])
+        engine = make_engine(LLMRole.DECODER, me)
+        tensor = torch.zeros(BLOCKS_NUM, KV_SHAPE)
+        cache = register(engine, [tensor], BlocksCacheKey(me, 0))
+        barrier()
+        clusters = [cluster(_ip_port_id(p), p) for p in ports[:2]]
+        ok(engine.link_clusters(clusters, 5000))
+        for i, p in enumerate(ports[:2]):
+            engine.cache_manager.pull_blocks(BlocksCacheKey(_ip_port_id(p), 0), cache, src_blocks=[0, 1],
+                                             dst_blocks=[0, 2])
+            expect(tensor, {0: i + 1, 1: 0, 2: i + 1}, f"decoder after pulling from prompt {i}")
+        ok(engine.unlink_clusters(clusters, 5000))
+        barrier()
+    engine.cache_manager.unregister_cache(cache.cache_id)
+    engine.finalize()
+
+
+class _Ready(LayerSynchronizer):
+    def synchronize_layer(self, layer_index: int, timeout_in_millis) -> bool:
+        return True
+
+
+def async_whole_cache(rank: int, ports: list) -> None:
+    """The transfer_cache_async sample: a blocks-registered source, layer ranges, and no
+    block indices: the whole cache goes, block i to block i."""
+    prompt_id, decoder_id = 0, 1
+    if rank == 0:
+        engine = make_engine(LLMRole.PROMPT, prompt_id, f"{IP}:{ports[1]}", cache_manager=True)
+        tensors = [torch.arange(BLOCKS_NUM * KV_SHAPE, dtype=torch.float32).reshape(BLOCKS_NUM, KV_SHAPE)
+                   + 100 * i for i in range(2)]
+        cache = register(engine, tensors, BlocksCacheKey(prompt_id, 0))
+        barrier()
+        ok(engine.link_clusters([cluster(decoder_id, ports[0], ports[1])], 5000))
+        config = TransferWithCacheKeyConfig(BlocksCacheKey(decoder_id, 0), range(0, 1), range(0, 1))
+        results = engine.cache_manager.transfer_cache_async(cache, _Ready(), [config]).get_results()
+        if results != [LLMStatusCode.LLM_SUCCESS]:
+            raise RuntimeError(f"transfer_cache_async results {results}")
+        barrier()
+        ok(engine.unlink_clusters([cluster(decoder_id, ports[0])], 5000, force=True))
+    else:
+        engine = make_engine(LLMRole.DECODER, decoder_id, f"{IP}:{ports[0]}", cache_manager=True)
+        tensors = [torch.zeros(BLOCKS_NUM, KV_SHAPE) for _ in range(2)]
+        cache = register(engine, tensors, BlocksCacheKey(decoder_id, 0))
+        barrier()
+        barrier()  # the prompt's task is done
+        for i, t in enumerate(tensors):
+            want = torch.arange(BLOCKS_NUM * KV_SHAPE, dtype=torch.float32).reshape(BLOCKS_NUM, KV_SHAPE) + 100 * i
+            if not torch.equal(t, want):
+                raise AssertionError(f"decoder tensor {i} is {t.tolist()}")
+        ok(engine.unlink_clusters([cluster(prompt_id, ports[1])], 5000, force=True))
+    engine.cache_manager.unregister_cache(cache.cache_id)
+    engine.finalize()
+
+
+def rank_table_pull_and_swap(rank: int, ports: list) -> None:
+    """The pull_blocks sample: a comm domain from a rank table, a one-tensor cache pulled by
+    the decoder (default tensor_num_per_layer), then swapped out to a CPU cache and back."""
+    cluster_id = rank + 1
+    engine = make_engine(LLMRole.PROMPT if rank == 0 else LLMRole.DECODER, cluster_id, cache_manager=True)
+    # CANN's single-host table; "port" (our addition, default HCCL's 16666) keeps parallel runs apart
+    table = {"server_count": "1", "status": "completed", "version": "1.2", "port": ports[0], "server_list": [
+        {"host_ip": IP, "server_id": "1", "device": [
+            {"device_id": "0", "device_ip": IP, "rank_id": "0"},
+            {"device_id": "1", "device_ip": IP, "rank_id": "1"}]}]}
+    desc = CacheDesc(num_tensors=1, shape=[2, 1024], data_type=DataType.DT_FLOAT, placement=Placement.DEVICE)
+    tensor = torch.full((2, 1024), 7.0) if rank == 0 else torch.zeros(2, 1024)
+    key = BlocksCacheKey(1, 0) if rank == 0 else None
+    cache = engine.cache_manager.register_blocks_cache(desc, [int(tensor.data_ptr())], key)
+    comm_id = engine.link("link", {1: 0, 2: 1}, json.dumps(table))
+    deadline = time.monotonic() + 30
+    while engine.query_register_mem_status(comm_id) != RegisterMemStatus.OK:
+        if engine.query_register_mem_status(comm_id) == RegisterMemStatus.FAILED or time.monotonic() > deadline:
+            raise RuntimeError("comm domain did not come up")
+        time.sleep(0.05)  # the sample polls too
+    barrier()  # cache ready
+    if rank == 1:
+        engine.cache_manager.pull_blocks(BlocksCacheKey(1, 0), cache, src_blocks=[0, 1], dst_blocks=[0, 1])
+        if not torch.equal(tensor, torch.full((2, 1024), 7.0)):
+            raise AssertionError("decoder did not receive the prompt's blocks")
+        host = torch.zeros(2, 1024)
+        host_desc = CacheDesc(num_tensors=1, shape=[2, 1024], data_type=DataType.DT_FLOAT, placement=Placement.HOST)
+        host_cache = Cache.create_cpu_cache(host_desc, [int(host.data_ptr())])
+        engine.cache_manager.swap_blocks(cache, host_cache, {0: 0, 1: 1})
+        tensor.zero_()
+        engine.cache_manager.swap_blocks(host_cache, cache, {0: 0, 1: 1})
+        if not torch.equal(tensor, torch.full((2, 1024), 7.0)) or not torch.equal(host, tensor):
+            raise AssertionError("swap out and in did not round-trip")
+    barrier()  # pulled
+    engine.unlink(comm_id)
+    barrier()
+    engine.finalize()
+
+
+SCENARIOS = {f.__name__: f for f in (push_from_decoder, link_both_ways, switch_roles, two_prompts_one_decoder,
+                                     async_whole_cache, rank_table_pull_and_swap)}
+
+
+def main() -> None:
+    scenario, rank, world, ports = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    dist.init_process_group(backend="gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        SCENARIOS[scenario](rank, [int(p) for p in ports.split(",")])
+        barrier()  # nobody exits while another still uses the group
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
