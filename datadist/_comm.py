@@ -3,7 +3,7 @@
 Every member calls ``link`` with the same arguments.  The rank table (HCCL's JSON layout:
 ``server_list[].server_id`` or ``host_ip`` and ``device[].rank_id``) gives each rank a host;
 the port is ``device[].port``, else the table's top-level ``port`` (default 16666, HCCL's
-base) plus the rank.  Each member listens on its own address, connects to every member of a
+base) plus the device's ``device_id`` (plus the rank where a device has no numeric id).  Each member listens on its own address, connects to every member of a
 lower rank and waits for those of a higher rank, all in the background; the pairwise links
 are ordinary links (any transport), so transfers work exactly as after ``link_clusters``.
 ``query_register_mem_status`` reports ``PREPARING`` until every pairwise link is up,
@@ -69,7 +69,11 @@ def _rank_addresses(rank_table: str, n: int) -> Dict[int, tuple[str, int]]:
             host = server.get("host_ip") or server["server_id"]
             for dev in server.get("device", []):
                 rank = int(dev["rank_id"])
-                out[rank] = (ip_to_str(host), int(dev.get("port", base + rank)))
+                # One process drives one device, so (host, device_id) names a process on every
+                # domain it joins; a rank does not (serving adapters make every prefill rank 0
+                # of its own pair domain), so ports derive from the device id where given.
+                slot = int(dev["device_id"]) if str(dev.get("device_id", "")).isdigit() else rank
+                out[rank] = (ip_to_str(host), int(dev.get("port", base + slot)))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ParamInvalidError(f"rank_table is not a valid rank table ({exc}): {rank_table[:200]!r}") from None
     missing = [r for r in range(n) if r not in out]

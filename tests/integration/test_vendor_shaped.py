@@ -1,7 +1,8 @@
 """CANN's published llm_datadist samples, in their own shape, run unchanged against
 ``import llm_datadist`` (tests/integration/vendor_shaped.py): pushes from the decoder,
 both ends linking to each other, a role switch handing one ip:port over, two prompts and a
-decoder, layer-wise async without block indices, a rank-table comm domain with swaps.
+decoder, layer-wise async without block indices, a rank-table comm domain with swaps, and
+the pair domains a serving adapter (vllm-ascend) builds between prefills and a decoder.
 
 Each scenario runs as real processes joined by a gloo process group (the samples' own
 barriers); the test passes when every process exits 0, and shows each one's output if not.
@@ -50,6 +51,7 @@ def run_scenario(name: str, world: int, ports: int) -> None:
     ("two_prompts_one_decoder", 3, 3),
     ("async_whole_cache", 2, 2),
     ("rank_table_pull_and_swap", 2, 1),
+    ("adapter_pair_domains", 3, 1),
 ])
 def test_vendor_shaped_sample(name: str, world: int, ports: int) -> None:
     run_scenario(name, world, ports)

@@ -281,8 +281,63 @@ def rank_table_pull_and_swap(rank: int, ports: list) -> None:
     engine.finalize()
 
 
+def adapter_pair_domains(rank: int, ports: list) -> None:
+    """The way vllm-ascend's connector links: one two-member comm domain per prefill and
+    decoder pair (the prefill always rank 0), its rank table naming servers by
+    ``server_id`` and devices by ``device_id``; two prefills on this host, one decoder
+    that joins both domains and pulls MLA-style (two caches, model ids 0 and 1)."""
+    base = ports[0]
+    devices = {0: "0", 1: "1", 2: "2"}  # ranks 0 and 1 are prefills, 2 the decoder
+    cluster_ids = {0: 100, 1: 101, 2: 200}
+
+    def table(prefill: int) -> str:
+        entry = lambda r, rank_id: {"device_id": devices[r], "device_ip": IP, "rank_id": rank_id}  # noqa: E731
+        return json.dumps({"version": "1.2", "server_count": "1", "status": "completed", "port": base,
+                           "server_list": [{"server_id": IP, "device": [entry(prefill, "0"), entry(2, "1")]}]})
+
+    role = LLMRole.PROMPT if rank < 2 else LLMRole.DECODER
+    engine = LLMDataDist(role, cluster_ids[rank])
+    config = LLMConfig()
+    config.device_id = rank
+    config.sync_kv_timeout = 20000
+    config.enable_switch_role = True
+    config.enable_cache_manager = True
+    config.enable_remote_cache_accessible = True
+    engine.init(config.generate_options())
+    k_normed = [torch.full((BLOCKS_NUM, KV_SHAPE), float(10 * rank + 1)) for _ in range(2)]
+    k_pe = [torch.full((BLOCKS_NUM, 4), float(10 * rank + 2)) for _ in range(2)]
+    caches = []
+    for model_id, tensors in enumerate((k_normed, k_pe)):
+        desc = CacheDesc(len(tensors), [*tensors[0].shape], DataType.DT_FLOAT)
+        key = BlocksCacheKey(cluster_id=cluster_ids[rank], model_id=model_id) if rank < 2 else None
+        caches.append(engine.cache_manager.register_blocks_cache(desc, [t.data_ptr() for t in tensors], key))
+    prefills = [0, 1] if rank == 2 else [rank]
+    comm_ids = [engine.link(f"pd_comm_{p}_2", {cluster_ids[p]: 0, cluster_ids[2]: 1}, table(p)) for p in prefills]
+    deadline = time.monotonic() + 30
+    for comm_id in comm_ids:
+        while (status := engine.query_register_mem_status(comm_id=comm_id)) != RegisterMemStatus.OK:
+            if status == RegisterMemStatus.FAILED or time.monotonic() > deadline:
+                raise RuntimeError(f"comm domain {comm_id} did not come up: {status}")
+            time.sleep(0.05)  # the adapter polls too
+    barrier()  # linked and registered everywhere
+    if rank == 2:
+        for p in prefills:
+            for model_id, tensors in enumerate((k_normed, k_pe)):
+                engine.cache_manager.pull_blocks(BlocksCacheKey(cluster_id=cluster_ids[p], model_id=model_id),
+                                                 caches[model_id], [0, 1], [1, 2])
+                for t in tensors:
+                    want = float(10 * p + model_id + 1)
+                    if not (torch.all(t[1:] == want) and torch.all(t[0] == float(20 + model_id + 1))):
+                        raise AssertionError(f"decoder model {model_id} after pulling from prefill {p}: {t.tolist()}")
+    barrier()  # pulled
+    for comm_id in comm_ids:
+        engine.unlink(comm_id)
+    barrier()
+    engine.finalize()
+
+
 SCENARIOS = {f.__name__: f for f in (push_from_decoder, link_both_ways, switch_roles, two_prompts_one_decoder,
-                                     async_whole_cache, rank_table_pull_and_swap)}
+                                     async_whole_cache, rank_table_pull_and_swap, adapter_pair_domains)}
 
 
 def main() -> None:
