@@ -16,7 +16,7 @@ from ._objects import (_UINT32_MAX, BlocksCacheKey, Cache, CacheDesc, CacheKey, 
 from ._status import LLMStatusCode, raise_error
 from ._tensors import tensor_at
 from ._types import Memtype, Placement
-from .engine import cuda
+from .engine import cuda, native
 from .engine.core import Engine
 from .engine.layout import Plan, block_offsets, layer_tensor_indices, plan_units
 from .engine.memory import PoolExhausted
@@ -89,15 +89,20 @@ def _layers(name: str, value, num_layers: int) -> range:
 def _blocks(name: str, value, num_blocks: int) -> np.ndarray:
     if not isinstance(value, (list, tuple, range, np.ndarray)):
         raise TypeError(f"{name} must be a list of block indices, got {type(value).__name__}")
-    arr = np.asarray(value)
-    if arr.size == 0:
-        return np.empty(0, dtype=np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be a flat list of ints, got {value!r:.80}")
-    # Short lists (a request's blocks, one layer) are checked faster without numpy reductions.
-    small = arr.shape[0] <= 64 and isinstance(value, (list, tuple))
-    lo, hi = (min(value), max(value)) if small else (int(arr.min()), int(arr.max()))
-    if lo < 0 or hi >= num_blocks:
+    try:
+        fast = native.index_array(value)  # lists and tuples: one C pass, with min and max
+    except (TypeError, OverflowError) as exc:
+        raise TypeError(f"{name} must be a flat list of ints: {exc}") from None
+    if fast is not None:
+        arr, lo, hi = fast
+    else:
+        arr = np.asarray(value)
+        if arr.size == 0:
+            return np.empty(0, dtype=np.int64)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be a flat list of ints, got {value!r:.80}")
+        lo, hi = int(arr.min()), int(arr.max())
+    if arr.shape[0] and (lo < 0 or hi >= num_blocks):
         raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                     f"{name} holds index {lo if lo < 0 else hi}, outside [0, {num_blocks}) blocks")
     return arr

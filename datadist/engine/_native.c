@@ -693,7 +693,41 @@ static PyObject *py_recv_exact(PyObject *self, PyObject *const *args, Py_ssize_t
     return result_or_oserror(r);
 }
 
+/* A list or tuple of Python ints as int64 bytes, with its smallest and largest value, in
+ * one pass: turning a 4096-entry block list into an array is most of planning a transfer,
+ * and numpy's generic conversion of a list costs several times this.  Returns None for
+ * anything else (the caller takes the general path), TypeError for an entry that is not an
+ * int (bool included), OverflowError for one outside int64. */
+static PyObject *py_index_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 1) { PyErr_SetString(PyExc_TypeError, "index_array(seq)"); return NULL; }
+    PyObject *seq = args[0];
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL) return NULL;
+    int64_t *v = (int64_t *)PyByteArray_AS_STRING(out);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    int64_t lo = 0, hi = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = items[i];
+        if (!PyLong_Check(x) || PyBool_Check(x)) {
+            Py_DECREF(out);
+            PyErr_Format(PyExc_TypeError, "entry %zd is %s, not an int", i, Py_TYPE(x)->tp_name);
+            return NULL;
+        }
+        long long k = PyLong_AsLongLong(x);
+        if (k == -1 && PyErr_Occurred()) { Py_DECREF(out); return NULL; }
+        v[i] = k;
+        if (i == 0 || k < lo) lo = k;
+        if (i == 0 || k > hi) hi = k;
+    }
+    return Py_BuildValue("(NLL)", out, (long long)lo, (long long)hi);
+}
+
 static PyMethodDef methods[] = {
+    {"index_array", (PyCFunction)(void (*)(void))py_index_array, METH_FASTCALL,
+     "index_array(seq) -> (int64 bytes, min, max) of a list or tuple of ints; None for other types"},
     {"recv_exact", (PyCFunction)(void (*)(void))py_recv_exact, METH_FASTCALL,
      "recv_exact(fd, buffer, timeout_ms) -> bytes read (OSError on timeout or end of stream)"},
     {"wait_readable", (PyCFunction)(void (*)(void))py_wait_readable, METH_FASTCALL,

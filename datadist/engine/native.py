@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import Optional, Tuple
+
+import numpy as np
 
 from .layout import Plan
 
@@ -20,7 +23,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["copy_plan", "copy_plan_sum", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "COPY_THREADS",
+__all__ = ["index_array", "copy_plan", "copy_plan_sum", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "COPY_THREADS",
            "SPIN_US"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
@@ -29,6 +32,17 @@ COPY_THREADS = max(1, min(4, int(os.environ.get("DATADIST_COPY_THREADS", os.cpu_
 #: How long a caller waiting for a reply polls before sleeping (microseconds).  Spinning
 #: only pays when another core can run the peer meanwhile, so it is off on one core.
 SPIN_US = int(os.environ.get("DATADIST_SPIN_US", 100 if (os.cpu_count() or 1) > 1 else 0))
+
+
+def index_array(seq) -> Optional[Tuple[np.ndarray, int, int]]:
+    """A list or tuple of ints as an int64 array with its min and max, in one C pass;
+    None for any other type (use numpy then).  Raises ``TypeError`` naming the first entry
+    that is not an int (bools are not), ``OverflowError`` for one outside int64."""
+    got = _native.index_array(seq)
+    if got is None:
+        return None
+    raw, lo, hi = got
+    return np.frombuffer(raw, dtype=np.int64), lo, hi
 
 
 def copy_plan(plan: Plan, threads: int = COPY_THREADS) -> int:

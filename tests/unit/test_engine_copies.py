@@ -100,3 +100,33 @@ def test_copy_plan_sum_refuses_runs_outside_the_value():
         copy_plan_sum(plan, sums, _addr(value), value_is_src=False)
     assert ei.value.errno == errno.ERANGE
     assert not value.any() and not sums.any()  # nothing copied
+
+
+# ------------------------------------------------------------ block lists into arrays
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+from datadist.engine.native import index_array  # noqa: E402
+
+_INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+
+
+@given(st.lists(_INT64, max_size=300), st.booleans())
+def test_index_array_matches_numpy(values: list, as_tuple: bool) -> None:
+    arr, lo, hi = index_array(tuple(values) if as_tuple else values)
+    np.testing.assert_array_equal(arr, np.array(values, dtype=np.int64))
+    assert arr.dtype == np.int64
+    if values:
+        assert (lo, hi) == (min(values), max(values))
+
+
+@pytest.mark.parametrize("bad, exc", [([1, True], TypeError), ([1, 2.0], TypeError), ([1, "2"], TypeError),
+                                      ([2**63], OverflowError), ([-(2**63) - 1], OverflowError)])
+def test_index_array_refuses_what_is_not_an_int64(bad: list, exc: type) -> None:
+    with pytest.raises(exc):
+        index_array(bad)
+
+
+@pytest.mark.parametrize("other", [range(4), np.arange(4), iter([1, 2])])
+def test_index_array_leaves_other_types_to_numpy(other) -> None:
+    assert index_array(other) is None
