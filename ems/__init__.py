@@ -10,13 +10,15 @@ The pool is ``ems-server`` (``python -m ems.server``); the default ``auto`` addr
 the node's daemon in ``/dev/shm/ems`` or starts one.  See ``ems/README.md`` for the files.
 """
 from .common.exception import EmsErrorCode, EmsException
-from .config import CcConfig, CcConfig_v1, EmsConfig
+from .config import CcConfig, CcConfig_v1, EmsConfig, KVCacheType
 from .context_caching import ContextCaching
+from .context_caching import ContextCaching as ContextCache_v1
 from .ems import Ems
 from .future import CcFuture
 from .types import CcKvOption, CcResult, KvBufferWrapper, PrimaryKey
 
 __all__ = [
     "Ems", "EmsConfig", "CcConfig", "CcConfig_v1", "CcKvOption", "CcResult", "CcFuture",
-    "KvBufferWrapper", "PrimaryKey", "ContextCaching", "EmsException", "EmsErrorCode",
+    "KvBufferWrapper", "PrimaryKey", "ContextCaching", "ContextCache_v1", "KVCacheType", "EmsException",
+    "EmsErrorCode",
 ]

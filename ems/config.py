@@ -8,19 +8,40 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional, Union
 
 from ._errors import invalid, to_ems
 
-__all__ = ["EmsConfig", "CcConfig", "CcConfig_v1", "KVCACHE_TYPES", "ENV_SERVER", "Layout"]
+__all__ = ["EmsConfig", "CcConfig", "CcConfig_v1", "KVCacheType", "KVCACHE_TYPES", "ENV_SERVER", "ID_RE",
+           "Layout"]
 
 #: The kvcache_type values the vendor defines.
 KVCACHE_TYPES = ("GQA", "MHA", "MLA", "MQA")
 #: Environment variable naming the pool when ``EmsConfig.server`` is not given.
 ENV_SERVER = "EMS_SERVER"
 
-_ID_RE = re.compile(r"[0-9a-z._-]{1,512}")
+#: Ids (model, tenant, engine): printable ASCII without white space or path separators, so
+#: the vendor's own defaults (``cc_kvstore@_@ds_default_ns_001``) pass; key text escapes
+#: the characters it uses itself (``ems.keys``).
+ID_RE = re.compile(r"[\x21-\x2e\x30-\x5b\x5d-\x7e]{1,512}")
 _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
+_ID_RULE = "1..512 printable ASCII characters without white space, '/' or '\\'"
+
+
+class KVCacheType(str, Enum):
+    """The vendor's kvcache types; members equal their text ("MLA" == KVCacheType.MLA),
+    so configs and keys that hold the text keep working."""
+
+    MHA = "MHA"
+    MLA = "MLA"
+    GQA = "GQA"
+    MQA = "MQA"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
 
 
 def _int(name: str, value: object, lo: int, hi: Optional[int] = None) -> None:
@@ -31,14 +52,23 @@ def _int(name: str, value: object, lo: int, hi: Optional[int] = None) -> None:
         raise invalid(name, f"must be in {rng}, got {value}")
 
 
-def _ident(name: str, value: object) -> None:
-    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
-        raise invalid(name, f"must be 1..512 characters of [0-9a-z._-], got {value!r}")
+def _ident(name: str, value: object, limit: int = 512) -> None:
+    if not isinstance(value, str) or not ID_RE.fullmatch(value) or len(value) > limit:
+        rule = _ID_RULE.replace("512", str(limit))
+        raise invalid(name, f"must be {rule}, got {value!r}")
+
+
+def _kvcache_type(value: object) -> str:
+    text = value.value if isinstance(value, KVCacheType) else value
+    if text not in KVCACHE_TYPES:
+        raise invalid("kvcache_type", f"must be one of {', '.join(KVCACHE_TYPES)}, got {value!r}")
+    return str(text)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where this rank sits: the fields of ``CcConfig_v1`` that namespace its keys."""
+    """Where this rank sits: the fields of ``CcConfig_v1`` that namespace its keys (a
+    snapshot taken at :meth:`ems.Ems.init`, plain text throughout)."""
 
     rank_id: int
     device_id: int
@@ -51,8 +81,27 @@ class Layout:
     kvcache_type: str
 
 
-@dataclass(frozen=True)
-class CcConfig:
+class _Checked:
+    """Configs are plain mutable objects, as the vendor's: clients set fields after
+    construction.  Fields are checked at construction and again at use (``validate``)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self):
+        """Check every field; raises ``EmsException(EMS_INVALID_ARGUMENT)`` naming it."""
+        try:
+            self._check()
+        except Exception as exc:
+            raise to_ems(exc) from None
+        return self
+
+    def _check(self) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class CcConfig(_Checked):
     """Context-caching config of the vendor's first form (no engine / kvcache_type)."""
 
     rank_id: int
@@ -61,21 +110,20 @@ class CcConfig:
     tp_world_size: int = 1
     pp_world_size: int = 1
 
-    def __post_init__(self) -> None:
-        try:
-            _check_common(self)
-        except Exception as exc:
-            raise to_ems(exc) from None
+    def _check(self) -> None:
+        _check_common(self)
 
     def layout(self) -> Layout:
-        """This config as a :class:`Layout` (tp/pp index 0, engine vllm, MHA)."""
+        """This config, checked again, as a :class:`Layout` (tp/pp index 0, engine vllm, MHA)."""
+        self.validate()
         return Layout(self.rank_id, self.device_id, self.model_id, self.tp_world_size,
                       self.pp_world_size, 0, 0, "vllm", "MHA")
 
 
-@dataclass(frozen=True)
-class CcConfig_v1:  # noqa: N801 - the vendor's name
-    """Context-caching config with the parallel layout, engine and kvcache type."""
+@dataclass
+class CcConfig_v1(_Checked):  # noqa: N801 - the vendor's name
+    """Context-caching config with the parallel layout, engine and kvcache type
+    (``kvcache_type``: a :class:`KVCacheType` or its text)."""
 
     rank_id: int
     device_id: int
@@ -85,28 +133,21 @@ class CcConfig_v1:  # noqa: N801 - the vendor's name
     rank_in_tp_group: int = 0
     rank_in_pp_group: int = 0
     llm_engine: str = "vllm"
-    kvcache_type: str = "MHA"
+    kvcache_type: Union[str, KVCacheType] = "MHA"
 
-    def __post_init__(self) -> None:
-        try:
-            _check_common(self)
-            _int("rank_in_tp_group", self.rank_in_tp_group, 0, self.tp_world_size)
-            _int("rank_in_pp_group", self.rank_in_pp_group, 0, self.pp_world_size)
-            if (not isinstance(self.llm_engine, str) or not 0 < len(self.llm_engine) <= 64
-                    or not self.llm_engine.isprintable() or "|" in self.llm_engine):
-                raise invalid("llm_engine", f"must be a printable str of 1..64 characters "
-                              f"without '|', got {self.llm_engine!r}")
-            if self.kvcache_type not in KVCACHE_TYPES:
-                raise invalid("kvcache_type", f"must be one of {', '.join(KVCACHE_TYPES)}, "
-                              f"got {self.kvcache_type!r}")
-        except Exception as exc:
-            raise to_ems(exc) from None
+    def _check(self) -> None:
+        _check_common(self)
+        _int("rank_in_tp_group", self.rank_in_tp_group, 0, self.tp_world_size)
+        _int("rank_in_pp_group", self.rank_in_pp_group, 0, self.pp_world_size)
+        _ident("llm_engine", self.llm_engine, 64)
+        _kvcache_type(self.kvcache_type)
 
     def layout(self) -> Layout:
-        """This config as a :class:`Layout`."""
+        """This config, checked again, as a :class:`Layout`."""
+        self.validate()
         return Layout(self.rank_id, self.device_id, self.model_id, self.tp_world_size,
                       self.pp_world_size, self.rank_in_tp_group, self.rank_in_pp_group,
-                      self.llm_engine, self.kvcache_type)
+                      self.llm_engine, _kvcache_type(self.kvcache_type))
 
 
 def _check_common(cfg: Union[CcConfig, CcConfig_v1]) -> None:
@@ -117,13 +158,15 @@ def _check_common(cfg: Union[CcConfig, CcConfig_v1]) -> None:
     _int("pp_world_size", cfg.pp_world_size, 1)
 
 
-@dataclass(frozen=True)
-class EmsConfig:
+@dataclass
+class EmsConfig(_Checked):
     """Configuration of :meth:`ems.Ems.init`.
 
     Vendor fields: ``cc_config`` / ``cc_config_v1`` (exactly one; either field takes either
-    config class), ``access_id`` (1..512 of ``[0-9a-z._-]``) and ``access_key`` (32..256 of
-    ``[0-9A-Za-z+/=]``), given together or not at all.
+    config class), ``access_id`` (1..512 printable ASCII characters without white space or
+    path separators) and ``access_key`` (32..256 of ``[0-9A-Za-z+/=]``, or empty: no
+    credential, for a pool without tenants), given together or not at all.  Fields may be
+    set after construction; :meth:`ems.Ems.init` checks them again.
 
     Our fields:
         server: ``"auto"`` (default; env ``EMS_SERVER`` overrides the default), a socket
@@ -142,24 +185,20 @@ class EmsConfig:
     max_inflight: int = 4
     verify_reads: bool = True
 
-    def __post_init__(self) -> None:
-        try:
-            self._check()
-        except Exception as exc:
-            raise to_ems(exc) from None
-
     def _check(self) -> None:
         for name in ("cc_config", "cc_config_v1"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (CcConfig, CcConfig_v1)):
                 raise invalid(name, f"must be a CcConfig or CcConfig_v1, got {type(value).__name__}")
+            if value is not None:
+                value._check()
         if self.cc_config is not None and self.cc_config_v1 is not None:
             raise invalid("cc_config", "give cc_config or cc_config_v1, not both")
         if self.access_id is not None:
             _ident("access_id", self.access_id)
         if self.access_key is not None and (not isinstance(self.access_key, str)
-                                            or not _KEY_RE.fullmatch(self.access_key)):
-            raise invalid("access_key", "must be 32..256 characters of [0-9A-Za-z+/=]")
+                                            or (self.access_key and not _KEY_RE.fullmatch(self.access_key))):
+            raise invalid("access_key", "must be empty or 32..256 characters of [0-9A-Za-z+/=]")
         if (self.access_id is None) != (self.access_key is None):
             raise invalid("access_key" if self.access_key is None else "access_id",
                           "access_id and access_key go together")

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import atexit
+import copy
+import logging
 import threading
 from typing import Optional
 
@@ -13,6 +15,8 @@ from .keys import Namespace
 from .profiling import Profiler
 
 __all__ = ["Ems"]
+
+log = logging.getLogger("ems")
 
 
 class Ems:
@@ -36,6 +40,7 @@ class Ems:
         try:
             if not isinstance(config, EmsConfig):
                 raise invalid("config", f"must be an EmsConfig, got {type(config).__name__}")
+            config = copy.deepcopy(config.validate())  # fields may have been set since construction
             cc_cfg = config.cc()
             if cc_cfg is None:
                 raise invalid("cc_config", "EmsConfig needs cc_config or cc_config_v1")
@@ -50,13 +55,18 @@ class Ems:
                     pool.open()
                 except PoolUnreachable as exc:
                     raise PoolUnreachable(f"EMS init failed: {exc}") from None
+                except BaseException:
+                    pool.close()
+                    raise
                 layout = cc_cfg.layout()
                 Ems._cc = ContextCaching(pool, Namespace(config.access_id, layout), layout.kvcache_type,
                                          config.verify_reads, config.max_inflight, Profiler())
                 Ems._pool = pool
                 Ems._config = config
         except Exception as exc:
-            raise to_ems(exc) from None
+            err = to_ems(exc)
+            log.error("EMS init failed: %s", err.message())  # the SDK's line, for its log scrapers
+            raise err from None
 
     @staticmethod
     def get_cc() -> Optional[ContextCaching]:

@@ -30,11 +30,18 @@ def hash_text(h: HashId) -> str:
     return format(int(h), "x")
 
 
+def _escape(part: str) -> str:
+    """An id as key text: ``|`` separates the parts of a key, so it (and ``%``, the escape
+    itself) is percent-encoded; ids without either, all the vendor's, are unchanged."""
+    return part.replace("%", "%25").replace("|", "%7C")
+
+
 class Namespace:
     """Builds wire keys for one client (tenant + layout)."""
 
     def __init__(self, access_id: Optional[str], layout: Layout) -> None:
-        self.dprefix = f"{access_id or ''}|{layout.model_id}|{layout.llm_engine}|{layout.kvcache_type}|"
+        ids = (access_id or "", layout.model_id, layout.llm_engine, layout.kvcache_type)
+        self.dprefix = "".join(f"{_escape(part)}|" for part in ids)
         self.apart = (f"tp{layout.tp_world_size}.{layout.rank_in_tp_group}|"
                       f"pp{layout.pp_world_size}.{layout.rank_in_pp_group}")
         # The key of an int hash as one %-format ("%x" is hash_text's hex): building a

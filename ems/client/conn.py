@@ -59,14 +59,21 @@ class Connection:
                 except BaseException:
                     sock.close()
                     raise
-        except (OSError, socket.timeout) as exc:
+        except (TimeoutError, socket.timeout) as exc:
+            # Something listens but does not accept in time (a stalled daemon): a timeout,
+            # which the vendor's retry sample retries, not an absent pool.
+            raise PoolTimeout(f"the EMS pool at {address} did not accept a connection in time: {exc}") from None
+        except OSError as exc:
             raise PoolUnreachable(f"no EMS pool answers at {address}: {exc}") from None
         self.sock = sock
         try:
             hello.shm = address.kind == "unix"
             wire.send_msg(sock, hello, deadline)
             reply, fds = wire.recv_msg(sock, deadline, want_fds=2 if hello.shm else 0)
-        except (PoolDisconnected, PoolTimeout, ProtocolError) as exc:
+        except PoolTimeout as exc:
+            self.close()
+            raise PoolTimeout(f"the EMS pool at {address} did not answer the handshake in time: {exc}") from None
+        except (PoolDisconnected, ProtocolError) as exc:
             self.close()
             raise PoolUnreachable(f"the EMS pool at {address} did not complete the handshake: {exc}") from None
         except BaseException:

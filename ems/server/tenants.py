@@ -10,9 +10,10 @@ import hmac
 import re
 from typing import Dict, Optional
 
+from ..config import ID_RE
+
 __all__ = ["Tenants", "AuthError"]
 
-_ID_RE = re.compile(r"[0-9a-z._-]{1,512}")
 _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
 
 
@@ -42,7 +43,7 @@ class Tenants:
                 if not line:
                     continue
                 ident, sep, key = (part.strip() for part in line.partition(":"))
-                if not sep or not _ID_RE.fullmatch(ident) or not _KEY_RE.fullmatch(key):
+                if not sep or not ID_RE.fullmatch(ident) or not _KEY_RE.fullmatch(key):
                     raise ValueError(f"{path}:{lineno}: expected 'access_id: access_key'")
                 if ident in creds:
                     raise ValueError(f"{path}:{lineno}: access_id {ident!r} listed twice")

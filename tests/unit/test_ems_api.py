@@ -20,7 +20,8 @@ def _bad(fn, name):
 
 @pytest.mark.parametrize("kwargs,name", [
     (dict(rank_id=-1), "rank_id"), (dict(rank_id=True), "rank_id"), (dict(device_id="0"), "device_id"),
-    (dict(model_id="Upper"), "model_id"), (dict(model_id=""), "model_id"), (dict(model_id="a" * 513), "model_id"),
+    (dict(model_id="a/b"), "model_id"), (dict(model_id=""), "model_id"), (dict(model_id="a b"), "model_id"),
+    (dict(model_id="a" * 513), "model_id"),
     (dict(tp_world_size=0), "tp_world_size"), (dict(pp_world_size=1.0), "pp_world_size"),
 ])
 def test_cc_config_fields(kwargs, name):
@@ -48,7 +49,7 @@ def test_cc_config_v1_defaults_and_types():
 
 
 @pytest.mark.parametrize("kwargs,name", [
-    (dict(access_id="Bad!", access_key=KEY), "access_id"), (dict(access_id="a" * 513, access_key=KEY), "access_id"),
+    (dict(access_id="bad\\id", access_key=KEY), "access_id"), (dict(access_id="a" * 513, access_key=KEY), "access_id"),
     (dict(access_id="ok", access_key="short"), "access_key"), (dict(access_id="ok", access_key="k" * 257), "access_key"),
     (dict(access_id="ok", access_key="k" * 31 + "!"), "access_key"), (dict(access_id="ok"), "access_key"),
     (dict(access_key=KEY), "access_id"), (dict(cc_config="x"), "cc_config"),
