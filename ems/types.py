@@ -77,6 +77,20 @@ class CcResult:
 DataPtr = Union[int, Callable[[], int]]
 
 
+def _cuda_device_memory(addr: int) -> bool:
+    """Whether the CUDA driver (where one is loaded by this process already) calls ``addr``
+    device memory; never loads CUDA on a machine that has not used it."""
+    import sys
+
+    cuda = sys.modules.get("datadist.engine.cuda")
+    if cuda is None or "torch" not in sys.modules or not sys.modules["torch"].cuda.is_initialized():
+        return False
+    try:
+        return bool(cuda.is_device_memory(addr))
+    except Exception:  # no usable driver: not device memory we could know of
+        return False
+
+
 class KvBufferWrapper:
     """A contiguous buffer of ``length`` bytes at ``data_ptr``.
 
@@ -98,10 +112,22 @@ class KvBufferWrapper:
         self.length = length
 
     def address(self) -> int:
-        """The buffer's address (calls ``data_ptr`` if it is a method)."""
+        """The buffer's address (calls ``data_ptr`` if it is a method).
+
+        V0 values are copied with host memory copies, so the buffer must be host memory:
+        the bound ``data_ptr`` of a device tensor, and on a CUDA machine an address the
+        driver reports as device memory, are refused (``EMS_INVALID_ARGUMENT``) rather
+        than read as host memory."""
+        owner = getattr(self.data_ptr, "__self__", None)
+        device = getattr(owner, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            raise invalid("data_ptr", f"is memory of {device}; KvBufferWrapper buffers must be host memory "
+                                      "(register device caches and use the hash form, or copy to a CPU tensor)")
         ptr = self.data_ptr() if callable(self.data_ptr) else self.data_ptr
         if not _is_int(ptr) or ptr <= 0:
             raise invalid("data_ptr", f"resolved to {ptr!r}, not an address > 0")
+        if _cuda_device_memory(ptr):
+            raise invalid("data_ptr", f"{ptr:#x} is CUDA device memory; KvBufferWrapper buffers must be host memory")
         return ptr
 
     def __repr__(self) -> str:

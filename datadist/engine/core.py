@@ -13,6 +13,7 @@ cannot map fails the link.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import secrets
@@ -33,7 +34,7 @@ from .link import Link
 from .memory import Arena, PeerArena, PoolAllocator
 from .registry import EPOCH_PAGE_SIZE, Registry
 
-__all__ = ["Engine", "host_identity", "resolve_device"]
+__all__ = ["Engine", "host_identity", "resolve_device", "npu_visible"]
 
 log = logging.getLogger("datadist")
 
@@ -46,11 +47,36 @@ def _seconds(s: float):
     return datetime.timedelta(seconds=s)
 
 
+def npu_visible() -> bool:
+    """Whether torch_npu is installed and sees an NPU (imported only where installed)."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        import torch
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+        return bool(torch.npu.is_available() and torch.npu.device_count() > 0)
+    except Exception:  # a broken install sees no device
+        return False
+
+
 def resolve_device(device_type: str, device_id: int) -> str:
     """Where ``Placement.DEVICE`` caches of an engine live: ``"cuda:<device_id>"`` or
-    ``"cpu"`` (host memory).  ``auto`` picks CUDA when torch sees a device; ``npu``
-    caches are host memory here (this build has no NPU copy path; ``hccl`` links still
-    work on them).  An explicit ``cuda`` without a usable device is an error."""
+    ``"cpu"`` (host memory, only where asked for).  ``auto`` picks the NPU when torch_npu
+    sees one, else CUDA when torch sees a device, else the CPU.  A device that cannot be
+    used is an error, never host memory in disguise: ``cuda`` without a GPU, and ``npu``
+    (torch_npu missing, or present: this build has no NPU device-memory path), raise
+    ``LLM_FEATURE_NOT_ENABLED`` naming what to do."""
+    if device_type == "npu" or (device_type == "auto" and npu_visible()):
+        if importlib.util.find_spec("torch_npu") is None:
+            raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                        "device_type = 'npu' needs torch_npu (Ascend's PyTorch adapter), which is not installed; "
+                        "install the torch_npu build matching your torch, or set device_type 'cpu' to keep "
+                        "Placement.DEVICE caches in host memory")
+        raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                    f"device_type = {device_type!r} selects the NPU, but this build cannot move NPU device memory "
+                    "yet; set device_type 'cpu' to keep Placement.DEVICE caches in host memory on purpose "
+                    "(hccl links still move them)")
     if device_type == "cuda" or (device_type == "auto" and cuda.driver_present()):
         if cuda.available():
             return f"cuda:{device_id}"

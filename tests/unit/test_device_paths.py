@@ -4,6 +4,8 @@ carry memory kinds, host staging, the wire form of IPC regions, and how an engin
 where its device caches live.  The device copies themselves are tested in tests/gpu."""
 from __future__ import annotations
 
+import importlib.util
+
 import ctypes
 import socket
 
@@ -173,7 +175,11 @@ def test_requests_are_served_on_the_memory_of_the_cache_they_reach() -> None:
 def test_without_cuda_device_caches_are_host_memory_and_cuda_requests_are_refused() -> None:
     assert resolve_device("auto", 0) == "cpu"
     assert resolve_device("cpu", 3) == "cpu"
-    assert resolve_device("npu", 0) == "cpu"
+    if importlib.util.find_spec("torch_npu") is None:
+        with pytest.raises(LLMException) as caught:
+            resolve_device("npu", 0)  # never host memory in disguise
+        assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+        assert "torch_npu" in str(caught.value) and "device_type 'cpu'" in str(caught.value)
     with pytest.raises(LLMException) as caught:
         resolve_device("cuda", 0)
     assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED

@@ -97,3 +97,14 @@ def test_exception_and_result_shapes():
     assert str(CcResult(1, 2)) == "CcResult(success=1, total=2)"
     import pickle
     assert pickle.loads(pickle.dumps(e)).status_code() == EmsErrorCode.EMS_IO_TIMEOUT
+
+
+def test_kv_buffer_of_a_device_tensor_is_refused_not_read_as_host_memory():
+    import torch
+
+    dev = torch.empty(16, device="meta")  # any non-CPU device: V0 buffers are copied by host memcpy
+    buf = KvBufferWrapper(dev.data_ptr, 64)
+    with pytest.raises(ValueError, match="data_ptr.*memory of meta"):  # EMS_INVALID_ARGUMENT at the call
+        buf.address()
+    host = torch.zeros(16)
+    assert KvBufferWrapper(host.data_ptr, 64).address() == host.data_ptr()
