@@ -29,15 +29,16 @@ if TYPE_CHECKING:
 __all__ = ["CacheManager"]
 
 class _Side:
-    """Geometry of one side of a transfer: tensor addresses, row stride, and the memory
-    the tensors are in ("cpu" or "cuda:N")."""
+    """Geometry of one side of a transfer: tensor addresses, row stride, the memory the
+    tensors are in ("cpu" or "cuda:N") and the element type ("" where unknown: raw peer
+    addresses, which are bytes)."""
 
-    __slots__ = ("addrs", "num_tensors", "tensor_size", "batch_size", "device")
+    __slots__ = ("addrs", "num_tensors", "tensor_size", "batch_size", "device", "dtype")
 
     def __init__(self, addrs: np.ndarray, num_tensors: int, tensor_size: int, batch_size: int,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", dtype: str = "") -> None:
         self.addrs, self.num_tensors, self.tensor_size, self.batch_size = addrs, num_tensors, tensor_size, batch_size
-        self.device = device
+        self.device, self.dtype = device, dtype
 
     @property
     def stride(self) -> int:
@@ -46,11 +47,12 @@ class _Side:
     @classmethod
     def of_cache(cls, cache: Cache) -> "_Side":
         d = cache.cache_desc
-        return cls(np.asarray(cache.tensor_addrs, dtype=np.uint64), d.num_tensors, d.size, d.batch_size)
+        return cls(np.asarray(cache.tensor_addrs, dtype=np.uint64), d.num_tensors, d.size, d.batch_size,
+                   dtype=d.data_type.name)
 
     @classmethod
     def of_remote(cls, r: RemoteCache) -> "_Side":
-        return cls(r.addrs, r.num_tensors, r.tensor_size, r.batch_size, r.device)
+        return cls(r.addrs, r.num_tensors, r.tensor_size, r.batch_size, r.device, r.dtype)
 
 
 # ------------------------------------------------------------------------- validation
@@ -139,7 +141,16 @@ def _selection(src: _Side, dst: _Side, tnpl, src_range, dst_range, same_range: b
     return layer_tensor_indices(sr, n), layer_tensor_indices(dr, n)
 
 
+def _same_dtype(src: _Side, dst: _Side) -> None:
+    """Bytes of one element type never land in a cache of another (a uint8 row is not an
+    fp16 row of the same size); raw peer addresses carry no type and are exempt."""
+    if src.dtype and dst.dtype and src.dtype != dst.dtype:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                    f"source cache holds {src.dtype}, destination {dst.dtype}; both sides must have one data type")
+
+
 def _same_stride(src: _Side, dst: _Side, what: str) -> int:
+    _same_dtype(src, dst)
     if src.stride != dst.stride:
         raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                     f"{what}: source {what} is {src.stride} bytes per tensor, destination {dst.stride}")
@@ -161,6 +172,7 @@ def _blocks_plan(src: _Side, dst: _Side, src_blocks, dst_blocks, tnpl, src_range
 
 def _row_plan(src: _Side, src_row: int, dst: _Side, dst_row: int, size: int, offset: int, tnpl,
               src_range, dst_range, same_range: bool = False) -> Plan:
+    _same_dtype(src, dst)
     ts, td = _selection(src, dst, tnpl, src_range, dst_range, same_range)
     return plan_units(src.addrs[ts], [src_row * src.stride + offset], dst.addrs[td],
                       [dst_row * dst.stride + offset], size).on(src.device, dst.device)
@@ -168,6 +180,7 @@ def _row_plan(src: _Side, src_row: int, dst: _Side, dst_row: int, size: int, off
 
 def _row_blocks_plan(src: _Side, src_row: int, dst: _Side, dst_blocks, tnpl, src_range, dst_range) -> Plan:
     """Chunk i of row ``src_row`` (chunks of one destination block) -> ``dst_blocks[i]``."""
+    _same_dtype(src, dst)
     db = _blocks("dst_blocks", dst_blocks, dst.batch_size)
     chunk = dst.stride
     if db.shape[0] * chunk > src.stride:
@@ -386,7 +399,7 @@ class CacheManager:
         if rec is None:
             raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                         f"cache {cache.cache_id} is not (or no longer) known to this engine")
-        return _Side(rec.addrs, rec.num_tensors, rec.tensor_size, rec.batch_size, rec.device)
+        return _Side(rec.addrs, rec.num_tensors, rec.tensor_size, rec.batch_size, rec.device, rec.dtype)
 
     @staticmethod
     def _key_cluster(key, what: str, kinds) -> int:

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -725,7 +726,26 @@ static PyObject *py_index_array(PyObject *self, PyObject *const *args, Py_ssize_
     return Py_BuildValue("(NLL)", out, (long long)lo, (long long)hi);
 }
 
+/* Whether the stream on fd has ended (peer closed or reset) without blocking: one poll
+ * with a zero timeout and, if readable, a one-byte peek.  Pending data is not an end. */
+static PyObject *py_peer_closed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 1) { PyErr_SetString(PyExc_TypeError, "peer_closed(fd)"); return NULL; }
+    long fd = PyLong_AsLong(args[0]);
+    if (fd == -1 && PyErr_Occurred()) return NULL;
+    struct pollfd p = {.fd = (int)fd, .events = POLLIN | POLLRDHUP, .revents = 0};
+    int r = poll(&p, 1, 0);
+    if (r <= 0) Py_RETURN_FALSE;
+    if (p.revents & (POLLHUP | POLLERR | POLLNVAL | POLLRDHUP)) Py_RETURN_TRUE;
+    char c;
+    ssize_t n = recv((int)fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+
 static PyMethodDef methods[] = {
+    {"peer_closed", (PyCFunction)(void (*)(void))py_peer_closed, METH_FASTCALL,
+     "peer_closed(fd) -> whether the stream has ended (no wait)"},
     {"index_array", (PyCFunction)(void (*)(void))py_index_array, METH_FASTCALL,
      "index_array(seq) -> (int64 bytes, min, max) of a list or tuple of ints; None for other types"},
     {"recv_exact", (PyCFunction)(void (*)(void))py_recv_exact, METH_FASTCALL,

@@ -26,6 +26,7 @@ from .layout import Plan, tensor_span
 from ..transports.base import ANY_CACHE, STALE
 from ..transports.collective import VIA_COLLECTIVE, CollectiveTransport
 from ..transports.local import host_side
+from .incoming import Incoming, Pending, RateLimitedLog
 from .link import Link
 from .registry import CacheRecord, Registry
 
@@ -34,6 +35,11 @@ __all__ = ["Agent", "runs_inside", "runs_inside_any"]
 log = logging.getLogger("datadist")
 
 _DRAIN_CHUNK = 1 << 20
+#: Least time a new connection has to deliver its first frame (more if sync_kv_timeout is longer).
+_HANDSHAKE_S = 5.0
+#: What a linked peer may send on its request stream.
+_SERVED = (wire.MsgType.RESOLVE, wire.MsgType.RELEASE_KEY, wire.MsgType.PUSH, wire.MsgType.PULL,
+           wire.MsgType.UNLINK, wire.MsgType.NOTIFY)
 _EMPTY = np.zeros(0, dtype=np.uint64)
 _NO_PAYLOAD = Plan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
 
@@ -52,6 +58,8 @@ class Agent:
         self._calls: list[Callable[[], None]] = []
         self._calls_lock = threading.Lock()
         self._stop = False
+        self._incoming = Incoming(max(engine.timeout_ms / 1000.0, _HANDSHAKE_S))
+        self._refusals = RateLimitedLog(log)
         self.listeners: dict[tuple[str, int], socket.socket] = {}
         if listen is not None:
             try:
@@ -162,7 +170,9 @@ class Agent:
         self._close_selector()
 
     def _close_selector(self) -> None:
-        for sock in (*self.listeners.values(), self._wake_r, self._wake_w):
+        pending = [p.sock for p in self._incoming.pending.values()]
+        self._incoming.pending = {}
+        for sock in (*self.listeners.values(), *pending, self._wake_r, self._wake_w):
             sock.close()
         self.listeners = {}
         self._sel.close()
@@ -171,7 +181,7 @@ class Agent:
     def _run(self) -> None:
         while not self._stop:
             try:
-                events = self._sel.select()
+                events = self._sel.select(self._incoming.next_timeout())
             except (OSError, ValueError):
                 if self._stop:
                     return
@@ -183,8 +193,12 @@ class Agent:
                     self._drain_wake()
                 elif key.data == "listen":
                     self._accept(key.fileobj)
+                elif isinstance(key.data, Pending):
+                    if key.data.sock.fileno() >= 0:
+                        self._first_frame(key.data)
                 else:
                     self._serve(key.data)
+            self._expire_pending()
 
     def _drain_wake(self) -> None:
         try:
@@ -198,23 +212,45 @@ class Agent:
             fn()
 
     def _accept(self, listener: socket.socket) -> None:
+        """Take a new connection; its first frame is read as it arrives (``_first_frame``)."""
         try:
             sock, _ = listener.accept()
         except (BlockingIOError, OSError):
             return
+        pend, evicted = self._incoming.admit(sock)
+        if evicted is not None:
+            self._close_pending(evicted, f"{self._incoming.max_pending} connections were opening a link; "
+                                         "closed the one waiting longest")
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sel.register(sock, selectors.EVENT_READ, pend)
+
+    def _close_pending(self, pend: Pending, why: object) -> None:
+        self._incoming.release(pend)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(pend.sock)
+        pend.sock.close()
+        self._refusals.warning("rejected an incoming connection: %s", why)
+
+    def _first_frame(self, pend: Pending) -> None:
+        try:
+            msg = pend.feed()
+        except (OSError, wire.WireError) as exc:
+            self._close_pending(pend, exc)
+            return
+        if msg is None:
+            return
+        self._incoming.release(pend)
+        self._sel.unregister(pend.sock)
+        sock = pend.sock
         sock.settimeout(self.engine.timeout_ms / 1000.0)
         try:
-            msg = wire.read_message(sock)
             if isinstance(msg, wire.Hello):
                 reply = self.engine.accept_hello(msg, sock)
-            elif isinstance(msg, wire.Attach):
-                reply = self.engine.accept_attach(msg, sock)
             else:
-                raise wire.WireError(f"expected HELLO or ATTACH, got {type(msg).__name__}")
+                reply = self.engine.accept_attach(msg, sock)
             sock.sendall(wire.encode(reply))
-        except (OSError, wire.WireError, ValueError) as exc:
-            log.warning("rejected an incoming connection: %s", exc)
+        except Exception as exc:  # whatever a hostile frame provokes costs its sender the connection only
+            self._refusals.warning("rejected an incoming connection: %s: %s", type(exc).__name__, exc)
             sock.close()
             return
         if getattr(reply, "status", 0):
@@ -224,12 +260,16 @@ class Agent:
             if link is not None:
                 self.engine.after_attach(link)
 
+    def _expire_pending(self) -> None:
+        for pend in self._incoming.expired():
+            self._close_pending(pend, f"no complete first frame in {self._incoming.handshake_s:.1f} s")
+
     # -- serving --------------------------------------------------------------------------
     def _serve(self, link: Link) -> None:
         sock = link.serve_sock
         try:
             with contextlib.ExitStack() as self._request_scope:  # staging buffers of this request
-                msg = wire.read_message(sock)
+                msg = wire.read_message(sock, _SERVED)
                 reply = self._handle(link, msg, sock)
                 if isinstance(msg, wire.Unlink):
                     # Forgotten before it is confirmed: once the peer's unlink returns, this
@@ -240,8 +280,11 @@ class Agent:
                 if reply is not None:  # a pull's payload follows its reply in the same writev
                     native.sock_send(sock.fileno(), self._pending_plan or _NO_PAYLOAD, self.engine.timeout_ms,
                                      wire.encode(reply))
-        except (OSError, RuntimeError, wire.WireError, ValueError) as exc:
+        except Exception as exc:  # a bad request ends this link only, never the agent thread
             self._unregister(link)
+            if not isinstance(exc, (OSError, RuntimeError, wire.WireError, ValueError)):
+                self._refusals.warning("request from cluster %d failed: %s: %s", link.remote_cluster_id,
+                                       type(exc).__name__, exc)
             link.retire("peer closed the connection" if isinstance(exc, ConnectionError) else str(exc))
         finally:
             self._pending_plan = None

@@ -23,7 +23,7 @@ import time
 from typing import Optional
 
 from .._config import EngineOptions
-from .._status import LLMStatusCode, raise_error
+from .._status import LLMException, LLMStatusCode, raise_error
 from ..transports.collective import COLLECTIVE_BACKENDS, CollectiveTransport, make_group
 from ..transports.shm import ShmTransport
 from ..transports.tcp import TcpTransport
@@ -220,15 +220,17 @@ class Engine:
 
     # -- server side (agent thread) ------------------------------------------------------
     def accept_hello(self, msg: wire.Hello, sock: socket.socket) -> wire.HelloAck:
-        fields = self._hello_fields()
+        # A refusal names nothing of this engine (no cluster id, pid, host, memory or
+        # handles): only an accepted peer learns those.
         if msg.remote_cluster_id != self.cluster_id:
             return wire.HelloAck(status=int(LLMStatusCode.LLM_LINK_FAILED),
-                                 message=f"this is cluster {self.cluster_id}, not {msg.remote_cluster_id}", **fields)
+                                 message=f"no cluster {msg.remote_cluster_id} at this address")
         with self._links_lock:
             old = self.links.get((msg.cluster_id, False))
             if old is not None and old.broken is None:
                 return wire.HelloAck(status=int(LLMStatusCode.LLM_ALREADY_LINK),
-                                     message=f"cluster {msg.cluster_id} is already linked", **fields)
+                                     message=f"cluster {msg.cluster_id} is already linked here")
+        fields = self._hello_fields()
         link = Link(remote_cluster_id=msg.cluster_id, remote_role=msg.role, peer_pid=msg.pid,
                     timeout_ms=self.timeout_ms, is_client=False, local_cluster_id=self.cluster_id,
                     on_broken=self._link_broken)
@@ -237,7 +239,8 @@ class Engine:
         except Exception as exc:  # reported to the peer, which raises it there
             link.close()
             return wire.HelloAck(status=int(getattr(exc, "status_code", LLMStatusCode.LLM_LINK_FAILED)),
-                                 message=str(exc), **fields)
+                                 message=str(exc) if isinstance(exc, LLMException) else
+                                 f"the link could not be set up ({type(exc).__name__})")
         store_port = 0
         if self.backend in COLLECTIVE_BACKENDS:
             import torch.distributed as dist

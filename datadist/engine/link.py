@@ -79,6 +79,17 @@ class Link:
                         f"link to cluster {self.remote_cluster_id} is broken ({self.broken}); "
                         "unlink_clusters and link_clusters again")
 
+    def check_peer(self) -> None:
+        """After a one-sided copy: raise ``LLM_LINK_FAILED`` if the peer has died.  Its
+        memory stays mapped here after it dies, so a copy into it "succeeds"; but the
+        kernel ends the peer's sockets when it exits, and nothing else is ever pending on
+        the request connection between requests, so a readable end of stream there means
+        the peer is gone (one poll, no wait)."""
+        sock = self.req_sock
+        if self.broken is None and sock is not None and native.peer_closed(sock.fileno()):
+            self.mark_broken("peer process exited")
+        self.check_alive()
+
     def protocol_error(self, msg: wire.Message) -> None:
         self.mark_broken(f"unexpected {type(msg).__name__} frame")
         raise_error(LLMStatusCode.LLM_LINK_FAILED, f"protocol error on link to cluster {self.remote_cluster_id}")

@@ -23,7 +23,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["index_array", "copy_plan", "copy_plan_sum", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "COPY_THREADS",
+__all__ = ["peer_closed", "index_array", "copy_plan", "copy_plan_sum", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "COPY_THREADS",
            "SPIN_US"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
@@ -32,6 +32,11 @@ COPY_THREADS = max(1, min(4, int(os.environ.get("DATADIST_COPY_THREADS", os.cpu_
 #: How long a caller waiting for a reply polls before sleeping (microseconds).  Spinning
 #: only pays when another core can run the peer meanwhile, so it is off on one core.
 SPIN_US = int(os.environ.get("DATADIST_SPIN_US", 100 if (os.cpu_count() or 1) > 1 else 0))
+
+
+def peer_closed(fd: int) -> bool:
+    """Whether the stream on ``fd`` has ended (the peer closed it or died); never waits."""
+    return _native.peer_closed(fd)
 
 
 def index_array(seq) -> Optional[Tuple[np.ndarray, int, int]]:

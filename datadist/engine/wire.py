@@ -18,7 +18,7 @@ import socket
 import struct
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from . import native
 __all__ = [
     "VERSION", "U64", "MsgType", "Message", "Hello", "HelloAck", "Attach", "Resolve", "Resolved",
     "ReleaseKey", "Push", "Pull", "Reply", "Unlink", "Notify", "encode", "read_message", "WireError",
+    "PRE_LINK", "HEADER_SIZE", "parse_header", "decode_frame",
 ]
 
 #: Annotation of fields that hold unsigned 64-bit values (keys, cluster ids).
@@ -217,14 +218,21 @@ class _Schema:
         return b"".join(parts)
 
     def unpack(self, cls: type, data, blen: int) -> "Message":
+        if blen < self.struct.size:
+            raise WireError(f"{cls.__name__} body of {blen} bytes is shorter than its fixed fields")
         values = dict(zip(self.fixed, self.struct.unpack_from(data, 0)))
         pos = self.struct.size
         for name, kind in self.var:
             (n,) = _LEN.unpack_from(data, pos)
             pos += _LEN.size
+            if pos + n > blen:
+                raise WireError(f"{cls.__name__}.{name} of {n} bytes overruns the body")
             raw = bytes(data[pos:pos + n])
             pos += n
-            values[name] = raw.decode() if kind == "str" else json.loads(raw)
+            value = raw.decode() if kind == "str" else json.loads(raw)
+            if kind != "str" and not isinstance(value, dict if kind == "dict" else list):
+                raise WireError(f"{cls.__name__}.{name} is not a JSON {kind}")
+            values[name] = value
         if pos != blen:
             raise WireError(f"{cls.__name__} body of {blen} bytes does not match its layout ({pos} bytes)")
         return cls(**values)
@@ -254,36 +262,71 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def read_message(sock: socket.socket) -> Message:
-    """Read one frame (blocking within the socket's timeout) and decode it.
+#: Frames a peer may send before it is linked (the first frame of a connection).
+PRE_LINK = (MsgType.HELLO, MsgType.ATTACH)
+#: Largest body and array section of each message type, checked before anything is
+#: allocated: the messages that open a link are small, only the plan halves of a request
+#: and a cache's tensor addresses carry arrays.
+_PRE_LINK_BODY = 64 << 10
+_MAX_ARRAYS = 1 << 30
+_LIMITS: dict[int, tuple[int, int]] = {
+    int(t): (_PRE_LINK_BODY, 0) for t in (MsgType.HELLO, MsgType.ATTACH, MsgType.UNLINK, MsgType.REPLY,
+                                         MsgType.NOTIFY, MsgType.RESOLVE, MsgType.RELEASE_KEY)}
+_LIMITS.update({int(MsgType.HELLO_ACK): (_MAX_BODY, 0), int(MsgType.RESOLVED): (_MAX_BODY, _MAX_ARRAYS),
+                int(MsgType.PUSH): (_MAX_BODY, _MAX_ARRAYS), int(MsgType.PULL): (_MAX_BODY, _MAX_ARRAYS)})
+HEADER_SIZE = _HEADER.size
 
-    Raises ``ConnectionResetError`` at end of stream, ``socket.timeout`` at the socket's
-    deadline and :class:`WireError` for a foreign or incompatible frame.
-    """
-    magic, version, mtype, _, blen, alen = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+
+def parse_header(head, allowed: Optional[tuple] = None) -> tuple[type, int, int]:
+    """Check a frame header: our magic and version, a known type (one of ``allowed`` if
+    given) and sizes within that type's limits.  Returns ``(class, body bytes, array
+    bytes)``; raises :class:`WireError` before the caller allocates anything."""
+    magic, version, mtype, _, blen, alen = _HEADER.unpack(head)
     if magic != MAGIC:
         raise WireError(f"not a datadist link frame (magic {magic!r})")
     if version != VERSION:
         raise WireError(f"peer speaks link protocol version {version}, this side {VERSION}")
-    if blen > _MAX_BODY or alen > (1 << 34):
-        raise WireError(f"frame too large ({blen} + {alen} bytes)")
     cls = _TYPES.get(mtype)
-    if cls is None:
-        raise WireError(f"unknown message type {mtype}")
-    data = _recv_exact(sock, blen + alen)
+    if cls is None or (allowed is not None and mtype not in allowed):
+        raise WireError(f"unexpected message type {mtype}")
+    max_body, max_arrays = _LIMITS[mtype]
+    if blen > max_body or alen > max_arrays or alen % 8:
+        raise WireError(f"{cls.__name__} frame of {blen} + {alen} bytes is out of bounds")
+    return cls, blen, alen
+
+
+def decode_frame(cls: type, data, blen: int) -> Message:
+    """Decode a frame's body and array section (``data``, sized by :func:`parse_header`).
+    Anything malformed, truncated or of the wrong type raises :class:`WireError`, so a
+    hostile frame costs its sender the connection and nothing else."""
     try:
         msg = _SCHEMAS[cls].unpack(cls, data, blen)
-    except (struct.error, UnicodeDecodeError, ValueError) as exc:
+        arrays: list[Any] = []
+        pos, end = blen, len(data)
+        while pos < end:
+            (count,) = struct.unpack_from("<Q", data, pos)
+            pos += 8
+            if count > (end - pos) // 8:
+                raise WireError(f"{cls.__name__} array of {count} entries overruns its frame")
+            arrays.append(np.frombuffer(data, dtype=np.uint64, count=count, offset=pos).copy())
+            pos += 8 * count
+    except WireError:
+        raise
+    except (struct.error, UnicodeDecodeError, ValueError, TypeError, RecursionError) as exc:
         raise WireError(f"malformed {cls.__name__} frame: {exc}") from None
-    arrays: list[Any] = []
-    pos = blen
-    while pos < blen + alen:
-        (count,) = struct.unpack_from("<Q", data, pos)
-        pos += 8
-        arrays.append(np.frombuffer(data, dtype=np.uint64, count=count, offset=pos).copy())
-        pos += 8 * count
     msg.arrays = arrays
     return msg
+
+
+def read_message(sock: socket.socket, allowed: Optional[tuple] = None) -> Message:
+    """Read one frame (blocking within the socket's timeout) and decode it.
+
+    Raises ``ConnectionResetError`` at end of stream, ``socket.timeout`` at the socket's
+    deadline and :class:`WireError` for a foreign, oversized or malformed frame, or one
+    whose type is not in ``allowed``.
+    """
+    cls, blen, alen = parse_header(_recv_exact(sock, _HEADER.size), allowed)
+    return decode_frame(cls, _recv_exact(sock, blen + alen), blen)
 
 
 _SCHEMAS: dict[type, _Schema] = {cls: _Schema(cls) for cls in _TYPES.values()}

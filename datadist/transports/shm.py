@@ -105,7 +105,7 @@ class ShmTransport(Transport):
                          "registered caches" + ("" if self.cma_ok else "; cross-memory attach is not permitted"))
             (self.fallback.push if write else self.fallback.pull)(link, plan, remote, deadline)
             return True
-        link.check_alive()
+        link.check_peer()
         return False
 
     def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> bool:

@@ -1,0 +1,45 @@
+"""``Link.check_peer``: after a one-sided copy, a peer whose request stream has ended is
+gone (its mapped memory took the bytes, but nobody will read them)."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from datadist import LLMException, LLMStatusCode
+from datadist.engine.link import Link
+
+
+def _link(sock: socket.socket, lost: list) -> Link:
+    link = Link(remote_cluster_id=7, remote_role=1, peer_pid=0, timeout_ms=1000, is_client=True,
+                on_broken=lambda cluster, why: lost.append((cluster, why)))
+    link.req_sock = sock
+    return link
+
+
+def test_live_peer_passes_even_with_bytes_pending() -> None:
+    here, there = socket.socketpair()
+    with here, there:
+        lost: list = []
+        link = _link(here, lost)
+        link.check_peer()
+        there.sendall(b"x")  # a reply in flight is not an end of stream
+        link.check_peer()
+        assert link.broken is None and not lost
+
+
+@pytest.mark.parametrize("how", ["close", "shutdown"])
+def test_ended_stream_breaks_the_link(how: str) -> None:
+    here, there = socket.socketpair()
+    with here:
+        lost: list = []
+        link = _link(here, lost)
+        if how == "close":
+            there.close()
+        else:
+            there.shutdown(socket.SHUT_WR)
+        with pytest.raises(LLMException) as caught:
+            link.check_peer()
+        assert caught.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+        assert lost == [(7, "peer process exited")]
+        there.close()
