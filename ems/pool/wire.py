@@ -329,7 +329,7 @@ def decode(body: bytes) -> Message:
         if at != len(body):
             raise ValueError("key text does not match the announced lengths")
         return cls(**fields)
-    except (ValueError, TypeError, KeyError, struct.error) as exc:
+    except (ValueError, TypeError, KeyError, struct.error, RecursionError) as exc:
         raise ProtocolError(f"malformed control message: {exc}") from None
 
 
@@ -380,8 +380,9 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: Optional[float])
 
 
 def recv_msg(sock: socket.socket, deadline: Optional[float] = None,
-             want_fds: int = 0) -> Tuple[Message, List[int]]:
-    """Receive one frame (and up to ``want_fds`` descriptors) before ``deadline``."""
+             want_fds: int = 0, max_frame: int = MAX_FRAME) -> Tuple[Message, List[int]]:
+    """Receive one frame (and up to ``want_fds`` descriptors) before ``deadline``; a frame
+    announced larger than ``max_frame`` is refused before anything is allocated."""
     fds: List[int] = []
     head = bytearray(_LEN.size)
     if want_fds:
@@ -400,8 +401,8 @@ def recv_msg(sock: socket.socket, deadline: Optional[float] = None,
     else:
         recv_exact(sock, memoryview(head), deadline)
     (n,) = _LEN.unpack(head)
-    if n > MAX_FRAME:
-        raise ProtocolError(f"control frame of {n} bytes exceeds {MAX_FRAME}")
+    if n > max_frame:
+        raise ProtocolError(f"control frame of {n} bytes exceeds {max_frame}")
     body = bytearray(n)
     recv_exact(sock, memoryview(body), deadline)
     return decode(bytes(body)), fds

@@ -61,6 +61,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket-mode", default="0600", type=_octal,
                    help="permissions of the unix socket (default 0600: the daemon's user only; "
                         "0660 for its group, 0666 for everyone, best with --credentials)")
+    p.add_argument("--max-connections", type=_positive(int), default=1024,
+                   help="client connections open at once (default 1024; more are refused with an error)")
+    p.add_argument("--idle-timeout", type=_positive(float, zero=True), default=600.0,
+                   help="seconds before an idle client connection is closed (default 600; 0: never)")
+    p.add_argument("--read-timeout", type=_positive(float), default=30.0,
+                   help="seconds within which a started request must arrive whole (default 30)")
     p.add_argument("--no-spill-on-exit", action="store_true",
                    help="do not spill memory to the disk tier at shutdown")
     p.add_argument("--detach", action="store_true", help="fork into the background (new session)")
@@ -68,6 +74,19 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="write 'READY <pid> <tcp address>' to this fd once serving, then close it")
     p.add_argument("--log-file", default=None, help="log here instead of stderr")
     p.add_argument("--log-level", default="INFO")
+
+
+def _positive(kind: type, zero: bool = False):
+    """An argparse type: a number > 0 (or >= 0 with ``zero``)."""
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero else '> 0'}, got {text!r}")
+        return value
+    return convert
 
 
 def _octal(text: str) -> int:
@@ -97,7 +116,8 @@ def _serve(args: argparse.Namespace) -> int:
         directory=args.dir, capacity=parse_size(args.capacity), disk_dir=args.disk_dir,
         disk_capacity=parse_size(args.disk_capacity), remote=args.remote,
         credentials=args.credentials, tcp=args.tcp, idle_exit=args.idle_exit,
-        spill_on_exit=not args.no_spill_on_exit, socket_mode=args.socket_mode)
+        spill_on_exit=not args.no_spill_on_exit, socket_mode=args.socket_mode,
+        max_connections=args.max_connections, idle_timeout=args.idle_timeout, read_timeout=args.read_timeout)
     if args.detach:
         # Double fork: the caller reaps the short-lived middle process at once, and the
         # daemon (reparented to init) never lingers as its zombie.

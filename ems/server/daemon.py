@@ -1,9 +1,15 @@
 """``ems-server``: the node-local pool daemon.
 
-One listening unix socket (``DIR/ems.sock``, optionally a TCP port too), one thread per
-client connection, one :class:`~ems.server.store.Store`.  A connection starts with HELLO
-(version check, then credentials); on a unix socket the reply carries the tenant's arena
-memfd, so afterwards only small control messages cross the socket.
+One listening unix socket (``DIR/ems.sock``, optionally a TCP port too), one
+:class:`~ems.server.store.Store`, and a few threads for any number of connections
+(:mod:`ems.server.dispatch`: idle connections cost no thread).  A connection starts with
+HELLO (version check, then credentials); on a unix socket the reply carries the tenant's
+arena memfd, so afterwards only small control messages cross the socket.
+
+Every peer byte is hostile until HELLO succeeds: a frame before it is at most 64 KiB, each
+request must arrive whole within ``read_timeout``, a connection idle for ``idle_timeout`` is
+closed, and at most ``max_connections`` are open at once (the next one is told so and
+closed).  Refusals are logged at a bounded rate.
 
 Single instance per directory: ``DIR/ems.lock`` is held (flock) for the daemon's life;
 a second daemon on the same directory exits with :class:`AlreadyRunning`.  Because arenas
@@ -28,6 +34,9 @@ from ..pool import wire
 from ..pool.wire import (Abort, Ack, Commit, CommitReply, Drop, Error, Exists, ExistsReply, Get,
                          GetReply, Hello, HelloReply, Ping, Pong, Read, ReadReply, Release, Reserve,
                          ReserveReply, Shutdown, Stats, StatsReply, Write)
+from datadist.engine.incoming import RateLimitedLog
+
+from .dispatch import Dispatcher
 from .store import Owner, Store, TenantSpace
 from .tenants import AuthError, Tenants
 from .tiers import make_tier
@@ -63,6 +72,15 @@ class ServerConfig:
     #: an open-tenancy pool is not readable by every user of the node; a shared node pool
     #: opens it to a group (0o660) or to all (0o666), with credentials.
     socket_mode: int = 0o600
+    #: Open client connections at most; more are refused with a clear error.  Each client
+    #: process opens a few (its pool of connections), so this admits hundreds of processes.
+    max_connections: int = 1024
+    #: Seconds a connection may stay idle before the daemon closes it (0: never).
+    idle_timeout: float = 600.0
+    #: Seconds within which a request, once started, must arrive whole.
+    read_timeout: float = 30.0
+    #: Worker threads serving requests (idle connections need none).
+    workers: int = 16
 
 
 class Daemon:
@@ -82,6 +100,8 @@ class Daemon:
         self._idle_since = time.monotonic()
         self.tcp_address: Optional[str] = None
         self.store: Optional[Store] = None
+        self.dispatcher: Optional[Dispatcher] = None
+        self.refusals = RateLimitedLog(log)
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -98,6 +118,7 @@ class Daemon:
         disk = DiskTier(self.cfg.disk_dir, self.cfg.disk_capacity) if self.cfg.disk_dir else None
         remote = make_tier(self.cfg.remote) if self.cfg.remote else None
         self.store = Store(self.cfg.capacity, disk=disk, remote=remote)
+        self.dispatcher = Dispatcher(self.cfg.workers, self.cfg.idle_timeout)
         try:
             os.unlink(self.socket_path)  # a previous daemon's (we hold the lock, so it is dead)
         except FileNotFoundError:
@@ -105,14 +126,14 @@ class Daemon:
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         unix.bind(self.socket_path)
         os.chmod(self.socket_path, self.cfg.socket_mode)
-        unix.listen(128)
+        unix.listen(1024)  # bursts of clients connecting at once (a unix connect fails, not waits, when full)
         self._listeners.append(unix)
         if self.cfg.tcp:
             host, _, port = self.cfg.tcp.rpartition(":")
             tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             tcp.bind((host or "127.0.0.1", int(port)))
-            tcp.listen(128)
+            tcp.listen(1024)
             self.tcp_address = "tcp://%s:%d" % tcp.getsockname()[:2]
             self._listeners.append(tcp)
         for lsock in self._listeners:
@@ -150,8 +171,11 @@ class Daemon:
             sessions = list(self._sessions.values())
         for s in sessions:
             s.kick()
+        if self.dispatcher is not None:
+            self.dispatcher.close()  # ends idle sessions, waits for requests in flight
+            self.dispatcher = None
         for s in sessions:
-            s.join(5.0)
+            s.end()
         if self.store is not None:
             self.store.close(spill=self.cfg.spill_on_exit)
             self.store = None
@@ -173,10 +197,28 @@ class Daemon:
                 continue
             except OSError:
                 return
+            with self._sessions_lock:
+                full = len(self._sessions) >= self.cfg.max_connections
+            if full:
+                self._refuse_busy(conn)
+                continue
             session = Session(self, conn, lsock.family == socket.AF_UNIX)
             with self._sessions_lock:
                 self._sessions[id(session)] = session
-            session.start()
+            assert self.dispatcher is not None
+            self.dispatcher.watch(session)
+
+    def _refuse_busy(self, conn: socket.socket) -> None:
+        """Tell a connection over the cap why it is closed (briefly: it is not served)."""
+        self.refusals.warning("refused a connection: %d connections are open (--max-connections)",
+                              self.cfg.max_connections)
+        try:
+            wire.send_msg(conn, Error("busy", f"ems-server has {self.cfg.max_connections} connections open, "
+                                              "its --max-connections; retry later or raise the limit"),
+                          time.monotonic() + 0.2)
+        except EmsError:
+            pass
+        conn.close()
 
     def _ended(self, session: "Session") -> None:
         with self._sessions_lock:
@@ -194,17 +236,23 @@ class Daemon:
                 **self.store.stats()}
 
 
-class Session(threading.Thread):
-    """One client connection: HELLO, then requests answered in order until it closes."""
+#: Largest frame accepted before HELLO succeeds (a HELLO is a few hundred bytes).
+PRE_HELLO_FRAME = 64 << 10
+
+
+class Session:
+    """One client connection: HELLO, then requests answered in order until it closes.
+    The dispatcher calls :meth:`serve_one` whenever a request starts to arrive."""
 
     def __init__(self, daemon: Daemon, sock: socket.socket, unix: bool) -> None:
-        super().__init__(name="ems-session", daemon=True)
         self.d = daemon
         self.sock = sock
         self.unix = unix
         self.space: Optional[TenantSpace] = None
         self.owner: Optional[Owner] = None
         self._fds: tuple = ()  # descriptors to pass with the next reply
+        self._done = False
+        self._end_lock = threading.Lock()
 
     def kick(self) -> None:
         try:
@@ -212,40 +260,53 @@ class Session(threading.Thread):
         except OSError:
             pass
 
-    def run(self) -> None:
+    def serve_one(self) -> bool:
+        """Read and answer one request; False when the session is over."""
+        deadline = time.monotonic() + self.d.cfg.read_timeout
         try:
-            while True:
-                try:
-                    msg, _ = wire.recv_msg(self.sock)
-                except (PoolDisconnected, PoolTimeout):
-                    return
-                except ProtocolError as exc:
-                    self._reply(Error("invalid", str(exc)))
-                    return
-                try:
-                    reply = self._handle(msg)
-                except (EmsError, ValueError, TypeError, KeyError) as exc:
-                    reply = Error("invalid", f"{type(msg).__name__}: {exc}")
-                except Exception as exc:  # a bug must not take the daemon down; it is logged
-                    log.exception("request %s failed", type(msg).__name__)
-                    reply = Error("internal", f"{type(exc).__name__}: {exc}")
-                if reply is not None:
-                    fds, self._fds = self._fds, ()
-                    if not self._reply(reply, fds):
-                        return
-        finally:
-            store = self.d.store
-            if self.owner is not None and store is not None:
-                store.close_owner(self.owner)
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-            self.d._ended(self)
+            msg, _ = wire.recv_msg(self.sock, deadline,
+                                   max_frame=wire.MAX_FRAME if self.space is not None else PRE_HELLO_FRAME)
+        except (PoolDisconnected, PoolTimeout):
+            return False
+        except ProtocolError as exc:
+            self.d.refusals.warning("closed a connection that sent a bad frame: %s", exc)
+            self._reply(Error("invalid", str(exc)))
+            return False
+        try:
+            reply = self._handle(msg)
+        except (OSError, PoolDisconnected, PoolTimeout):  # payload stopped flowing (peer gone, read_timeout)
+            return False
+        except (EmsError, ValueError, TypeError, KeyError) as exc:
+            reply = Error("invalid", f"{type(msg).__name__}: {exc}")
+        except Exception as exc:  # a bug must not take the daemon down; it is logged
+            log.exception("request %s failed", type(msg).__name__)
+            reply = Error("internal", f"{type(exc).__name__}: {exc}")
+        if reply is not None:
+            fds, self._fds = self._fds, ()
+            if not self._reply(reply, fds):
+                return False
+            if self.space is None and isinstance(reply, Error):
+                return False  # no second try at HELLO on this connection
+        return True
+
+    def end(self) -> None:
+        """Release the session's leases and reservations and close it (idempotent)."""
+        with self._end_lock:
+            if self._done:
+                return
+            self._done = True
+        store = self.d.store
+        if self.owner is not None and store is not None:
+            store.close_owner(self.owner)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self.d._ended(self)
 
     def _reply(self, msg: wire.Message, fds=()) -> bool:
         try:
-            wire.send_msg(self.sock, msg, fds=fds)
+            wire.send_msg(self.sock, msg, time.monotonic() + self.d.cfg.read_timeout, fds=fds)
             return True
         except (PoolDisconnected, PoolTimeout):
             return False
@@ -343,12 +404,13 @@ class Session(threading.Thread):
         if res is None or size != res.size:
             return Error("invalid", "WRITE outside this connection's reservations")
         view = ts.arena.view(off, size)
-        wire.recv_exact(self.sock, view, time.monotonic() + 60.0)
+        wire.recv_exact(self.sock, view, time.monotonic() + self.d.cfg.read_timeout)
         return None
 
     def _read(self, store: Store, owner: Owner, ts: TenantSpace, off: int, size: int):
         if not store.leased(owner, ts, off, size):
             return Error("invalid", "READ outside this connection's leases")
+        self.sock.settimeout(self.d.cfg.read_timeout)  # a reader that stops reading is cut off
         self.sock.sendall(wire.encode(ReadReply(size)))
         self.sock.sendall(ts.arena.view(off, size))
         return None

@@ -1,0 +1,149 @@
+"""Serving many connections with a few threads.
+
+Idle client connections (clients keep several open, pooled) cost the daemon a selector
+entry, never a thread: one dispatcher thread waits on every idle socket, and when one
+becomes readable it hands that session's next request to a bounded pool of worker threads.
+A session is watched again only after its request is answered, so each connection's
+requests are served in order.  A connection idle longer than ``idle_timeout`` is closed
+(clients notice and reconnect), and each request must arrive whole within its read
+deadline (enforced by the session), so neither silence nor trickling holds a worker long.
+"""
+from __future__ import annotations
+
+import logging
+import selectors
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Protocol
+
+__all__ = ["Dispatcher", "Served"]
+
+log = logging.getLogger("ems.server")
+
+
+class Served(Protocol):
+    """What the dispatcher needs of a session."""
+
+    sock: socket.socket
+
+    def serve_one(self) -> bool:
+        """Answer the request whose bytes are waiting; False ends the session."""
+
+    def end(self) -> None:
+        """Release the session (idempotent)."""
+
+
+class Dispatcher:
+    """The dispatcher thread and its worker pool (see the module docstring)."""
+
+    def __init__(self, workers: int, idle_timeout: float) -> None:
+        self.idle_timeout = idle_timeout
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._lock = threading.Lock()
+        self._incoming: List[Served] = []
+        self._since: Dict[int, float] = {}  # fd -> when the session became idle
+        self._stop = False
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ems-worker")
+        self._thread = threading.Thread(target=self._run, name="ems-dispatch", daemon=True)
+        self._thread.start()
+
+    def watch(self, session: Served) -> None:
+        """Wait for the session's next request (any thread)."""
+        with self._lock:
+            if self._stop:
+                session.end()
+                return
+            self._incoming.append(session)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Stop dispatching, end every idle session, wait for requests in flight."""
+        with self._lock:
+            self._stop = True
+        self._wake()
+        self._thread.join(10.0)
+        self._pool.shutdown(wait=True)
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                events = self._sel.select(1.0)
+                self._take_incoming()
+                for key, _ in events:
+                    if key.data is None:
+                        self._drain()
+                    else:
+                        self._dispatch(key.data)
+                self._close_idle()
+        finally:
+            for key in list(self._sel.get_map().values()):
+                if key.data is not None:
+                    key.data.end()
+            with self._lock:
+                leftover, self._incoming = self._incoming, []
+            for session in leftover:
+                session.end()
+            self._sel.close()
+
+    def _drain(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _take_incoming(self) -> None:
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+        now = time.monotonic()
+        for session in incoming:
+            try:
+                self._sel.register(session.sock, selectors.EVENT_READ, session)
+                self._since[session.sock.fileno()] = now
+            except (ValueError, OSError, KeyError):  # closed meanwhile
+                session.end()
+
+    def _dispatch(self, session: Any) -> None:
+        self._forget(session)
+        self._pool.submit(self._serve, session)
+
+    def _forget(self, session: Any) -> None:
+        try:
+            self._since.pop(session.sock.fileno(), None)
+            self._sel.unregister(session.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def _serve(self, session: Served) -> None:
+        try:
+            again = session.serve_one()
+        except Exception:  # a bug must not take the daemon down; it is logged
+            log.exception("a session failed")
+            again = False
+        if again:
+            self.watch(session)
+        else:
+            session.end()
+
+    def _close_idle(self) -> None:
+        if self.idle_timeout <= 0:
+            return
+        limit = time.monotonic() - self.idle_timeout
+        for key in list(self._sel.get_map().values()):
+            session = key.data
+            if session is not None and self._since.get(key.fd, limit) < limit:
+                self._forget(session)
+                session.end()
