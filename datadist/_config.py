@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from ._objects import ip_to_str
 from ._status import ParamInvalidError
+from .engine.auth import Secret, load_secret
 
 __all__ = [
     "LLMConfig",
@@ -52,6 +53,9 @@ __all__ = [
     "OPTION_RDMA_SERVICE_LEVEL",
     "OPTION_TRANSFER_BACKEND",
     "OPTION_DEVICE_TYPE",
+    "OPTION_LINK_SECRET",
+    "OPTION_LINK_SECRET_FILE",
+    "ENV_LINK_SECRET",
 ]
 
 _log = logging.getLogger(__name__)
@@ -70,6 +74,10 @@ OPTION_RDMA_TRAFFIC_CLASS = "llm.RdmaTrafficClass"
 OPTION_RDMA_SERVICE_LEVEL = "llm.RdmaServiceLevel"
 OPTION_TRANSFER_BACKEND = "llm.TransferBackend"
 OPTION_DEVICE_TYPE = "llm.DeviceType"
+OPTION_LINK_SECRET = "datadist.LinkSecret"
+OPTION_LINK_SECRET_FILE = "datadist.LinkSecretFile"
+#: Environment variable holding the link secret when neither option gives one.
+ENV_LINK_SECRET = "DATADIST_LINK_SECRET"
 # Options of CANN's LlmConfig that this library accepts, checks and documents as having no
 # effect here (docs/migration.md says why for each).
 OPTION_SESSION_DEVICE_ID = "ge.session_device_id"
@@ -117,6 +125,8 @@ _PROPERTY_OF_KEY: Dict[str, str] = {
     OPTION_RDMA_SERVICE_LEVEL: "rdma_service_level",
     OPTION_TRANSFER_BACKEND: "transfer_backend",
     OPTION_DEVICE_TYPE: "device_type",
+    OPTION_LINK_SECRET: "link_secret",
+    OPTION_LINK_SECRET_FILE: "link_secret_file",
     OPTION_SESSION_DEVICE_ID: "device_id",
     OPTION_DEPLOY_RES_PATH: "deploy_res_path",
     OPTION_CLUSTER_INFO: "cluster_info",
@@ -139,6 +149,7 @@ _KEY_OF_FIELD: Dict[str, str] = {
     "link_retry_count": OPTION_LINK_RETRY_COUNT,
     "transfer_backend": OPTION_TRANSFER_BACKEND,
     "device_type": OPTION_DEVICE_TYPE,
+    "link_secret": OPTION_LINK_SECRET,
     "enable_cache_manager": OPTION_ENABLE_CACHE_MANAGER,
     "enable_remote_cache_accessible": OPTION_ENABLE_REMOTE_CACHE_ACCESSIBLE,
     "local_comm_res": OPTION_LOCAL_COMM_RES,
@@ -208,6 +219,9 @@ class EngineOptions:
         local_comm_res: the ``llm.LocalCommRes`` JSON, kept as given (None: unset).
         rdma_traffic_class: in [0, 255], a multiple of 4 (None: unset).
         rdma_service_level: in [0, 7] (None: unset).
+        link_secret: the shared secret that turns on mutual authentication of links
+            (``datadist.LinkSecret``, else the file ``datadist.LinkSecretFile``, else the
+            environment ``DATADIST_LINK_SECRET``); None: links are not authenticated.
 
     Constructing one directly validates it the same way (``__post_init__``).
     """
@@ -227,6 +241,7 @@ class EngineOptions:
     local_comm_res: Optional[str] = None
     rdma_traffic_class: Optional[int] = None
     rdma_service_level: Optional[int] = None
+    link_secret: Optional[Secret] = None
 
     def __post_init__(self) -> None:
         self._check_int("device_id", 0, _INT32_MAX)
@@ -262,6 +277,8 @@ class EngineOptions:
                 self._bad("rdma_traffic_class", "must be a multiple of 4 (bits 0-1 of the ToS byte are 0)")
         if self.rdma_service_level is not None:
             self._check_int("rdma_service_level", 0, _RDMA_SERVICE_LEVEL_MAX)
+        if self.link_secret is not None:
+            self._check_type("link_secret", Secret)
 
     # -- derived views
 
@@ -471,6 +488,13 @@ def _default_link_total_time() -> float:
     return DEFAULT_LINK_TOTAL_TIME_S
 
 
+def _secret_text(raw: Any) -> str:
+    # The message never shows the value: it is a secret.
+    if not isinstance(raw, str) or not raw:
+        raise _Bad("expected a non-empty string")
+    return raw
+
+
 def _checked(convert: Callable[[Any], Any]) -> Callable[[Any], Dict[str, Any]]:
     """Parser of an option that is validated but sets nothing (no effect in this library)."""
     def parse(raw: Any) -> Dict[str, Any]:
@@ -502,6 +526,8 @@ _PARSERS: Dict[str, Callable[[Any], Dict[str, Any]]] = {
     OPTION_RDMA_SERVICE_LEVEL: _fields("rdma_service_level", convert=_to_int),
     OPTION_TRANSFER_BACKEND: _fields("transfer_backend", convert=_to_backend),
     OPTION_DEVICE_TYPE: _fields("device_type", convert=_to_choice(DEVICE_TYPES)),
+    OPTION_LINK_SECRET: _checked(_secret_text),       # resolved with the file and the environment
+    OPTION_LINK_SECRET_FILE: _checked(_secret_text),  # in parse_options, first set wins
     OPTION_SESSION_DEVICE_ID: _checked(_to_int),
     OPTION_DEPLOY_RES_PATH: _checked(_to_text),
     OPTION_CLUSTER_INFO: _checked(_to_json_text),
@@ -527,6 +553,14 @@ def _warn_unknown_key(key: str) -> None:
     close = difflib.get_close_matches(key, sorted(KNOWN_OPTION_KEYS), n=1)
     _log.warning("option %r is not known to datadist and is ignored%s", key,
                  f"; did you mean {close[0]!r}?" if close else "")
+
+
+def _link_secret(options: Mapping[str, Any]) -> Optional[Secret]:
+    """The link secret: the option, else the option's file, else the environment."""
+    try:
+        return load_secret(options.get(OPTION_LINK_SECRET), options.get(OPTION_LINK_SECRET_FILE), ENV_LINK_SECRET)
+    except ValueError as exc:  # names the file, never its contents
+        raise ParamInvalidError(f"{_describe_key(OPTION_LINK_SECRET_FILE)} is invalid: {exc}") from None
 
 
 def parse_options(options: Mapping[str, Any], base: Optional[EngineOptions] = None) -> EngineOptions:
@@ -564,7 +598,11 @@ def parse_options(options: Mapping[str, Any], base: Optional[EngineOptions] = No
         try:
             fields.update(parser(raw))
         except _Bad as bad:
-            raise ParamInvalidError(f"{_describe_key(key)} = {raw!r} is invalid: {bad}") from None
+            shown = "<hidden>" if key == OPTION_LINK_SECRET else repr(raw)
+            raise ParamInvalidError(f"{_describe_key(key)} = {shown} is invalid: {bad}") from None
+    secret = _link_secret(options)
+    if secret is not None:
+        fields["link_secret"] = secret
     if base is None:
         fields.setdefault("link_total_time_s", _default_link_total_time())
         return EngineOptions(**fields)
@@ -691,12 +729,16 @@ class LLMConfig:
                            doc="CANN transfer buffer pool JSON; no effect here")
     global_resource_config = _Option(OPTION_GLOBAL_RESOURCE_CONFIG, str, default="",
                                      doc="CANN HIXL communication resources JSON; checked, no effect here")
+    link_secret = _Option(OPTION_LINK_SECRET, str, default="", empty_is_unset=True,
+                          doc="Shared secret: links are mutually authenticated (never shown in repr)")
+    link_secret_file = _Option(OPTION_LINK_SECRET_FILE, str, default="", empty_is_unset=True,
+                               doc="File holding the link secret (used when link_secret is unset)")
 
     _OPTIONS = (device_id, sync_kv_timeout, listen_ip_info, enable_cache_manager, enable_remote_cache_accessible,
                 mem_pool_cfg, host_mem_pool_cfg, link_total_time, link_retry_count, local_comm_res,
                 rdma_traffic_class, rdma_service_level, transfer_backend, device_type, deploy_res_path,
                 cluster_info, output_max_size, enable_switch_role, mem_utilization, buf_pool_cfg,
-                global_resource_config)
+                global_resource_config, link_secret, link_secret_file)
 
     def __init__(self) -> None:
         self._ge_options: Dict[str, str] = {}
@@ -748,7 +790,8 @@ class LLMConfig:
     gen_options = generate_options
 
     def __repr__(self) -> str:
-        parts = [f"{o.name}={self.__dict__[o.attr]!r}" for o in self._OPTIONS if self.__dict__.get(o.attr) is not None]
+        parts = [f"{o.name}=" + ("<hidden>" if o.key == OPTION_LINK_SECRET else repr(self.__dict__[o.attr]))
+                 for o in self._OPTIONS if self.__dict__.get(o.attr) is not None]
         if self._ge_options:
             parts.append(f"ge_options={self._ge_options!r}")
         return f"LLMConfig({', '.join(parts)})"

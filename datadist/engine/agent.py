@@ -10,6 +10,7 @@ broken and its sockets are shut down, which also wakes any call blocked on them.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import queue
 import selectors
@@ -21,16 +22,17 @@ import numpy as np
 
 from .._arrivals import Arrival
 from .._status import LLMException, LLMStatusCode, to_status_code
-from . import native, wire
+from . import handshake, native, wire
 from .layout import Plan, tensor_span
 from ..transports.base import ANY_CACHE, STALE
 from ..transports.collective import VIA_COLLECTIVE, CollectiveTransport
 from ..transports.local import host_side
+from .handshake import ServerAuth
 from .incoming import Incoming, Pending, RateLimitedLog
 from .link import Link
 from .registry import CacheRecord, Registry
 
-__all__ = ["Agent", "runs_inside", "runs_inside_any"]
+__all__ = ["Agent", "runs_inside", "runs_inside_any", "warn_if_unauthenticated"]
 
 log = logging.getLogger("datadist")
 
@@ -42,6 +44,21 @@ _SERVED = (wire.MsgType.RESOLVE, wire.MsgType.RELEASE_KEY, wire.MsgType.PUSH, wi
            wire.MsgType.UNLINK, wire.MsgType.NOTIFY)
 _EMPTY = np.zeros(0, dtype=np.uint64)
 _NO_PAYLOAD = Plan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
+
+
+_warned_open = False
+
+
+def warn_if_unauthenticated(addr: tuple, secret: object) -> None:
+    """Once per process: listening beyond loopback without a link secret lets anyone who
+    reaches the address link, read and write this engine's caches."""
+    global _warned_open
+    if secret is not None or _warned_open or ipaddress.ip_address(addr[0]).is_loopback:
+        return
+    _warned_open = True
+    log.warning("listening on %s:%d without a link secret: any host that reaches it can link and read or "
+                "write registered caches; set LLMConfig.link_secret (or DATADIST_LINK_SECRET) on every engine",
+                addr[0], addr[1])
 
 
 class Agent:
@@ -86,6 +103,7 @@ class Agent:
             ls.close()
             raise
         bound = ls.getsockname()[:2]
+        warn_if_unauthenticated(bound, self.engine.options.link_secret)
         self.listeners[bound] = ls
         self._sel.register(ls, selectors.EVENT_READ, "listen")
         return bound
@@ -244,10 +262,26 @@ class Agent:
         sock = pend.sock
         sock.settimeout(self.engine.timeout_ms / 1000.0)
         try:
-            if isinstance(msg, wire.Hello):
+            secret = self.engine.options.link_secret
+            if isinstance(msg, wire.Attach):
+                reply = self.engine.accept_attach(msg, sock)
+            elif secret is None:  # an opening asks for a secret this engine does not hold
+                reply = handshake.refusal() if handshake.opening_hello(msg) else self.engine.accept_hello(msg, sock)
+            elif pend.auth is None:  # the opening: answer with a challenge, then wait for the proof
+                state, reply = ServerAuth.challenge(secret, msg, self.engine.cluster_id)
+                sock.sendall(wire.encode(reply))
+                if state is None:
+                    raise wire.WireError("an unauthenticated HELLO")
+                again, evicted = self._incoming.admit(sock)
+                again.auth = state
+                if evicted is not None:
+                    self._close_pending(evicted, "too many connections opening a link")
+                self._sel.register(sock, selectors.EVENT_READ, again)
+                return
+            elif pend.auth.check(msg):
                 reply = self.engine.accept_hello(msg, sock)
             else:
-                reply = self.engine.accept_attach(msg, sock)
+                reply = handshake.refusal()
             sock.sendall(wire.encode(reply))
         except Exception as exc:  # whatever a hostile frame provokes costs its sender the connection only
             self._refusals.warning("rejected an incoming connection: %s: %s", type(exc).__name__, exc)

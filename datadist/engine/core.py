@@ -13,6 +13,7 @@ cannot map fails the link.
 """
 from __future__ import annotations
 
+import hmac
 import importlib.util
 import logging
 import os
@@ -29,6 +30,7 @@ from ..transports.shm import ShmTransport
 from ..transports.tcp import TcpTransport
 from . import cuda, native, wire
 from .agent import Agent
+from .handshake import ClientAuth
 from .layout import Plan
 from .link import Link
 from .memory import Arena, PeerArena, PoolAllocator
@@ -250,15 +252,19 @@ class Engine:
                                        wait_for_workers=False)
             store_port = link.store.port
         link.serve_sock = sock
+        link.attach_token = secrets.token_hex(16)
         self._install(link)
         self.agent.watch(link)
-        return wire.HelloAck(path=self.backend if store_port else link.path, store_port=store_port, **fields)
+        return wire.HelloAck(path=self.backend if store_port else link.path, store_port=store_port,
+                             attach_token=link.attach_token, **fields)
 
     def accept_attach(self, msg: wire.Attach, sock: socket.socket) -> wire.Reply:
         with self._links_lock:
             link = self.links.get((msg.cluster_id, False))
-        if link is None or link.req_sock is not None:
-            return wire.Reply(status=int(LLMStatusCode.LLM_LINK_FAILED), message=f"no pending link from {msg.cluster_id}")
+        # Only the peer that just linked knows the token: nobody else can take over the
+        # request connection of a link that is opening.
+        if link is None or link.req_sock is not None or not hmac.compare_digest(link.attach_token, msg.token):
+            return wire.Reply(status=int(LLMStatusCode.LLM_LINK_FAILED), message="no pending link to attach to")
         link.req_sock = sock
         if link.store is None:
             link.ready.set()
@@ -312,7 +318,15 @@ class Engine:
         try:
             hello_sock = self._connect_retrying(ip, port, deadline)
             socks.append(hello_sock)
-            hello_sock.sendall(wire.encode(wire.Hello(remote_cluster_id=remote_cluster_id, **self._hello_fields())))
+            hello = wire.Hello(remote_cluster_id=remote_cluster_id, **self._hello_fields())
+            if self.options.link_secret is not None:
+                if not self._authenticate(hello_sock, hello, remote_cluster_id):
+                    log.warning("link to cluster %d at %s:%d refused: the peer did not prove it holds the link "
+                                "secret (or refused ours)", remote_cluster_id, ip, port)
+                    for s in socks:
+                        s.close()
+                    return LLMStatusCode.LLM_LINK_FAILED
+            hello_sock.sendall(wire.encode(hello))
             ack = wire.read_message(hello_sock)
             if not isinstance(ack, wire.HelloAck):
                 raise wire.WireError(f"expected HELLO_ACK, got {type(ack).__name__}")
@@ -325,7 +339,7 @@ class Engine:
             self._make_transport(ack, link)
             attach_sock = self._connect(ip, port, deadline)
             socks.append(attach_sock)
-            attach_sock.sendall(wire.encode(wire.Attach(cluster_id=self.cluster_id)))
+            attach_sock.sendall(wire.encode(wire.Attach(cluster_id=self.cluster_id, token=ack.attach_token)))
             reply = wire.read_message(attach_sock)
             if not isinstance(reply, wire.Reply) or reply.status:
                 raise wire.WireError(getattr(reply, "message", "attach refused"))
@@ -354,6 +368,18 @@ class Engine:
         self.agent.watch(link)
         log.info("linked to cluster %d at %s:%d over %s", remote_cluster_id, ip, port, link.path)
         return LLMStatusCode.LLM_SUCCESS
+
+    def _authenticate(self, sock: socket.socket, hello: wire.Hello, remote_cluster_id: int) -> bool:
+        """The client's half of an authenticated opening (:mod:`datadist.engine.handshake`):
+        on success ``hello`` carries the nonce and proof and may be sent; nothing of this
+        engine's memory has been sent before."""
+        state = ClientAuth(self.options.link_secret, self.cluster_id, remote_cluster_id)
+        sock.sendall(wire.encode(state.opening()))
+        proof = state.answer(wire.read_message(sock))
+        if proof is None:
+            return False
+        hello.nonce, hello.proof = state.nonce.hex(), proof
+        return True
 
     def _connect_retrying(self, ip: str, port: int, deadline: float) -> socket.socket:
         """Connect, trying ``link_retry_count`` times in all while the deadline allows (a

@@ -53,11 +53,12 @@ class RateLimitedLog:
 class Pending:
     """One accepted connection and the part of its first frame received so far."""
 
-    __slots__ = ("sock", "deadline", "buf", "need", "frame")
+    __slots__ = ("sock", "deadline", "buf", "need", "frame", "auth")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock = sock
         self.deadline = deadline
+        self.auth = None  # the server's half of an authenticated opening, once challenged
         self.buf = bytearray()
         self.need = wire.HEADER_SIZE      # bytes wanted before the next step
         self.frame: Optional[tuple] = None  # (class, body bytes) once the header passed

@@ -50,6 +50,7 @@ class Link:
         self.transport: Optional[Transport] = None
         self.peer_epoch_addr: Optional[int] = None   # mapped epoch page of a same-host peer
         self.store = None                            # collective links: the server's TCPStore
+        self.attach_token = ""                       # server side: what the peer's ATTACH must carry
         self.lock = threading.Lock()
         self.broken: Optional[str] = None
         self.ready = threading.Event()

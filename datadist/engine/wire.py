@@ -34,7 +34,7 @@ __all__ = [
 U64 = int
 
 MAGIC = b"DDKV"
-VERSION = 2
+VERSION = 3
 _HEADER = struct.Struct("<4sBBHII")
 _MAX_BODY = 16 << 20
 _JSON = json.JSONEncoder(separators=(",", ":"))
@@ -80,6 +80,10 @@ class Hello(Message):
     device_regions: list = field(default_factory=list)  # CUDA IPC regions of the device pool
     backend: str = "auto"
     remote_cluster_id: U64 = 0                      # whom the client expects to reach
+    # With a link secret (datadist.engine.auth): the sender's fresh nonce and its proof,
+    # hex.  The first HELLO then carries identity only, none of the memory fields above.
+    nonce: str = ""
+    proof: str = ""
 
 
 @dataclass
@@ -89,6 +93,8 @@ class HelloAck(Hello):
     message: str = ""
     path: str = "tcp"                               # what the server will use towards the client
     store_port: int = 0                             # collective links: the server's TCPStore
+    attach_token: str = ""                          # what the client's ATTACH must carry (hex)
+    challenge: bool = False                         # an authentication challenge, not an answer
 
 
 @dataclass
@@ -97,6 +103,7 @@ class Attach(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.ATTACH
     cluster_id: U64 = 0
+    token: str = ""       # the HELLO_ACK's attach_token: only the peer that linked may attach
 
 
 @dataclass
