@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional, Union
 
+from datadist.engine.auth import Secret, load_secret
+
 from ._errors import invalid, to_ems
 
 __all__ = ["EmsConfig", "CcConfig", "CcConfig_v1", "KVCacheType", "KVCACHE_TYPES", "ENV_SERVER", "ID_RE",
@@ -20,6 +22,8 @@ __all__ = ["EmsConfig", "CcConfig", "CcConfig_v1", "KVCacheType", "KVCACHE_TYPES
 KVCACHE_TYPES = ("GQA", "MHA", "MLA", "MQA")
 #: Environment variable naming the pool when ``EmsConfig.server`` is not given.
 ENV_SERVER = "EMS_SERVER"
+#: Environment variable holding the pool secret when ``EmsConfig.secret`` is not given.
+ENV_SECRET = "EMS_SECRET"
 
 #: Ids (model, tenant, engine): printable ASCII without white space or path separators, so
 #: the vendor's own defaults (``cc_kvstore@_@ds_default_ns_001``) pass; key text escapes
@@ -174,6 +178,9 @@ class EmsConfig(_Checked):
         connect_timeout: ms allowed to connect and handshake at init and on reconnects.
         max_inflight: worker threads (and pool connections) serving async_save/async_load.
         verify_reads: check each loaded value's checksum (a mismatch is a miss).
+        secret: the pool secret (else env ``EMS_SECRET``), for a daemon started with
+            ``--secret-file``: both prove they hold it before credentials or memory are
+            exchanged.  Never shown in ``repr``.
     """
 
     cc_config: Optional[Union[CcConfig, CcConfig_v1]] = None
@@ -184,6 +191,7 @@ class EmsConfig(_Checked):
     connect_timeout: int = 3000
     max_inflight: int = 4
     verify_reads: bool = True
+    secret: Optional[str] = field(default=None, repr=False)
 
     def _check(self) -> None:
         for name in ("cc_config", "cc_config_v1"):
@@ -208,10 +216,16 @@ class EmsConfig(_Checked):
         _int("max_inflight", self.max_inflight, 1, 257)
         if not isinstance(self.verify_reads, bool):
             raise invalid("verify_reads", f"must be a bool, got {self.verify_reads!r}")
+        if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
+            raise invalid("secret", "must be a non-empty str")  # the value is never shown
 
     def cc(self) -> Optional[Union[CcConfig, CcConfig_v1]]:
         """The context-caching config given (either field), or None."""
         return self.cc_config if self.cc_config is not None else self.cc_config_v1
+
+    def pool_secret(self) -> Optional[Secret]:
+        """The pool secret: ``secret``, else env ``EMS_SECRET``, else None."""
+        return load_secret(self.secret, None, ENV_SECRET)
 
     def server_address(self) -> str:
         """The pool address: ``server``, else env ``EMS_SERVER``, else ``"auto"``."""

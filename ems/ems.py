@@ -50,7 +50,8 @@ class Ems:
                         return
                     raise invalid("config", "Ems is already initialized with another config")
                 pool = PoolClient(config.server_address(), config.access_id, config.access_key,
-                                  config.connect_timeout, max_idle=config.max_inflight + 4)
+                                  config.connect_timeout, max_idle=config.max_inflight + 4,
+                                  secret=config.pool_secret())
                 try:
                     pool.open()
                 except PoolUnreachable as exc:

@@ -22,12 +22,12 @@ import numpy as np
 
 from .._arrivals import Arrival
 from .._status import LLMException, LLMStatusCode, to_status_code
-from . import handshake, native, wire
+from . import native, wire
 from .layout import Plan, tensor_span
 from ..transports.base import ANY_CACHE, STALE
 from ..transports.collective import VIA_COLLECTIVE, CollectiveTransport
 from ..transports.local import host_side
-from .handshake import ServerAuth
+from .handshake import REFUSAL, ServerAuth
 from .incoming import Incoming, Pending, RateLimitedLog
 from .link import Link
 from .registry import CacheRecord, Registry
@@ -47,6 +47,16 @@ _NO_PAYLOAD = Plan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
 
 
 _warned_open = False
+
+
+def _opening(msg: wire.Hello) -> bool:
+    """An authenticated opening: a nonce and no proof yet (:mod:`datadist.engine.handshake`)."""
+    return bool(msg.nonce) and not msg.proof
+
+
+def _refusal() -> wire.HelloAck:
+    """A refusal that names nothing of this engine."""
+    return wire.HelloAck(status=int(LLMStatusCode.LLM_LINK_FAILED), message=REFUSAL)
 
 
 def warn_if_unauthenticated(addr: tuple, secret: object) -> None:
@@ -266,22 +276,27 @@ class Agent:
             if isinstance(msg, wire.Attach):
                 reply = self.engine.accept_attach(msg, sock)
             elif secret is None:  # an opening asks for a secret this engine does not hold
-                reply = handshake.refusal() if handshake.opening_hello(msg) else self.engine.accept_hello(msg, sock)
+                reply = _refusal() if _opening(msg) else self.engine.accept_hello(msg, sock)
             elif pend.auth is None:  # the opening: answer with a challenge, then wait for the proof
-                state, reply = ServerAuth.challenge(secret, msg, self.engine.cluster_id)
-                sock.sendall(wire.encode(reply))
+                state = (ServerAuth.start(secret, msg.nonce, str(msg.cluster_id).encode(),
+                                          str(self.engine.cluster_id).encode())
+                         if _opening(msg) and msg.remote_cluster_id == self.engine.cluster_id else None)
                 if state is None:
+                    sock.sendall(wire.encode(_refusal()))
                     raise wire.WireError("an unauthenticated HELLO")
+                nonce, proof = state.challenge()
+                sock.sendall(wire.encode(wire.HelloAck(challenge=True, nonce=nonce, proof=proof)))
                 again, evicted = self._incoming.admit(sock)
-                again.auth = state
+                again.auth = (state, msg.cluster_id)
                 if evicted is not None:
                     self._close_pending(evicted, "too many connections opening a link")
                 self._sel.register(sock, selectors.EVENT_READ, again)
                 return
-            elif pend.auth.check(msg):
+            elif (msg.cluster_id, msg.remote_cluster_id) == (pend.auth[1], self.engine.cluster_id) \
+                    and pend.auth[0].check(msg.nonce, msg.proof):
                 reply = self.engine.accept_hello(msg, sock)
             else:
-                reply = handshake.refusal()
+                reply = _refusal()
             sock.sendall(wire.encode(reply))
         except Exception as exc:  # whatever a hostile frame provokes costs its sender the connection only
             self._refusals.warning("rejected an incoming connection: %s: %s", type(exc).__name__, exc)

@@ -373,12 +373,16 @@ class Engine:
         """The client's half of an authenticated opening (:mod:`datadist.engine.handshake`):
         on success ``hello`` carries the nonce and proof and may be sent; nothing of this
         engine's memory has been sent before."""
-        state = ClientAuth(self.options.link_secret, self.cluster_id, remote_cluster_id)
-        sock.sendall(wire.encode(state.opening()))
-        proof = state.answer(wire.read_message(sock))
+        state = ClientAuth(self.options.link_secret, str(self.cluster_id).encode(), str(remote_cluster_id).encode())
+        sock.sendall(wire.encode(wire.Hello(cluster_id=self.cluster_id, remote_cluster_id=remote_cluster_id,
+                                            nonce=state.nonce_hex)))
+        challenge = wire.read_message(sock)
+        if not isinstance(challenge, wire.HelloAck) or not challenge.challenge or challenge.status:
+            return False
+        proof = state.answer(challenge.nonce, challenge.proof)
         if proof is None:
             return False
-        hello.nonce, hello.proof = state.nonce.hex(), proof
+        hello.nonce, hello.proof = state.nonce_hex, proof
         return True
 
     def _connect_retrying(self, ip: str, port: int, deadline: float) -> socket.socket:

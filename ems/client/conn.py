@@ -13,6 +13,8 @@ from typing import Any, List, Optional
 
 import numpy as np
 
+from datadist.engine.auth import Secret
+from datadist.engine.handshake import ClientAuth
 from datadist.engine.memory import SharedMapping
 
 from .._errors import PoolDisconnected, PoolRejected, PoolTimeout, PoolUnreachable, ProtocolError
@@ -40,7 +42,8 @@ class MappedArena(SharedMapping):
 class Connection:
     """A socket to the daemon after a successful HELLO."""
 
-    def __init__(self, address: Address, hello: wire.Hello, deadline: float) -> None:
+    def __init__(self, address: Address, hello: wire.Hello, deadline: float,
+                 secret: Optional[Secret] = None) -> None:
         self.address = address
         self.broken = False
         self.fds: List[int] = []  # from HELLO: the arena, then the key set
@@ -68,6 +71,8 @@ class Connection:
         self.sock = sock
         try:
             hello.shm = address.kind == "unix"
+            if secret is not None:
+                self._authenticate(sock, hello, secret, deadline)
             wire.send_msg(sock, hello, deadline)
             reply, fds = wire.recv_msg(sock, deadline, want_fds=2 if hello.shm else 0)
         except PoolTimeout as exc:
@@ -98,6 +103,20 @@ class Connection:
         else:
             for fd in fds:
                 os.close(fd)
+
+    def _authenticate(self, sock: socket.socket, hello: wire.Hello, secret: Secret, deadline: float) -> None:
+        """Prove to the pool, and have it prove, that both hold the secret, before the
+        credentials and the arena are exchanged (:mod:`datadist.engine.handshake`)."""
+        state = ClientAuth(secret, f"ems-client:{hello.access_id or ''}".encode(), b"ems-server")
+        wire.send_msg(sock, wire.Hello(access_id=hello.access_id, nonce=state.nonce_hex), deadline)
+        challenge, fds = wire.recv_msg(sock, deadline, want_fds=2)
+        for fd in fds:  # a pool without the secret must not hand out memory; never keep any
+            os.close(fd)
+        proof = state.answer(challenge.nonce, challenge.proof) if isinstance(challenge, wire.Challenge) else None
+        if proof is None:
+            raise PoolRejected(f"the EMS pool at {self.address} did not prove it holds the pool secret "
+                               "(wrong secret, or a pool without one)")
+        hello.nonce, hello.proof = state.nonce_hex, proof
 
     @property
     def instance(self) -> str:

@@ -16,6 +16,8 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator, List, Optional
 
+from datadist.engine.auth import Secret
+
 from .._errors import PoolTimeout, PoolUnreachable
 from ..pool import wire
 from ..pool.keyset import KeySetView
@@ -33,9 +35,10 @@ class PoolClient:
     """Connections to the daemon at ``server`` for one tenant."""
 
     def __init__(self, server: str, access_id: Optional[str], access_key: Optional[str],
-                 connect_timeout_ms: int = 3000, max_idle: int = 8) -> None:
+                 connect_timeout_ms: int = 3000, max_idle: int = 8, secret: Optional[Secret] = None) -> None:
         self.address: Address = parse_address(server)
         self._access = (access_id, access_key)
+        self._secret = secret
         self.connect_timeout = connect_timeout_ms / 1000.0
         self.max_idle = max_idle
         self._lock = threading.Lock()
@@ -60,7 +63,7 @@ class PoolClient:
 
     def _connect(self, deadline: float) -> Connection:
         hello = wire.Hello(access_id=self._access[0], access_key=self._access[1], pid=os.getpid())
-        conn = Connection(self.address, hello, deadline)
+        conn = Connection(self.address, hello, deadline, self._secret)
         fds = conn.take_fds()
         stale: List[Connection] = []
         try:

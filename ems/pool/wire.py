@@ -29,11 +29,11 @@ __all__ = [
     "PROTOCOL_VERSION", "Op", "Message", "encode", "decode", "send_msg", "recv_msg",
     "recv_exact", "Hello", "HelloReply", "Ping", "Pong", "Stats", "StatsReply", "Reserve",
     "ReserveReply", "Commit", "CommitReply", "Abort", "Get", "GetReply", "Release", "Drop",
-    "Exists", "ExistsReply", "Write", "Read", "ReadReply", "Error", "Shutdown", "Ack",
+    "Exists", "ExistsReply", "Write", "Read", "ReadReply", "Error", "Shutdown", "Ack", "Challenge",
     "SKIPPED", "NO_SPACE", "MAX_FRAME",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 #: Largest control frame either side accepts.
 MAX_FRAME = 64 << 20
 #: Reserve reply offsets: the key already holds a value (nothing to write) / no room.
@@ -68,6 +68,7 @@ class Op(IntEnum):
     READ_REPLY = 20
     SHUTDOWN = 21
     ACK = 22
+    CHALLENGE = 23
     ERROR = 99
 
 
@@ -103,6 +104,10 @@ class Hello(Message):
     access_key: Optional[str] = None
     pid: int = 0
     shm: bool = True
+    # With a pool secret (datadist.engine.handshake): the client's nonce, and its proof in
+    # the second HELLO.  The first carries no credentials.
+    nonce: str = ""
+    proof: str = ""
 
 
 @dataclass
@@ -263,6 +268,15 @@ class ReadReply(Message):
 @dataclass
 class Ack(Message):
     OP = Op.ACK
+
+
+@dataclass
+class Challenge(Message):
+    """A pool with a secret answers an opening HELLO with its nonce and proof."""
+
+    OP = Op.CHALLENGE
+    nonce: str = ""
+    proof: str = ""
 
 
 @dataclass

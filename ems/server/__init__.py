@@ -56,6 +56,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote", default=None, help="remote tier: redis://H:P[/db] or redis+cluster://H:P")
     p.add_argument("--credentials", default=None, help="file of 'access_id: access_key' lines")
     p.add_argument("--tcp", default=None, help="also listen on HOST:PORT (port 0: any free port)")
+    p.add_argument("--secret-file", default=None,
+                   help="file holding the pool secret: clients (EmsConfig.secret or EMS_SECRET) and the daemon "
+                        "prove to each other that they hold it before anything else")
     p.add_argument("--idle-exit", type=float, default=0.0,
                    help="exit after this many seconds without clients (0: never)")
     p.add_argument("--socket-mode", default="0600", type=_octal,
@@ -117,7 +120,8 @@ def _serve(args: argparse.Namespace) -> int:
         disk_capacity=parse_size(args.disk_capacity), remote=args.remote,
         credentials=args.credentials, tcp=args.tcp, idle_exit=args.idle_exit,
         spill_on_exit=not args.no_spill_on_exit, socket_mode=args.socket_mode,
-        max_connections=args.max_connections, idle_timeout=args.idle_timeout, read_timeout=args.read_timeout)
+        max_connections=args.max_connections, idle_timeout=args.idle_timeout, read_timeout=args.read_timeout,
+        secret_file=args.secret_file)
     if args.detach:
         # Double fork: the caller reaps the short-lived middle process at once, and the
         # daemon (reparented to init) never lingers as its zombie.

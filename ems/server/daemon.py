@@ -19,6 +19,7 @@ is replaced at the next start.
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import logging
 import os
 import secrets
@@ -31,9 +32,11 @@ from typing import Any, Dict, List, Optional
 
 from .._errors import EmsError, PoolDisconnected, PoolTimeout, ProtocolError
 from ..pool import wire
-from ..pool.wire import (Abort, Ack, Commit, CommitReply, Drop, Error, Exists, ExistsReply, Get,
+from ..pool.wire import (Abort, Ack, Challenge, Commit, CommitReply, Drop, Error, Exists, ExistsReply, Get,
                          GetReply, Hello, HelloReply, Ping, Pong, Read, ReadReply, Release, Reserve,
                          ReserveReply, Shutdown, Stats, StatsReply, Write)
+from datadist.engine.auth import Secret, load_secret
+from datadist.engine.handshake import REFUSAL, ServerAuth
 from datadist.engine.incoming import RateLimitedLog
 
 from .dispatch import Dispatcher
@@ -81,6 +84,9 @@ class ServerConfig:
     read_timeout: float = 30.0
     #: Worker threads serving requests (idle connections need none).
     workers: int = 16
+    #: File holding the pool secret: clients must prove they hold it (and the daemon that
+    #: it does) before anything else, credentials included (None: no secret).
+    secret_file: Optional[str] = None
 
 
 class Daemon:
@@ -90,6 +96,7 @@ class Daemon:
         self.cfg = cfg
         self.instance = secrets.token_hex(8)
         self.tenants = Tenants.from_file(cfg.credentials)
+        self.secret: Optional[Secret] = load_secret(None, cfg.secret_file) if cfg.secret_file else None
         self.socket_path = os.path.join(cfg.directory, SOCKET_NAME)
         self.stopped = threading.Event()
         self.started_at = time.time()
@@ -136,6 +143,10 @@ class Daemon:
             tcp.listen(1024)
             self.tcp_address = "tcp://%s:%d" % tcp.getsockname()[:2]
             self._listeners.append(tcp)
+            if self.secret is None and not ipaddress.ip_address(tcp.getsockname()[0]).is_loopback:
+                log.warning("listening on %s without a pool secret: any host that reaches it may use the pool "
+                            "(credentials only); start with --secret-file and give clients EmsConfig.secret",
+                            self.tcp_address)
         for lsock in self._listeners:
             threading.Thread(target=self._accept_loop, args=(lsock,), name="ems-accept",
                              daemon=True).start()
@@ -253,6 +264,7 @@ class Session:
         self._fds: tuple = ()  # descriptors to pass with the next reply
         self._done = False
         self._end_lock = threading.Lock()
+        self._auth: Optional[ServerAuth] = None  # a pool secret's challenge, once sent
 
     def kick(self) -> None:
         try:
@@ -331,6 +343,8 @@ class Session:
             return Error("internal", "shutting down")
         if isinstance(msg, Hello):
             return self._hello(msg)
+        if self.d.secret is not None and self.space is None and not self._operator():
+            return Error("auth", REFUSAL)  # with a secret, strangers get nothing, not even a ping
         if isinstance(msg, Ping):
             return Pong(self.d.instance)
         if isinstance(msg, Stats):
@@ -384,6 +398,19 @@ class Session:
             return Error("version", f"protocol version {msg.version} is not {wire.PROTOCOL_VERSION}")
         if self.space is not None:
             return Error("invalid", "HELLO twice")
+        secret = self.d.secret
+        opening = bool(msg.nonce) and not msg.proof
+        if secret is None:
+            if opening:  # the client asks for a secret this pool does not hold
+                return Error("auth", REFUSAL)
+        elif self._auth is None:
+            self._auth = ServerAuth.start(secret, msg.nonce, _client_id(msg), b"ems-server") if opening else None
+            if self._auth is None:
+                return Error("auth", REFUSAL)
+            nonce, proof = self._auth.challenge()
+            return Challenge(nonce, proof)
+        elif _client_id(msg) != self._auth.ids[0] or not self._auth.check(msg.nonce, msg.proof):
+            return Error("auth", REFUSAL)
         try:
             tenant = self.d.tenants.authenticate(msg.access_id, msg.access_key)
         except AuthError as exc:
@@ -414,6 +441,11 @@ class Session:
         self.sock.sendall(wire.encode(ReadReply(size)))
         self.sock.sendall(ts.arena.view(off, size))
         return None
+
+
+def _client_id(msg: Hello) -> bytes:
+    """The client's identity in a pool proof: its tenant id."""
+    return f"ems-client:{msg.access_id or ''}".encode()
 
 
 def _keys(keys: Any) -> List[str]:

@@ -71,21 +71,22 @@ def test_refusal_names_nothing_of_the_engine(peer_factory: Any) -> None:
     raw = wire.encode(reply)
     assert str(prompt.pid).encode() not in raw and socket.gethostname().encode() not in raw
     # an opening to the wrong cluster id is refused the same way, before any challenge
-    opening = handshake.ClientAuth(auth.Secret(b"x"), 5, PROMPT_ID + 1).opening()
+    opening = wire.Hello(cluster_id=5, remote_cluster_id=PROMPT_ID + 1, nonce=auth.new_nonce().hex())
     assert _exchange(port, wire.encode(opening)).message == handshake.REFUSAL
 
 
 def test_recorded_opening_cannot_be_replayed(peer_factory: Any) -> None:
     prompt, port, _ = _prompt(peer_factory)
     secret = auth.Secret(SECRET.encode())
-    client = handshake.ClientAuth(secret, 9, PROMPT_ID)
+    client = handshake.ClientAuth(secret, b"9", str(PROMPT_ID).encode())
+    opening = wire.Hello(cluster_id=9, remote_cluster_id=PROMPT_ID, nonce=client.nonce_hex)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(wire.encode(client.opening()))
+        s.sendall(wire.encode(opening))
         challenge = wire.read_message(s)
-        proof = client.answer(challenge)
+        proof = client.answer(challenge.nonce, challenge.proof)
         assert proof is not None  # the server proved it holds the secret
-    recorded = [wire.encode(client.opening()),
-                wire.encode(wire.Hello(cluster_id=9, remote_cluster_id=PROMPT_ID, nonce=client.nonce.hex(),
+    recorded = [wire.encode(opening),
+                wire.encode(wire.Hello(cluster_id=9, remote_cluster_id=PROMPT_ID, nonce=client.nonce_hex,
                                        proof=proof))]
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(recorded[0])

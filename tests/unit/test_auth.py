@@ -8,7 +8,7 @@ import pytest
 from datadist import LLMConfig
 from datadist._config import parse_options
 from datadist._status import ParamInvalidError
-from datadist.engine import auth, handshake, wire
+from datadist.engine import auth, handshake
 
 SECRET = auth.Secret(b"s3cret-value")
 
@@ -24,17 +24,16 @@ def test_proofs_bind_direction_nonces_and_identities() -> None:
 
 
 def test_handshake_round_trip_and_tampering() -> None:
-    client = handshake.ClientAuth(SECRET, 3, 4)
-    state, challenge = handshake.ServerAuth.challenge(SECRET, client.opening(), 4)
-    assert state is not None and challenge.challenge
-    proof = client.answer(challenge)
-    hello = wire.Hello(cluster_id=3, remote_cluster_id=4, nonce=client.nonce.hex(), proof=proof)
-    assert state.check(hello)
-    assert not state.check(wire.Hello(cluster_id=5, remote_cluster_id=4, nonce=client.nonce.hex(), proof=proof))
-    forged = wire.HelloAck(challenge=True, nonce=challenge.nonce, proof="00" * auth.MAC_BYTES)
-    assert handshake.ClientAuth(SECRET, 3, 4).answer(forged) is None
-    wrong, _ = handshake.ServerAuth.challenge(auth.Secret(b"other"), client.opening(), 4)
-    assert wrong is not None and client.answer(_) is None
+    client = handshake.ClientAuth(SECRET, b"3", b"4")
+    server = handshake.ServerAuth.start(SECRET, client.nonce_hex, b"3", b"4")
+    nonce, proof = server.challenge()
+    answer = client.answer(nonce, proof)
+    assert answer is not None and server.check(client.nonce_hex, answer)
+    assert not server.check(auth.new_nonce().hex(), answer)                  # another opening's nonce
+    assert handshake.ClientAuth(SECRET, b"3", b"4").answer(nonce, "00" * auth.MAC_BYTES) is None  # forged
+    impostor = handshake.ServerAuth.start(auth.Secret(b"other"), client.nonce_hex, b"3", b"4")
+    assert client.answer(*impostor.challenge()) is None
+    assert handshake.ServerAuth.start(SECRET, "zz", b"3", b"4") is None    # malformed nonce
 
 
 def test_load_secret_order_and_errors(tmp_path, monkeypatch) -> None:
