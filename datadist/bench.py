@@ -27,6 +27,7 @@ import argparse
 import hashlib
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -34,6 +35,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+
+from .engine.executors import EXECUTORS, executor, set_executor
 
 __all__ = ["main", "WORKLOADS", "run"]
 
@@ -264,6 +267,7 @@ def run(workload: str, transport: str, device: str = "cpu") -> dict:
         "p50_us": us[len(us) // 2], "p99_us": us[min(len(us) - 1, int(len(us) * 0.99))],
         "memcpy_gbps": w.batch_bytes / memcpy_s / 1e9,
         "block_kib": w.block_bytes >> 10, "blocks": w.blocks, "scatter": w.scatter, "verified": True,
+        "executor": executor(),
     }
 
 
@@ -302,7 +306,12 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--plot", metavar="OUT.svg", help="with --sweep: write GB/s against block size as SVG")
     ap.add_argument("--device", choices=DEVICES, default="cpu",
                     help="where both caches live (cuda: GPU memory; the ceiling is a torch copy on the GPU)")
+    ap.add_argument("--executor", choices=EXECUTORS, default=None,
+                    help="copy executor of both processes (default: DATADIST_EXECUTOR, else host)")
     args = ap.parse_args(argv)
+    if args.executor:
+        os.environ["DATADIST_EXECUTOR"] = args.executor  # the spawned decoder reads it at import
+        set_executor(args.executor)
     if args.device == "cuda":
         from .engine import cuda
 

@@ -2,8 +2,9 @@
 that this process has mapped (the shared-memory path reuses it), and through staging
 buffers for executors that only reach one kind of memory.
 
-Host-only plans run in the C copy loop; a plan with a CUDA side runs through the driver
-(:func:`datadist.engine.cuda.copy_plan`), which handles every host/device combination.
+Plans run on the process's executor (:mod:`datadist.engine.executors`): by default the C
+copy loop for host-only plans and the CUDA driver for a plan with a CUDA side; with
+``DATADIST_EXECUTOR=torch``, batched torch ops.
 Sockets and cross-memory attach reach host memory only, so a transfer whose local side is
 device memory is *staged*: gathered into one contiguous host buffer before it is sent, or
 received there and scattered afterwards (:func:`host_side`).
@@ -15,7 +16,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..engine import cuda, native
+from ..engine import cuda, executors
 from ..engine.layout import Plan
 
 __all__ = ["LocalTransport", "host_side", "staging_buffer", "staging_plan"]
@@ -28,8 +29,9 @@ class LocalTransport:
 
     @staticmethod
     def copy(plan: Plan) -> int:
-        """Copy the plan; returns the bytes moved."""
-        return native.copy_plan(plan) if plan.on_host else cuda.copy_plan(plan)
+        """Copy the plan with the process's executor (:mod:`datadist.engine.executors`);
+        returns the bytes moved."""
+        return executors.copy_plan(plan)
 
 
 def staging_buffer(nbytes: int, device: str = "cpu"):
