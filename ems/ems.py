@@ -66,7 +66,8 @@ class Ems:
                 Ems._config = config
         except Exception as exc:
             err = to_ems(exc)
-            log.error("EMS init failed: %s", err.message())  # the SDK's line, for its log scrapers
+            text = err.message()  # the SDK's line, for its log scrapers
+            log.error("%s", text if text.startswith("EMS init failed") else f"EMS init failed: {text}")
             raise err from None
 
     @staticmethod

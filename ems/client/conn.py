@@ -73,7 +73,10 @@ class Connection:
             hello.shm = address.kind == "unix"
             if secret is not None:
                 self._authenticate(sock, hello, secret, deadline)
-            wire.send_msg(sock, hello, deadline)
+            try:
+                wire.send_msg(sock, hello, deadline)
+            except PoolDisconnected:
+                pass  # a daemon that refuses (busy) closes at once; its reason is still readable
             reply, fds = wire.recv_msg(sock, deadline, want_fds=2 if hello.shm else 0)
         except PoolTimeout as exc:
             self.close()
