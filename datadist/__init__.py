@@ -17,6 +17,26 @@ from ._types import DataType, LLMRole, Memtype, Placement, RegisterMemStatus
 
 __version__ = "0.1.0"
 
+
+def _log_level_from_env() -> None:
+    """``DATADIST_LOG_LEVEL`` (DEBUG, INFO, WARNING, ERROR) sets the ``datadist`` logger's
+    level; a value that is none of them is reported once and ignored."""
+    import logging
+    import os
+
+    text = os.environ.get("DATADIST_LOG_LEVEL", "").strip().upper()
+    if not text:
+        return
+    level = logging.getLevelName(text)
+    if isinstance(level, int):
+        logging.getLogger("datadist").setLevel(level)
+    else:
+        logging.getLogger("datadist").warning("DATADIST_LOG_LEVEL=%r is not a log level (DEBUG, INFO, WARNING, "
+                                              "ERROR, CRITICAL); left unchanged", text)
+
+
+_log_level_from_env()
+
 __all__ = [
     "LLMDataDist", "CacheManager", "LLMConfig", "LlmConfig",
     "LLMRole", "Placement", "DataType", "RegisterMemStatus", "Memtype",

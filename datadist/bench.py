@@ -36,6 +36,7 @@ from typing import Optional
 
 import numpy as np
 
+from . import __version__
 from .engine.executors import EXECUTORS, executor, set_executor
 
 __all__ = ["main", "WORKLOADS", "run"]
@@ -298,6 +299,7 @@ def plan_rows(rounds: int = 200) -> list:
 
 def main(argv: Optional[list] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m datadist.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS) + ["plan"],
                     help="repeat for several (default: all)")
     ap.add_argument("--transport", action="append", choices=TRANSPORTS, help="repeat for several (default: all)")

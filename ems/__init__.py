@@ -9,6 +9,8 @@
 The pool is ``ems-server`` (``python -m ems.server``); the default ``auto`` address uses
 the node's daemon in ``/dev/shm/ems`` or starts one.  See ``ems/README.md`` for the files.
 """
+from datadist import __version__
+
 from .common.exception import EmsErrorCode, EmsException
 from .config import CcConfig, CcConfig_v1, EmsConfig, KVCacheType
 from .context_caching import ContextCaching

@@ -27,6 +27,8 @@ from typing import Any, Dict, List
 
 import numpy as np
 
+from . import __version__
+
 __all__ = ["main"]
 
 
@@ -201,6 +203,7 @@ def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
 def main(argv: List[str] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ems.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     p.add_argument("--server", default=None, help="use this daemon (default: start a private one)")
     p.add_argument("--layers", type=int, default=32)

@@ -92,9 +92,9 @@ def load_secret(value: Optional[str | bytes] = None, path: Optional[str] = None,
             with open(path, "rb") as f:
                 data = f.read(1 << 16).rstrip(b"\r\n")
         except OSError as e:
-            raise ValueError(f"link secret file {path!r} cannot be read: {e.strerror}") from None
+            raise ValueError(f"secret file {path!r} cannot be read: {e.strerror}") from None
         if not data:
-            raise ValueError(f"link secret file {path!r} is empty")
+            raise ValueError(f"secret file {path!r} is empty")
         return Secret(data)
     if env_var:
         env = os.environ.get(env_var)

@@ -23,6 +23,7 @@ import signal
 import sys
 from typing import List, Optional
 
+from .. import __version__
 from .daemon import DEFAULT_DIR, AlreadyRunning, Daemon, ServerConfig
 from .tiers.disk import parse_size
 
@@ -34,6 +35,7 @@ EXIT_ALREADY_RUNNING = 3
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ems-server", description="EMS context-caching pool daemon")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="cmd")
     serve = sub.add_parser("serve", help="run the daemon (the default command)")
     _serve_args(serve)
@@ -50,9 +52,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default=DEFAULT_DIR, help=f"socket directory (default {DEFAULT_DIR})")
-    p.add_argument("--capacity", default="1G", help="shared-memory capacity, e.g. 512M, 8G")
+    p.add_argument("--capacity", default="1G", type=_size("--capacity"), help="shared-memory capacity, e.g. 512M, 8G")
     p.add_argument("--disk-dir", default=None, help="disk tier directory (evicted values spill there)")
-    p.add_argument("--disk-capacity", default="10G", help="disk tier capacity")
+    p.add_argument("--disk-capacity", default="10G", type=_size("--disk-capacity"), help="disk tier capacity")
     p.add_argument("--remote", default=None, help="remote tier: redis://H:P[/db] or redis+cluster://H:P")
     p.add_argument("--credentials", default=None, help="file of 'access_id: access_key' lines")
     p.add_argument("--tcp", default=None, help="also listen on HOST:PORT (port 0: any free port)")
@@ -76,7 +78,22 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-fd", type=int, default=None,
                    help="write 'READY <pid> <tcp address>' to this fd once serving, then close it")
     p.add_argument("--log-file", default=None, help="log here instead of stderr")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=_LOG_LEVELS,
+                   help=f"one of {', '.join(_LOG_LEVELS)} (default INFO)")
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _size(flag: str):
+    """An argparse type: a size like 512M or 8G, in bytes."""
+    def convert(text: str) -> int:
+        try:
+            return parse_size(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} expects a size like 512M, 8G or 1048576, got {text!r}") \
+                from None
+    return convert
 
 
 def _positive(kind: type, zero: bool = False):
@@ -104,7 +121,7 @@ def _octal(text: str) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv.insert(0, "serve")
     args = _parser().parse_args(argv)
     if args.cmd == "stats":
@@ -116,8 +133,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     cfg = ServerConfig(
-        directory=args.dir, capacity=parse_size(args.capacity), disk_dir=args.disk_dir,
-        disk_capacity=parse_size(args.disk_capacity), remote=args.remote,
+        directory=args.dir, capacity=args.capacity, disk_dir=args.disk_dir,
+        disk_capacity=args.disk_capacity, remote=args.remote,
         credentials=args.credentials, tcp=args.tcp, idle_exit=args.idle_exit,
         spill_on_exit=not args.no_spill_on_exit, socket_mode=args.socket_mode,
         max_connections=args.max_connections, idle_timeout=args.idle_timeout, read_timeout=args.read_timeout,
@@ -139,16 +156,26 @@ def _serve(args: argparse.Namespace) -> int:
     if args.log_file:
         os.makedirs(os.path.dirname(os.path.abspath(args.log_file)), exist_ok=True)
         handlers = [logging.FileHandler(args.log_file)]
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+    logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s ems-server[%(process)d] %(levelname)s %(message)s",
                         handlers=handlers)
-    daemon = Daemon(cfg)
+    try:
+        daemon = Daemon(cfg)
+    except (ValueError, OSError) as exc:  # a credentials or secret file that cannot be used
+        _ready(args.ready_fd, f"FAILED {exc}")
+        print(f"ems-server: error: {exc}", file=sys.stderr)
+        return 2
     try:
         daemon.start()
     except AlreadyRunning as exc:
         logging.getLogger("ems.server").warning("%s", exc)
         _ready(args.ready_fd, f"RUNNING {exc}")
         return EXIT_ALREADY_RUNNING
+    except (ValueError, OSError, ImportError) as exc:  # a bad --remote, --tcp or directory: one line, no traceback
+        _ready(args.ready_fd, f"FAILED {type(exc).__name__}: {exc}")
+        daemon.close()
+        print(f"ems-server: error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:
         _ready(args.ready_fd, f"FAILED {type(exc).__name__}: {exc}")
         daemon.close()

@@ -95,8 +95,16 @@ class Daemon:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
         self.instance = secrets.token_hex(8)
-        self.tenants = Tenants.from_file(cfg.credentials)
-        self.secret: Optional[Secret] = load_secret(None, cfg.secret_file) if cfg.secret_file else None
+        try:
+            self.tenants = Tenants.from_file(cfg.credentials)
+        except OSError as exc:
+            raise ValueError(f"--credentials {cfg.credentials}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise ValueError(f"--credentials: {exc}") from None
+        try:
+            self.secret: Optional[Secret] = load_secret(None, cfg.secret_file) if cfg.secret_file else None
+        except ValueError as exc:
+            raise ValueError(f"--secret-file: {exc}") from None
         self.socket_path = os.path.join(cfg.directory, SOCKET_NAME)
         self.stopped = threading.Event()
         self.started_at = time.time()
@@ -123,7 +131,10 @@ class Daemon:
         os.ftruncate(self._lock_fd, 0)
         os.write(self._lock_fd, f"{os.getpid()}\n".encode())
         disk = DiskTier(self.cfg.disk_dir, self.cfg.disk_capacity) if self.cfg.disk_dir else None
-        remote = make_tier(self.cfg.remote) if self.cfg.remote else None
+        try:
+            remote = make_tier(self.cfg.remote) if self.cfg.remote else None
+        except (ValueError, ImportError) as exc:
+            raise ValueError(f"--remote {self.cfg.remote}: {exc}") from None
         self.store = Store(self.cfg.capacity, disk=disk, remote=remote)
         self.dispatcher = Dispatcher(self.cfg.workers, self.cfg.idle_timeout)
         try:
@@ -139,7 +150,11 @@ class Daemon:
             host, _, port = self.cfg.tcp.rpartition(":")
             tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            tcp.bind((host or "127.0.0.1", int(port)))
+            try:
+                tcp.bind((host or "127.0.0.1", int(port)))
+            except (OSError, ValueError, OverflowError) as exc:
+                tcp.close()
+                raise ValueError(f"--tcp {self.cfg.tcp}: expected HOST:PORT this host can listen on ({exc})") from None
             tcp.listen(1024)
             self.tcp_address = "tcp://%s:%d" % tcp.getsockname()[:2]
             self._listeners.append(tcp)
@@ -295,7 +310,10 @@ class Session:
             reply = Error("internal", f"{type(exc).__name__}: {exc}")
         if reply is not None:
             fds, self._fds = self._fds, ()
-            if not self._reply(reply, fds):
+            sent = self._reply(reply, fds)
+            if isinstance(msg, Shutdown) and isinstance(reply, Ack):
+                self.d.stop()  # after the answer: the caller must never see its stop as a failure
+            if not sent:
                 return False
             if self.space is None and isinstance(reply, Error):
                 return False  # no second try at HELLO on this connection
@@ -356,8 +374,7 @@ class Session:
             if not self._operator():
                 return Error("auth", "shutdown is accepted only from the daemon's own user (or root) "
                                      "on its unix socket")
-            self.d.stop()
-            return Ack()
+            return Ack()  # the daemon stops once this answer is out (serve_one)
         ts = self._need_space()
         owner = self.owner
         assert owner is not None
