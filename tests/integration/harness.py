@@ -44,7 +44,7 @@ __all__ = [
     "cache_key", "id_key", "blocks_key", "transfer_config", "key_config", "free_port", "base_config", "start_pair",
     "expect_llm", "expect_exc", "random_bytes", "layer_tensors", "expect_blocks",
     "expect_row_to_blocks", "expect_rows", "as_array", "shm_listing", "wait_until",
-    "wait_empty", "peer_factory", "pair_holder", "pair",
+    "wait_empty", "rss_bytes", "peer_factory", "pair_holder", "pair",
 ]
 
 #: Deadline of one command; generous because the machine is small and shared.
@@ -462,6 +462,15 @@ def pair(pair_holder: PairHolder) -> Iterator[Pair]:
 def shm_listing() -> set:
     """Names in /dev/shm, without multiprocessing's semaphores."""
     return {n for n in os.listdir("/dev/shm") if not n.startswith("sem.")}
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (bytes), from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:

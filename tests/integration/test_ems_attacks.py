@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ems_helpers import daemon_factory, init_cc, kvcache  # noqa: E402,F401
-from harness import wait_until  # noqa: E402
+from harness import rss_bytes, wait_until  # noqa: E402
 
 from ems import Ems, EmsErrorCode, EmsException  # noqa: E402
 from ems.pool import wire  # noqa: E402
@@ -28,14 +28,6 @@ pytestmark = pytest.mark.timeout(180)
 
 BLOCK = 4
 RSS_GROWTH_LIMIT = 64 << 20
-
-
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError("no VmRSS")
 
 
 def _threads(pid: int) -> int:
@@ -94,7 +86,7 @@ def served(daemon_factory):
 
 def test_bad_frames_before_hello(served) -> None:
     daemon, client = served
-    rss = _rss(daemon.pid)
+    rss = rss_bytes(daemon.pid)
     hello = wire.encode(wire.Hello(access_id=None, access_key=None, pid=1))
     attacks: List[bytes] = [
         struct.pack("<I", (64 << 20) - 1),                 # a 64 MiB frame announced before HELLO
@@ -112,7 +104,7 @@ def test_bad_frames_before_hello(served) -> None:
         s.sendall(struct.pack("<I", (64 << 20) - 1))
         held.append(s)
     client.serves()
-    assert _rss(daemon.pid) - rss < RSS_GROWTH_LIMIT
+    assert rss_bytes(daemon.pid) - rss < RSS_GROWTH_LIMIT
     for s in held:
         s.close()
     client.serves()

@@ -17,20 +17,13 @@ import numpy as np
 import pytest
 
 from datadist.engine import wire
-from harness import DECODER_ID, PROMPT_ID, Desc, Ref, base_config, blocks_key, expect_blocks, free_port
+from harness import (DECODER_ID, PROMPT_ID, Desc, Ref, base_config, blocks_key, expect_blocks, free_port,
+                     rss_bytes)
 
 pytestmark = pytest.mark.timeout(180)
 
 BLOCKS = Desc(2, (4, 8, 32), "fp16")
 RSS_GROWTH_LIMIT = 64 << 20
-
-
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError("no VmRSS")
 
 
 def _hello() -> bytes:
@@ -61,7 +54,7 @@ class Target:
         self.factory = peer_factory
         self.rounds = 0
         self.threads = len(self.peer.snapshot()["threads"])
-        self.rss = _rss(self.peer.pid)
+        self.rss = rss_bytes(self.peer.pid)
 
     def serves(self) -> None:
         """A new decoder links, pulls two blocks (bytes checked) and unlinks."""
@@ -80,7 +73,7 @@ class Target:
 
     def intact(self) -> None:
         np.testing.assert_array_equal(self.peer.read("kv"), self.data)
-        assert _rss(self.peer.pid) - self.rss < RSS_GROWTH_LIMIT
+        assert rss_bytes(self.peer.pid) - self.rss < RSS_GROWTH_LIMIT
         assert len(self.peer.snapshot()["threads"]) <= self.threads
 
 
