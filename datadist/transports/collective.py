@@ -60,6 +60,36 @@ def make_group(backend: str, store, rank: int, timeout_s: float):
     return torch_npu._C._distributed_c10d.ProcessGroupHCCL(store, rank, 2, timeout)
 
 
+#: Backends whose ``Work.wait(timeout)`` does not honour the timeout: their work is polled.
+POLLED_BACKENDS = ("hccl",)
+
+
+def wait_work(work, deadline: float, group, poll: bool) -> None:
+    """Wait for a collective ``work`` item until ``deadline`` (monotonic seconds).
+
+    Gloo and NCCL honour ``Work.wait(timeout)`` (gloo even moves the bytes inside ``wait``),
+    so their work is waited for with the time left.  HCCL's ``wait`` blocks on whatever the
+    timeout, so with ``poll`` this checks ``is_completed`` with a backoff of 20 us to 1 ms
+    and, at the deadline, aborts ``group`` (which ends the stuck operation) and raises
+    ``TimeoutError``; a completed item's own error is raised by its ``wait``.  No thread of
+    ours ever blocks on a peer for good."""
+    if not poll:
+        work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        return
+    pause = 20e-6
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            if hasattr(group, "abort"):
+                try:
+                    group.abort()
+                except RuntimeError as exc:
+                    log.debug("process group abort: %s", exc)
+            raise TimeoutError("the collective operation did not complete before the deadline")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+    work.wait()
+
+
 class CollectiveTransport(Transport):
     """Moves plan bytes through ``group`` (see the module docstring)."""
 
@@ -72,6 +102,7 @@ class CollectiveTransport(Transport):
         self.staging_dev = gpu.name if backend == "nccl" and gpu is not None else "cpu"
         self.wire_dev = {"gloo": None, "nccl": "cuda", "hccl": "npu"}[backend] if self.staging_dev == "cpu" else None
         self._store = store  # keeps the rendezvous alive as long as the group
+        self._poll = backend in POLLED_BACKENDS
 
     # -- initiator side ---------------------------------------------------------------
     def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
@@ -98,15 +129,16 @@ class CollectiveTransport(Transport):
         """Receive a validated push into the cache runs ``(bases, offs, lens)`` on ``device``."""
         buf, addr = staging_buffer(nbytes, self.staging_dev)
         dev = self._wire_view(buf)
-        self.group.recv([dev], self.peer_rank, _TAG).wait(datetime.timedelta(milliseconds=timeout_ms))
+        wait_work(self.group.recv([dev], self.peer_rank, _TAG), time.monotonic() + timeout_ms / 1000.0, self.group,
+                  self._poll)
         self._scatter(buf, dev, addr, bases, offs, lens, device)
 
     def serve_pull(self, bases: np.ndarray, offs: np.ndarray, lens: np.ndarray, nbytes: int, timeout_ms: int,
                    device: str = "cpu") -> None:
         """Send the cache runs ``(bases, offs, lens)`` on ``device`` of a validated pull."""
         buf = self._gather(bases, offs, lens, device, nbytes)
-        self.group.send([self._wire_view(buf)], self.peer_rank, _TAG).wait(
-            datetime.timedelta(milliseconds=timeout_ms))
+        wait_work(self.group.send([self._wire_view(buf)], self.peer_rank, _TAG),
+                  time.monotonic() + timeout_ms / 1000.0, self.group, self._poll)
 
     # -- helpers ------------------------------------------------------------------------
     def _gather(self, bases, offs, lens, device: str, nbytes: int):
@@ -124,14 +156,12 @@ class CollectiveTransport(Transport):
     def _wire_view(self, buf):
         return buf if self.wire_dev is None else buf.to(self.wire_dev)
 
-    @staticmethod
-    def _run(link, work, deadline: float, what: str) -> None:
-        left = max(0.001, deadline - time.monotonic())
+    def _run(self, link, work, deadline: float, what: str) -> None:
         try:
-            work.wait(datetime.timedelta(seconds=left))
-        except RuntimeError as exc:  # torch reports collective timeouts and peer loss so
+            wait_work(work, deadline, self.group, self._poll)
+        except (RuntimeError, TimeoutError) as exc:  # torch reports collective timeouts and peer loss so
             link.mark_broken(f"{what} failed: {exc}")
-            timeout = "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
+            timeout = isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
             raise_error(LLMStatusCode.LLM_TIMEOUT if timeout else LLMStatusCode.LLM_LINK_FAILED,
                         f"collective {what} with cluster {link.remote_cluster_id} failed: {exc}")
 
