@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import sys
+import tomllib
 from typing import List, Optional
 
 from .. import __version__
@@ -51,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="PATH", default=None,
+                   help="TOML file of these settings (keys as the flags without '--', e.g. capacity = \"8G\"); "
+                        "flags given on the command line override it")
     p.add_argument("--dir", default=DEFAULT_DIR, help=f"socket directory (default {DEFAULT_DIR})")
     p.add_argument("--capacity", default="1G", type=_size("--capacity"), help="shared-memory capacity, e.g. 512M, 8G")
     p.add_argument("--disk-dir", default=None, help="disk tier directory (evicted values spill there)")
@@ -123,12 +127,52 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv.insert(0, "serve")
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    if argv and argv[0] == "serve":
+        argv = ["serve", *_config_flags(parser, argv[1:]), *argv[1:]]
+    args = parser.parse_args(argv)
     if args.cmd == "stats":
         return _stats(args)
     if args.cmd == "stop":
         return _stop(args)
     return _serve(args)
+
+
+def _config_flags(parser: argparse.ArgumentParser, argv: List[str]) -> List[str]:
+    """The flags a ``--config`` TOML file sets, to go before the command line's own (which
+    then win).  An unreadable file, bad TOML or an unknown key exits with code 2, naming it."""
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+    if path is None:
+        return []
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # the parser the flags belong to
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except OSError as exc:
+        serve.error(f"--config {path}: {exc.strerror}")
+    except tomllib.TOMLDecodeError as exc:
+        serve.error(f"--config {path}: not valid TOML ({exc})")
+    actions = {a.dest: a for a in serve._actions if a.option_strings and a.dest not in ("help", "config")}
+    flags: List[str] = []
+    for key, value in table.items():
+        action = actions.get(str(key).replace("-", "_"))
+        if action is None:
+            serve.error(f"--config {path}: unknown key {key!r} (keys: {', '.join(sorted(actions))})")
+        flag = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                serve.error(f"--config {path}: {key} must be true or false, got {value!r}")
+            flags += [flag] if value else []
+        elif isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            flags += [flag, str(value)]
+        else:
+            serve.error(f"--config {path}: {key} must be a string or a number, got {value!r}")
+    return flags
 
 
 def _serve(args: argparse.Namespace) -> int:

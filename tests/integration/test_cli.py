@@ -92,3 +92,36 @@ def test_datadist_log_level_from_the_environment() -> None:
                          env={**ENV, "DATADIST_LOG_LEVEL": "LOUD"})
     assert bad.returncode == 0 and bad.stdout.strip() == "0"
     assert bad.stderr.count("DATADIST_LOG_LEVEL") == 1 and "Traceback" not in bad.stderr
+
+
+def _stats(directory: str) -> dict:
+    proc = _run("-m", "ems.server", "stats", "--dir", directory, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_serve_reads_a_toml_config_and_flags_override_it(tmp_path) -> None:
+    config = tmp_path / "ems.toml"
+    config.write_text('capacity = "48M"\nmax-connections = 8\nlog_level = "WARNING"\nno_spill_on_exit = true\n')
+    daemon = EmsDaemon(tmp_path / "a", capacity="64M", extra=["--config", str(config)]).start()
+    try:  # EmsDaemon passes --capacity 64M on the command line: it wins over the file's 48M
+        assert _stats(daemon.dir)["capacity"] == 64 << 20
+    finally:
+        daemon.stop()
+    daemon = EmsDaemon(tmp_path / "b")
+    daemon.args = ["--dir", daemon.dir, "--config", str(config)]  # the file alone
+    daemon.start()
+    try:
+        assert _stats(daemon.dir)["capacity"] == 48 << 20
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.parametrize("text, named", [('capcity = "1G"\n', "capcity"), ("capacity = [1]\n", "capacity"),
+                                         ("x = \n", "TOML")])
+def test_bad_config_files_are_one_line(tmp_path, text: str, named: str) -> None:
+    config = tmp_path / "ems.toml"
+    config.write_text(text)
+    proc = _run("-m", "ems.server", "serve", "--dir", str(tmp_path / "d"), "--config", str(config))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--config" in proc.stderr and named in proc.stderr
