@@ -1,0 +1,55 @@
+"""What pip installs: the wheel and the sdist build, the wheel installs into a fresh virtual
+environment (using the torch already on the machine, never replacing it), and the installed
+packages import and run their doctor there."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(600)
+
+
+#: The venv must see what it installed, not a source tree on PYTHONPATH.
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def _ok(cmd: list, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=CLEAN_ENV, **kw)
+    assert proc.returncode == 0, f"{cmd}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_wheel_and_sdist_install_into_a_fresh_venv(tmp_path: Path) -> None:
+    dist = tmp_path / "dist"
+    _ok([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(ROOT)])
+    _ok([sys.executable, "setup.py", "-q", "sdist", "-d", str(dist)], cwd=ROOT)
+    wheel = next(dist.glob("datadist-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for needed in ("datadist/py.typed", "ems/py.typed", "llm_datadist/__init__.py", "LICENSE"):
+        assert any(n.endswith(needed) for n in names), needed
+    assert any(n.startswith("datadist/engine/_native") and n.endswith(".so") for n in names)
+    sdist = next(dist.glob("datadist-*.tar.gz"))
+    assert any(n.endswith("datadist/engine/_native.c") for n in tarfile.open(sdist).getnames())
+
+    venv = tmp_path / "venv"
+    _ok([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
+    py = str(venv / "bin" / "python")
+    torch_before = _ok([py, "-c", "import torch; print(torch.__version__)"]).stdout
+    _ok([py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)])
+    out = _ok([py, "-c", "import datadist, ems, llm_datadist, torch; print(datadist.__file__); print(torch.__version__)"],
+              cwd=tmp_path).stdout.split()
+    assert out[0].startswith(str(venv)), out  # the installed copy, not the source tree
+    assert out[1] == torch_before.strip()     # torch untouched
+    facts = json.loads(_ok([py, "-m", "datadist", "--json"], cwd=tmp_path).stdout)
+    assert facts["native_extension"] == "ok"
+    meta = _ok([py, "-m", "pip", "show", "datadist"]).stdout
+    assert "Apache-2.0" in meta and "Requires: numpy, torch" in meta
