@@ -26,7 +26,7 @@ from .common.exception import EmsErrorCode, EmsException
 from .forms import V0, Request, parse_exists, parse_transfer
 from .future import CcFuture
 from .keys import Namespace
-from .kvcache import HostCopier, KvLayout, TorchCopier, ValuePlan
+from .kvcache import DeviceCopier, HostCopier, KvLayout, ValuePlan
 from .pool import wire
 from .pool.checksum import BLOCK, checksum, from_block_sums
 from .profiling import Profiler
@@ -180,11 +180,8 @@ class ContextCaching:
             return _HOST
         layout = self._layout
         assert layout is not None
-        if isinstance(layout.copier, TorchCopier):
-            if conn.arena is None:
-                raise invalid("kvcache", "device tensors need the shared-memory pool (unix socket), "
-                              "not a tcp:// address")
-            layout.copier.bind_host(conn.arena.base, conn.arena.array)
+        if isinstance(layout.copier, DeviceCopier) and layout.copier.device != "cpu" and conn.arena is None:
+            raise invalid("kvcache", "device tensors need the shared-memory pool (unix socket), not a tcp:// address")
         return layout.copier
 
     def _save(self, req: Request, deadline: Optional[float], moved: List[int]) -> int:

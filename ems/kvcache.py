@@ -6,7 +6,7 @@ is token row ``s`` of every tensor (block ``s // block_size``, position ``s % bl
 the chunk form, layer group after layer group), each holding its span's token rows in
 order.  Plans are built with the datadist block engine relative to a value at address 0
 and rebased onto the value's place in the mapped arena; every byte moves through
-``copy_plan`` (host tensors) or, for device tensors, the same plan executed by torch.
+``copy_plan`` (host tensors) or, for device tensors, the same plan on the torch executor.
 """
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from datadist.engine.executors import executor, torch_copy_plan
 from datadist.engine.layout import Plan, coalesce, plan_units
 from datadist.engine.native import copy_plan, copy_plan_sum
 
 from ._errors import invalid
 from .pool.checksum import BLOCK
 
-__all__ = ["KvLayout", "ValuePlan", "buffers_plan", "HostCopier", "TorchCopier"]
+__all__ = ["KvLayout", "ValuePlan", "buffers_plan", "HostCopier", "DeviceCopier"]
 
 _U64 = np.uint64
 
@@ -86,7 +87,11 @@ class KvLayout:
         self.device = first.device
         self.ptrs = np.array([t.data_ptr() for t in tensors], dtype=_U64)
         self.groups = self._groups(store_layer_group_desc)
-        self.copier = HostCopier() if first.device.type == "cpu" else TorchCopier(tensors)
+        if first.device.type not in ("cpu", "cuda"):  # never read device memory as host memory
+            raise invalid("kvcache", f"tensors on {first.device}: this build moves CPU and CUDA caches only")
+        # With DATADIST_EXECUTOR=torch host caches take the device path too, so CI runs it.
+        on_host = first.device.type == "cpu" and executor() != "torch"
+        self.copier = HostCopier() if on_host else DeviceCopier(str(first.device))
 
     def _groups(self, desc: Optional[Sequence[Sequence[int]]]) -> List[np.ndarray]:
         if desc is None:
@@ -168,60 +173,18 @@ class HostCopier:
         return sums
 
 
-class TorchCopier:
-    """Executes the same plans when the KV cache lives on a device (CUDA / NPU): each run
-    becomes one torch copy between a byte view of the device storage and the arena."""
+class DeviceCopier:
+    """Executes the same plans when the KV cache lives in device memory: on the torch
+    executor (:mod:`datadist.engine.executors`), device side to host arena and back, with
+    no Python loop per run and no host staging."""
 
-    def __init__(self, tensors: Sequence[Any]) -> None:
-        import torch
-
-        self._torch = torch
-        storages = {}
-        for t in tensors:
-            st = t.untyped_storage()
-            storages[st.data_ptr()] = st
-        self._bases = np.array(sorted(storages), dtype=np.int64)
-        self._views = []
-        for base in self._bases:
-            st = storages[int(base)]
-            view = torch.empty(0, dtype=torch.uint8, device=tensors[0].device)
-            view.set_(st, 0, (st.nbytes(),))
-            self._views.append(view)
-        self._ends = self._bases + np.array([v.numel() for v in self._views], dtype=np.int64)
-        self.host_base = 0
-        self.host = None  # torch view of the arena, set by the caller
-
-    def bind_host(self, base: int, array: np.ndarray) -> None:
-        self.host_base = base
-        self.host = self._torch.from_numpy(array)
-
-    def _runs(self, plan: Plan, device_is_src: bool):
-        src, lens = plan.src_runs()
-        dst, _ = plan.dst_runs()
-        dev, host = (src, dst) if device_is_src else (dst, src)
-        for d, h, n in zip(dev.astype(np.int64), host.astype(np.int64), lens.astype(np.int64)):
-            while n > 0:
-                i = int(np.searchsorted(self._bases, d, side="right")) - 1
-                take = int(min(n, self._ends[i] - d))
-                yield self._views[i][d - self._bases[i]: d - self._bases[i] + take], \
-                    self.host[h - self.host_base: h - self.host_base + take]
-                d, h, n = d + take, h + take, n - take
+    def __init__(self, device: str) -> None:
+        self.device = device
 
     def save(self, vp: ValuePlan, value_addr: int) -> None:
         for plan in vp.plans:
-            for dev, host in self._runs(plan.rebase(dst_delta=value_addr), True):
-                host.copy_(dev)
-        self._sync()
+            torch_copy_plan(plan.rebase(dst_delta=value_addr).on(self.device, "cpu"))
 
     def load(self, vp: ValuePlan, value_addr: int) -> None:
         for plan in vp.plans:
-            for dev, host in self._runs(plan.swapped().rebase(src_delta=value_addr), False):
-                dev.copy_(host, non_blocking=True)
-        self._sync()
-
-    def _sync(self) -> None:
-        dev = self._views[0].device
-        if dev.type == "cuda":
-            self._torch.cuda.synchronize(dev)
-        elif dev.type == "npu":  # pragma: no cover - needs torch_npu
-            self._torch.npu.synchronize(dev)
+            torch_copy_plan(plan.swapped().rebase(src_delta=value_addr).on("cpu", self.device))
