@@ -108,3 +108,13 @@ def test_kv_buffer_of_a_device_tensor_is_refused_not_read_as_host_memory():
         buf.address()
     host = torch.zeros(16)
     assert KvBufferWrapper(host.data_ptr, 64).address() == host.data_ptr()
+
+
+def test_kv_cache_on_a_device_this_build_cannot_move_is_refused():
+    import torch
+
+    from ems.kvcache import KvLayout
+
+    layers = [[torch.empty(4, 2, 2, 4, device="meta") for _ in range(2)] for _ in range(2)]
+    with pytest.raises(ValueError, match="kvcache.*meta"):
+        KvLayout(layers, None, "MHA")
