@@ -3,8 +3,8 @@
 Two real processes: this one is a PROMPT engine that pushes, a spawned DECODER engine owns
 the destination cache and links to it (transports shm, tcp, gloo).  ``--transport local`` moves the same plan between
 two caches of this process (``swap_blocks``).  After the timed rounds the destination is
-checked block by block against the source (a digest per side), and the memcpy ceiling is
-measured in the same run, on the same bytes, the way ``peer_bench.py`` measures it.
+checked block by block against the source (a digest per side), and a raw copy of the same
+bytes (the yardstick, not a ceiling) is measured in the same run, on the same bytes, the way ``peer_bench.py`` measures it.
 
 Workloads (see PERF.md):
   inorder-256k  1024 blocks x 256 KiB, block i -> block i, one tensor
@@ -19,7 +19,7 @@ Workloads (see PERF.md):
 
 ``--device cuda`` puts both caches on the GPU (``Placement.DEVICE``, ``device_type`` cuda;
 shm then moves them by CUDA IPC, tcp and gloo through host staging, ``nccl`` becomes
-available), and the ceiling row is a torch copy of the same blocks on that GPU.
+available), and the raw copy is a torch copy of the same blocks on that GPU.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from typing import Optional
 import numpy as np
 
 from . import __version__
+from .benchrecord import record
 from .engine.executors import EXECUTORS, executor, set_executor
 
 __all__ = ["main", "WORKLOADS", "run"]
@@ -261,15 +262,11 @@ def run(workload: str, transport: str, device: str = "cpu") -> dict:
     med = statistics.median(times)
     memcpy_s = _memcpy(w, src_blocks, dst_blocks, device)
     us = sorted(t * 1e6 for t in times)
-    return {
-        "workload": workload, "transport": transport, "device": device,
-        "system": f"datadist-{transport}" + ("-cuda" if device == "cuda" else ""),
-        "gbps": w.batch_bytes / med / 1e9, "batch_ms": med * 1e3,
-        "p50_us": us[len(us) // 2], "p99_us": us[min(len(us) - 1, int(len(us) * 0.99))],
-        "memcpy_gbps": w.batch_bytes / memcpy_s / 1e9,
-        "block_kib": w.block_bytes >> 10, "blocks": w.blocks, "scatter": w.scatter, "verified": True,
-        "executor": executor(),
-    }
+    return record(system=f"datadist-{transport}" + ("-cuda" if device == "cuda" else ""), workload=workload,
+                  gbps=w.batch_bytes / med / 1e9, batch_ms=med * 1e3, p50_us=us[len(us) // 2],
+                  p99_us=us[min(len(us) - 1, int(len(us) * 0.99))], block_kib=w.block_bytes >> 10, blocks=w.blocks,
+                  scatter=w.scatter, raw_copy_gbps=w.batch_bytes / memcpy_s / 1e9, verified=True,
+                  executor=executor(), device=device, transport=transport)
 
 
 def plan_rows(rounds: int = 200) -> list:
@@ -307,7 +304,7 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="sweep block sizes (instead of the standard workloads)")
     ap.add_argument("--plot", metavar="OUT.svg", help="with --sweep: write GB/s against block size as SVG")
     ap.add_argument("--device", choices=DEVICES, default="cpu",
-                    help="where both caches live (cuda: GPU memory; the ceiling is a torch copy on the GPU)")
+                    help="where both caches live (cuda: GPU memory; the raw copy is a torch copy on the GPU)")
     ap.add_argument("--executor", choices=EXECUTORS, default=None,
                     help="copy executor of both processes (default: DATADIST_EXECUTOR, else host)")
     args = ap.parse_args(argv)
@@ -328,7 +325,7 @@ def main(argv: Optional[list] = None) -> int:
     rows = []
     if not args.json:
         print(f"{'workload':14s} {'transport':9s} {'GB/s':>8s} {'batch ms':>9s} {'p50 us':>9s} {'p99 us':>9s} "
-              f"{'memcpy GB/s':>11s} {'x memcpy':>8s}", flush=True)
+              f"{'raw copy GB/s':>13s} {'x raw':>6s}", flush=True)
     for wl in workloads:
         if wl == "plan":
             for row in plan_rows():
@@ -343,13 +340,14 @@ def main(argv: Optional[list] = None) -> int:
                 print(json.dumps(row), flush=True)
             else:
                 print(f"{wl:14s} {tr:9s} {row['gbps']:8.2f} {row['batch_ms']:9.3f} {row['p50_us']:9.1f} "
-                      f"{row['p99_us']:9.1f} {row['memcpy_gbps']:11.2f} {row['gbps'] / row['memcpy_gbps']:8.2f}",
+                      f"{row['p99_us']:9.1f} {row['raw_copy_gbps']:13.2f} {row['ratio']:6.2f}",
                       flush=True)
     if args.plot:
         from ._svgplot import line_chart
 
         series = {f"{tr}": [(r["block_kib"], r["gbps"]) for r in rows if r["transport"] == tr] for tr in transports}
-        series["memcpy (same run)"] = [(r["block_kib"], r["memcpy_gbps"]) for r in rows if r["transport"] == transports[0]]
+        series["raw copy (same run)"] = [(r["block_kib"], r["raw_copy_gbps"]) for r in rows
+                                         if r["transport"] == transports[0]]
         with open(args.plot, "w") as f:
             f.write(line_chart(series, "datadist: 32 MiB pushed between two processes", "block size (KiB)", "GB/s"))
         print(f"# plot written to {args.plot}", file=sys.stderr)

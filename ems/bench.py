@@ -4,13 +4,14 @@ Workload (PERF.md ``kv-7b`` shape): ``--layers`` x (K, V) tensors of
 ``[blocks, 128, heads, 128]`` fp16; a hash covers one 128-token block of every tensor, so
 one value is layers x 2 x 256 KiB = 16 MiB with the defaults.  The parent process saves
 ``--hashes`` new hashes per call; a second process (spawned) loads them into its own
-cache and checks the bytes; ``exists`` asks for 256 hashes.  The memcpy ceiling (numpy,
-one process, the same number of bytes) is timed once per round, right after that round's
-load, so it sees the same machine conditions; like every row it is the median
-over the rounds (as ``peer_bench.py`` reports its memcpy).
+cache and checks the bytes; ``exists`` asks for 256 hashes.  A raw copy of the same number
+of bytes (numpy, one process) is timed once per round, right after that round's load, so it
+sees the same machine conditions; like every row it is the median over the rounds (as
+``peer_bench.py`` reports its memcpy).
 
-Rows (table, or ``--json`` lines): ``op``, ``gbps``, ``p50_us``, ``p99_us``, ``memcpy_gbps``,
-``ratio`` (gbps / memcpy_gbps), plus ``system``, ``block_kib``, ``blocks``, ``batch_ms``.
+Rows (table, or ``--json`` lines) are :mod:`datadist.benchrecord` records, the one schema of
+both benches and the peers' bench: ``workload`` is the operation (save, load, exists),
+``raw_copy_gbps`` the raw copy, plus ``bytes`` per call.
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ import time
 from typing import Any, Dict, List
 
 import numpy as np
+
+from datadist.benchrecord import record
+from datadist.engine.executors import executor
 
 from . import __version__
 
@@ -113,11 +117,11 @@ def _timed(fn) -> float:
 def _row(op: str, times: List[float], nbytes: int, memcpy: float, args: argparse.Namespace) -> Dict[str, Any]:
     arr = np.array(times)
     gbps = nbytes / float(np.median(arr)) / 1e9 if nbytes else 0.0
-    return {"system": "ems", "op": op, "gbps": round(gbps, 3), "p50_us": round(float(np.percentile(arr, 50)) * 1e6, 1),
-            "p99_us": round(float(np.percentile(arr, 99)) * 1e6, 1), "memcpy_gbps": round(memcpy, 3),
-            "ratio": round(gbps / memcpy, 3) if nbytes else None,
-            "block_kib": args.block_size * args.heads * args.head_size * 2 // 1024,
-            "blocks": args.hashes, "batch_ms": round(float(np.median(arr)) * 1e3, 3), "bytes": nbytes}
+    return record(system="ems", workload=op, gbps=gbps, batch_ms=float(np.median(arr)) * 1e3,
+                  p50_us=float(np.percentile(arr, 50)) * 1e6, p99_us=float(np.percentile(arr, 99)) * 1e6,
+                  block_kib=args.block_size * args.heads * args.head_size * 2 // 1024,
+                  blocks=args.hashes if nbytes else 256, scatter=False, raw_copy_gbps=memcpy,
+                  verified=op != "exists", executor=executor(), bytes=nbytes)
 
 
 def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
@@ -221,11 +225,12 @@ def main(argv: List[str] = None) -> int:
         for row in rows:
             print(json.dumps(row))
     else:
-        print(f"{'op':<8}{'GB/s':>9}{'p50 us':>12}{'p99 us':>12}{'memcpy':>9}{'ratio':>8}")
+        print(f"{'op':<8}{'GB/s':>9}{'p50 us':>12}{'p99 us':>12}{'raw copy':>10}{'ratio':>8}")
         for r in rows:
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-            gbps = "-" if r["op"] == "exists" else f"{r['gbps']:.2f}"
-            print(f"{r['op']:<8}{gbps:>9}{r['p50_us']:>12.1f}{r['p99_us']:>12.1f}{r['memcpy_gbps']:>9.2f}{ratio:>8}")
+            gbps = "-" if r["workload"] == "exists" else f"{r['gbps']:.2f}"
+            print(f"{r['workload']:<8}{gbps:>9}{r['p50_us']:>12.1f}{r['p99_us']:>12.1f}{r['raw_copy_gbps']:>10.2f}"
+                  f"{ratio:>8}")
     return 0
 
 

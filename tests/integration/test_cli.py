@@ -125,3 +125,16 @@ def test_bad_config_files_are_one_line(tmp_path, text: str, named: str) -> None:
     proc = _run("-m", "ems.server", "serve", "--dir", str(tmp_path / "d"), "--config", str(config))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--config" in proc.stderr and named in proc.stderr
+
+
+@pytest.mark.parametrize("executor", ["host", "torch"])
+def test_datadist_bench_rows_have_the_one_record_schema(executor: str) -> None:
+    from datadist.benchrecord import FIELDS
+
+    proc = _run("-m", "datadist.bench", "--workload", "inorder-256k", "--transport", "shm", "--json",
+                "--executor", executor, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout.splitlines()[-1])
+    assert list(row)[:len(FIELDS)] == list(FIELDS)
+    assert row["verified"] is True and row["executor"] == executor and row["gbps"] > 0
+    assert abs(row["ratio"] - row["gbps"] / row["raw_copy_gbps"]) < 0.002

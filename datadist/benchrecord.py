@@ -1,0 +1,49 @@
+"""The one JSON record of ``python -m datadist.bench`` and ``python -m ems.bench``.
+
+Every row both benches print with ``--json`` has the fields of ``peer_bench.py`` (the peer
+systems' bench), so rows of ours and of the peers compare field by field:
+
+========================  ======================================================================
+``system``                what ran: ``datadist-shm``, ``datadist-tcp``, ``ems``, ...
+``workload``              the workload (datadist) or operation (ems: save, load, exists)
+``gbps``                  payload bytes per second of one call, median, in GB/s (0 for exists)
+``batch_ms``              one call, median, ms
+``p50_us`` / ``p99_us``   one call, percentiles, microseconds
+``block_kib``             bytes of one block (one tensor's block for datadist), KiB
+``blocks``                blocks per call
+``scatter``               whether destination blocks are in random order
+``raw_copy_gbps``         a plain copy of the same bytes in one process, in the same run (numpy,
+                          or torch on a GPU): a yardstick, not a ceiling; the engine's own copies
+                          use several threads and streaming stores and can beat it
+``ratio``                 ``gbps / raw_copy_gbps``
+``verified``              whether the bytes that arrived were checked against the source
+``executor``              the copy executor (``host`` or ``torch``)
+``device``                where the caches lived (``cpu``, ``cuda``)
+========================  ======================================================================
+
+Workloads with layers (``kv-7b``) add ``layers`` and per-layer ``layer_p50_us`` /
+``layer_p99_us``; others may add fields of their own after these.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+__all__ = ["FIELDS", "record"]
+
+FIELDS = ("system", "workload", "gbps", "batch_ms", "p50_us", "p99_us", "block_kib", "blocks", "scatter",
+          "raw_copy_gbps", "ratio", "verified", "executor", "device")
+
+
+def record(*, system: str, workload: str, gbps: float, batch_ms: float, p50_us: float, p99_us: float,
+           block_kib: float, blocks: int, scatter: bool, raw_copy_gbps: float, verified: bool, executor: str,
+           device: str = "cpu", **extra: Any) -> Dict[str, Any]:
+    """One row with every field of :data:`FIELDS`, in that order, then ``extra``."""
+    row: Dict[str, Any] = {
+        "system": system, "workload": workload, "gbps": round(gbps, 3), "batch_ms": round(batch_ms, 3),
+        "p50_us": round(p50_us, 1), "p99_us": round(p99_us, 1), "block_kib": block_kib, "blocks": blocks,
+        "scatter": scatter, "raw_copy_gbps": round(raw_copy_gbps, 3),
+        "ratio": round(gbps / raw_copy_gbps, 3) if gbps and raw_copy_gbps else None,
+        "verified": verified, "executor": executor, "device": device,
+    }
+    row.update(extra)
+    return row
