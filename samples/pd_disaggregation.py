@@ -415,7 +415,8 @@ class RequestStats:
 
     prompt_len: int
     first: FirstToken
-    ttft_s: float
+    ttft_s: float    # this request's own: from when the prompt engine could start on it
+    since_wave_s: float  # from the wave's submission (includes waiting behind earlier requests)
 
 
 @dataclasses.dataclass
@@ -471,10 +472,13 @@ def run_wave(procs: Launcher, first_id: int, prompts: Sequence[Sequence[int]], b
     for req, tokens in zip(ids, prompts):
         procs.send("prompt", Prefill(req, list(tokens), tables[req]))
     stats: Dict[int, RequestStats] = {}
+    free_at = submitted  # the prompt engine serves one request at a time
     for _ in prompts:
         first = _expect(procs.recv("prompt"), FirstToken)
-        stats[first.req_id] = RequestStats(len(prompts[first.req_id - first_id]), first,
-                                           time.perf_counter() - submitted)
+        now = time.perf_counter()
+        stats[first.req_id] = RequestStats(len(prompts[first.req_id - first_id]), first, now - free_at,
+                                           now - submitted)
+        free_at = now
         procs.send("decoder", KvReady(first.req_id, first.token))
         bar.advance(f"prefilled request {first.req_id}")
     while isinstance(message := procs.recv("decoder"), Progress):
@@ -508,14 +512,14 @@ def report(run: RunResult, block_size: int, reference_s: float) -> None:
     for index, wave in enumerate(run.waves):
         print(f"wave {index + 1}:")
         print(f"{'request':>7} {'prompt':>6} {'pool hits':>9} {'load ms':>7} {'computed':>8} {'prefill ms':>10} "
-              f"{'KV bytes':>9} {'push ms':>7} {'GB/s':>6} {'TTFT ms':>8}")
+              f"{'KV bytes':>9} {'push ms':>7} {'GB/s':>6} {'TTFT ms':>8} {'+queue ms':>9}")
         for req, s in sorted(wave.stats.items()):
             f = s.first
             computed = s.prompt_len - f.pool_blocks * block_size
             rate = f.last_layer_bytes / f.push_tail_s / 1e9 if f.push_tail_s > 0 else float("inf")
             print(f"{req:>7} {s.prompt_len:>6} {f.pool_blocks:>9} {f.load_s * 1e3:>7.2f} {computed:>8} "
                   f"{f.prefill_s * 1e3:>10.1f} {f.kv_bytes:>9} {f.push_tail_s * 1e3:>7.2f} {rate:>6.3f} "
-                  f"{s.ttft_s * 1e3:>8.1f}")
+                  f"{s.ttft_s * 1e3:>8.1f} {s.since_wave_s * 1e3:>9.1f}")
         steps = len(next(iter(wave.generated.tokens.values()))) - 1
         print(f"decode: {steps} steps x {len(wave.stats)} requests in {wave.generated.decode_s * 1e3:.1f} ms")
         if wave.saved is not None:
