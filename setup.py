@@ -24,7 +24,9 @@ setup(
     install_requires=["numpy", "torch"],
     extras_require={
         "redis": ["redis>=5"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "redis>=5"],
+        "plot": ["matplotlib"],
+        "progress": ["tqdm"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "redis>=5", "matplotlib", "tqdm"],
     },
     classifiers=[
         "Development Status :: 4 - Beta",

@@ -14,8 +14,10 @@ Workloads (see PERF.md):
                 pushed layer by layer (one push_blocks per layer, tensor_num_per_layer=2)
   plan          validation + plan building for 4096 blocks x 64 tensors (all 32 layers, in
                 order and scattered), in one process; p50/p99 per plan
-  --sweep       32 MiB in order at block sizes 4 KiB .. 1 MiB; ``--plot out.svg`` draws GB/s
-                against block size per transport
+  --sweep       32 MiB in order at block sizes 4 KiB .. 1 MiB
+
+``--plot OUT`` draws whatever ran into ``OUT.png`` and ``OUT.svg`` (matplotlib, extra
+``[plot]``): GB/s against block size for a sweep, GB/s per workload otherwise.
 
 ``--device cuda`` puts both caches on the GPU (``Placement.DEVICE``, ``device_type`` cuda;
 shm then moves them by CUDA IPC, tcp and gloo through host staging, ``nccl`` becomes
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -302,7 +305,8 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--transport", action="append", choices=TRANSPORTS, help="repeat for several (default: all)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     ap.add_argument("--sweep", action="store_true", help="sweep block sizes (instead of the standard workloads)")
-    ap.add_argument("--plot", metavar="OUT.svg", help="with --sweep: write GB/s against block size as SVG")
+    ap.add_argument("--plot", metavar="OUT",
+                    help="draw the rows of this run into OUT.png and OUT.svg (needs matplotlib: extra [plot])")
     ap.add_argument("--device", choices=DEVICES, default="cpu",
                     help="where both caches live (cuda: GPU memory; the raw copy is a torch copy on the GPU)")
     ap.add_argument("--executor", choices=EXECUTORS, default=None,
@@ -318,9 +322,11 @@ def main(argv: Optional[list] = None) -> int:
             ap.error("--device cuda: torch sees no CUDA device here")
     elif "nccl" in (args.transport or ()):
         ap.error("--transport nccl needs --device cuda")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        ap.error("--plot needs matplotlib: pip install 'datadist[plot]'")
     standard = [w for w in WORKLOADS if not w.startswith("sweep-")] + ["plan"]
     sweep = [f"sweep-{k}k" for k in SWEEP_KIB]
-    workloads = sweep if args.sweep or args.plot else (args.workload or standard)
+    workloads = sweep if args.sweep else (args.workload or standard)
     transports = args.transport or [t for t in TRANSPORTS if t != "nccl" or args.device == "cuda"]
     rows = []
     if not args.json:
@@ -343,14 +349,12 @@ def main(argv: Optional[list] = None) -> int:
                       f"{row['p99_us']:9.1f} {row['raw_copy_gbps']:13.2f} {row['ratio']:6.2f}",
                       flush=True)
     if args.plot:
-        from ._svgplot import line_chart
+        from ._plot import plot_rows
 
-        series = {f"{tr}": [(r["block_kib"], r["gbps"]) for r in rows if r["transport"] == tr] for tr in transports}
-        series["raw copy (same run)"] = [(r["block_kib"], r["raw_copy_gbps"]) for r in rows
-                                         if r["transport"] == transports[0]]
-        with open(args.plot, "w") as f:
-            f.write(line_chart(series, "datadist: 32 MiB pushed between two processes", "block size (KiB)", "GB/s"))
-        print(f"# plot written to {args.plot}", file=sys.stderr)
+        title = ("datadist: 32 MiB pushed between two processes" if args.sweep
+                 else "datadist: workloads between two processes")
+        for path in plot_rows(rows, args.plot, title):
+            print(f"# plot written to {path}", file=sys.stderr)
     return 0
 
 

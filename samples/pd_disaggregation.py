@@ -387,26 +387,32 @@ def decoder_process(peer: Peer, config: ModelConfig, seed: int, num_blocks: int,
 
 
 class ProgressBar:
-    """A one-line text bar on stderr, redrawn in place; silent when disabled."""
+    """Progress on stderr when enabled: tqdm's bar where tqdm is installed (extra
+    ``[progress]``), else one plain line per step."""
 
-    def __init__(self, total: int, enabled: bool, width: int = 32) -> None:
-        self.total, self.enabled, self.width, self.done = total, enabled, width, 0
-        self._drawn = False
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.done = total, enabled, 0
+        self._bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self._bar = tqdm(total=total, file=sys.stderr, leave=False, dynamic_ncols=True)
 
     def advance(self, label: str, n: int = 1) -> None:
         self.done += n
-        if self.enabled:
-            filled = self.width * self.done // max(self.total, 1)
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {label:<24}")
-            sys.stderr.flush()
-            self._drawn = True
+        if self._bar is not None:
+            self._bar.set_description_str(label, refresh=False)
+            self._bar.update(n)
+        elif self.enabled:
+            print(f"{self.done}/{self.total} {label}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        """End the bar's line (once), so that later output starts on a line of its own."""
-        if self._drawn:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-            self._drawn = False
+        """Take the bar off the screen, so that later output starts on a line of its own."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 @dataclasses.dataclass

@@ -138,3 +138,14 @@ def test_datadist_bench_rows_have_the_one_record_schema(executor: str) -> None:
     assert list(row)[:len(FIELDS)] == list(FIELDS)
     assert row["verified"] is True and row["executor"] == executor and row["gbps"] > 0
     assert abs(row["ratio"] - row["gbps"] / row["raw_copy_gbps"]) < 0.002
+
+
+def test_bench_plot_draws_what_ran(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "fig"
+    proc = _run("-m", "datadist.bench", "--workload", "inorder-256k", "--workload", "small-4k", "--transport", "shm",
+                "--plot", str(out), timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    png, svg = out.with_suffix(".png"), out.with_suffix(".svg")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and b"<svg" in svg.read_bytes()[:2000]
+    assert "inorder-256k" in svg.read_text() and "small-4k" in svg.read_text()
