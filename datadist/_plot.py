@@ -33,6 +33,8 @@ def plot_rows(rows: Sequence[dict], out: str, title: str) -> List[str]:
         raw = sorted({r["block_kib"]: r["raw_copy_gbps"] for r in moved}.items())
         ax.plot(*zip(*raw), linestyle="--", color="grey", label="raw copy (same run)")
         ax.set_xscale("log", base=2)
+        sizes = sorted({r["block_kib"] for r in moved})
+        ax.set_xticks(sizes, [str(k) for k in sizes])
         ax.set_xlabel("block size (KiB)")
     else:
         width = 0.8 / max(len(systems), 1)
