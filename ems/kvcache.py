@@ -1,10 +1,12 @@
 """The registered KV cache, and plans between it and pool values.
 
 ``kvcache[layer][kv]`` is a ``[blocks, block_size, heads, head_size]`` tensor; slot ``s``
-is token row ``s`` of every tensor (block ``s // block_size``, position ``s % block_size``),
-``token_bytes`` long.  A value is laid out tensor after tensor (layer-major, K then V; for
-the chunk form, layer group after layer group), each holding its span's token rows in
-order.  Plans are built with the datadist block engine relative to a value at address 0
+is token row ``s`` of every tensor (block ``s // block_size``, position ``s % block_size``).
+The tensors of one layer may differ in ``heads``, ``head_size`` and dtype, hence in row
+bytes (an MLA layer registers its latent part and its rope part, e.g. 512 and 64 wide);
+every layer repeats layer 0's tensors.  A value is laid out tensor after tensor
+(layer-major, K then V; for the chunk form, layer group after layer group), each holding
+its span's token rows in order.  Plans are built with the datadist block engine relative to a value at address 0
 and rebased onto the value's place in the mapped arena; every byte moves through
 ``copy_plan`` (host tensors) or, for device tensors, the same plan on the torch executor.
 """
@@ -64,6 +66,7 @@ class KvLayout:
             raise invalid("kvcache", f"every layer must be a list of {' or '.join(map(str, allowed))} "
                           f"tensors (kvcache_type {kvcache_type})")
         tensors = [t for layer in kvcache for t in layer]
+        kvp = len(kvcache[0])
         first = tensors[0]
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
@@ -71,29 +74,35 @@ class KvLayout:
             if t.dim() != 4:
                 raise invalid("kvcache", f"tensor {i} has shape {tuple(t.shape)}, expected "
                               "[blocks, block_size, heads, head_size]")
-            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
-                raise invalid("kvcache", f"tensor {i} differs from tensor 0 in shape, dtype or device")
+            if t.shape[:2] != first.shape[:2] or t.device != first.device:
+                raise invalid("kvcache", f"tensor {i} differs from tensor 0 in blocks, block_size or device")
+            model = tensors[i % kvp]  # the same tensor of layer 0
+            if t.shape != model.shape or t.dtype != model.dtype:
+                raise invalid("kvcache", f"tensor {i} (layer {i // kvp}, kv {i % kvp}) differs from "
+                              f"layer 0's in shape or dtype")
             if not t.is_contiguous():
                 raise invalid("kvcache", f"tensor {i} is not contiguous")
-        blocks, block_size, heads, head_size = (int(x) for x in first.shape)
+        blocks, block_size = (int(x) for x in first.shape[:2])
         if block_size <= 0 or blocks <= 0:
             raise invalid("kvcache", f"shape {tuple(first.shape)} has no slots")
         self.tensors = tensors  # keeps the memory alive while registered
         self.num_layers = len(kvcache)
-        self.kv_per_layer = len(kvcache[0])
+        self.kv_per_layer = kvp
         self.block_size = block_size
         self.num_slots = blocks * block_size
-        self.token_bytes = heads * head_size * first.element_size()
+        #: Bytes of one token row, per tensor.
+        self.row_bytes = np.array([t[0, 0].numel() * t.element_size() for t in tensors], dtype=np.int64)
         self.device = first.device
         self.ptrs = np.array([t.data_ptr() for t in tensors], dtype=_U64)
         self.groups = self._groups(store_layer_group_desc)
+        self._every = self._parts(np.arange(len(tensors), dtype=np.int64))
         if first.device.type not in ("cpu", "cuda"):  # never read device memory as host memory
             raise invalid("kvcache", f"tensors on {first.device}: this build moves CPU and CUDA caches only")
         # With DATADIST_EXECUTOR=torch host caches take the device path too, so CI runs it.
         on_host = first.device.type == "cpu" and executor() != "torch"
         self.copier = HostCopier() if on_host else DeviceCopier(str(first.device))
 
-    def _groups(self, desc: Optional[Sequence[Sequence[int]]]) -> List[np.ndarray]:
+    def _groups(self, desc: Optional[Sequence[Sequence[int]]]) -> List["_Parts"]:
         if desc is None:
             desc = [list(range(self.num_layers))]
         if not isinstance(desc, (list, tuple)) or not desc:
@@ -112,7 +121,7 @@ class KvLayout:
                 seen.add(layer)
             idx = np.array([layer * self.kv_per_layer + kv for layer in layers
                             for kv in range(self.kv_per_layer)], dtype=np.int64)
-            groups.append(idx)
+            groups.append(self._parts(idx))
         return groups
 
     @property
@@ -124,27 +133,45 @@ class KvLayout:
             bad = int(slots.min()) if int(slots.min()) < 0 else int(slots.max())
             raise invalid(name, f"slot {bad} is outside the registered cache [0, {self.num_slots})")
 
+    def _parts(self, idx: np.ndarray) -> "_Parts":
+        """Tensors ``idx`` of a value, split by row size: one part for an MHA cache, two for
+        an MLA cache of latent and rope parts.  A tensor's place in a value of ``n`` slots
+        is ``n`` times the row bytes of the tensors before it, so the split is done once."""
+        rows = self.row_bytes[idx]
+        before = np.cumsum(rows) - rows
+        return _Parts(int(rows.sum()), [(int(rb), self.ptrs[idx][rows == rb], before[rows == rb])
+                                        for rb in np.unique(rows)])
+
     def span_plan(self, slots: np.ndarray) -> ValuePlan:
         """The value of one hash/token-form key: ``slots``' rows of every tensor."""
-        return self._plan(self.ptrs, slots, 0)[0]
-
-    def _plan(self, ptrs: np.ndarray, slots: np.ndarray, at: int) -> Tuple[ValuePlan, int]:
-        tb = self.token_bytes
-        n = int(slots.shape[0])
-        span = n * tb
-        t = ptrs.shape[0]
-        plan = plan_units(ptrs, slots.astype(np.int64) * tb,
-                          at + np.arange(t, dtype=np.int64) * span, np.arange(n, dtype=np.int64) * tb, tb)
-        return ValuePlan(t * span, [plan]), at + t * span
+        plans, size = self._every.plans(slots, 0)
+        return ValuePlan(size, plans)
 
     def chunk_plan(self, descs: Sequence[Tuple[int, int]]) -> ValuePlan:
         """The value of one chunk-form key: group g's tensors, slots ``descs[g]``."""
         plans: List[Plan] = []
         at = 0
-        for idx, (start, length) in zip(self.groups, descs):
-            vp, at = self._plan(self.ptrs[idx], np.arange(start, start + length, dtype=np.int64), at)
-            plans.extend(vp.plans)
+        for parts, (start, length) in zip(self.groups, descs):
+            group_plans, at = parts.plans(np.arange(start, start + length, dtype=np.int64), at)
+            plans.extend(group_plans)
         return ValuePlan(at, plans)
+
+
+@dataclass
+class _Parts:
+    """Tensors of a value grouped by row size: ``(row_bytes, ptrs, rows_before)`` each."""
+
+    row_total: int
+    parts: List[Tuple[int, np.ndarray, np.ndarray]]
+
+    def plans(self, slots: np.ndarray, at: int) -> Tuple[List[Plan], int]:
+        """Plans moving ``slots``' rows of these tensors into a value from offset ``at``,
+        and the offset after them."""
+        n = int(slots.shape[0])
+        slots = slots.astype(np.int64)
+        units = np.arange(n, dtype=np.int64)
+        plans = [plan_units(ptrs, slots * rb, at + n * before, units * rb, rb) for rb, ptrs, before in self.parts]
+        return plans, at + n * self.row_total
 
 
 class HostCopier:

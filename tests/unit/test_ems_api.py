@@ -118,3 +118,67 @@ def test_kv_cache_on_a_device_this_build_cannot_move_is_refused():
     layers = [[torch.empty(4, 2, 2, 4, device="meta") for _ in range(2)] for _ in range(2)]
     with pytest.raises(ValueError, match="kvcache.*meta"):
         KvLayout(layers, None, "MHA")
+
+
+def _mla_layers(widths=((1, 512), (1, 64)), layers=2, blocks=4, block_size=2):
+    import torch
+
+    return [[torch.zeros(blocks, block_size, h, w, dtype=torch.bfloat16) for h, w in widths] for _ in range(layers)]
+
+
+def test_mla_layers_of_latent_and_rope_parts_register():
+    """An MLA layer is (latent [.., 1, 512], rope [.., 1, 64]), as serving adapters register
+    it; a value holds each tensor's rows of its slots, tensor after tensor."""
+    import numpy as np
+    import torch
+
+    from ems.kvcache import HostCopier, KvLayout
+
+    layers = _mla_layers()
+    g = torch.Generator().manual_seed(3)
+    for layer in layers:
+        for t in layer:
+            t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, generator=g, dtype=torch.int16))
+    layout = KvLayout(layers, [[1], [0]], "MLA")
+    slots = np.array([3, 6, 7], dtype=np.int64)
+
+    def rows(t, picked):
+        return t.view(-1, t[0, 0].numel())[torch.from_numpy(picked)].view(torch.uint8).numpy().ravel()
+
+    vp = layout.span_plan(slots)
+    want = np.concatenate([rows(t, slots) for layer in layers for t in layer])
+    assert vp.size == want.size == 3 * 2 * (512 + 64) * 2  # slots x layers x row bytes (bf16)
+    value = np.zeros(vp.size, dtype=np.uint8)
+    HostCopier().save(vp, value.ctypes.data)
+    assert np.array_equal(value, want)
+
+    vp = layout.chunk_plan([(6, 2), (0, 3)])  # group 0 is layer 1, group 1 layer 0
+    want = np.concatenate([rows(t, np.arange(6, 8)) for t in layers[1]]
+                          + [rows(t, np.arange(0, 3)) for t in layers[0]])
+    value = np.zeros(vp.size, dtype=np.uint8)
+    HostCopier().save(vp, value.ctypes.data)
+    assert np.array_equal(value, want)
+
+
+@pytest.mark.parametrize("bad,why", [
+    ([[(1, 512), (1, 64)], [(1, 512), (1, 32)]], "layer 0"),  # layer 1's rope part is narrower
+    ([[(1, 512), (1, 64)], [(1, 64), (1, 512)]], "layer 0"),  # parts in another order
+])
+def test_every_layer_repeats_layer_0(bad, why):
+    import torch
+
+    from ems.kvcache import KvLayout
+
+    layers = [[torch.zeros(4, 2, h, w) for h, w in layer] for layer in bad]
+    with pytest.raises(ValueError, match=f"kvcache.*{why}"):
+        KvLayout(layers, None, "MLA")
+
+
+def test_all_tensors_share_blocks_and_block_size():
+    import torch
+
+    from ems.kvcache import KvLayout
+
+    layers = [[torch.zeros(4, 2, 1, 8), torch.zeros(4, 4, 1, 8)]]
+    with pytest.raises(ValueError, match="kvcache.*block_size"):
+        KvLayout(layers, None, "MLA")
