@@ -3,15 +3,15 @@
 Record fields: ``ts`` (unix seconds), ``pid``, ``op`` (save / load / exists), ``mode``
 (sync / async), ``form``, ``keys``, ``hits``, ``bytes``, ``latency_us``, ``error`` (the
 EmsErrorCode name, or null).  The directory (default ``/var/log/ems``) is created if
-missing; if it cannot be written, one ``RuntimeWarning`` is issued and calls go on.
+missing; if it cannot be written, the ``ems`` logger warns once and calls go on.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
-import warnings
 from typing import IO, Optional
 
 __all__ = ["Profiler", "ENV_ENABLE", "ENV_LOG_DIR", "DEFAULT_LOG_DIR"]
@@ -19,6 +19,8 @@ __all__ = ["Profiler", "ENV_ENABLE", "ENV_LOG_DIR", "DEFAULT_LOG_DIR"]
 ENV_ENABLE = "ENABLE_CC_PROFILING"
 ENV_LOG_DIR = "EMS_SDK_LOG"
 DEFAULT_LOG_DIR = "/var/log/ems"
+
+log = logging.getLogger("ems")
 
 
 class Profiler:
@@ -53,8 +55,7 @@ class Profiler:
                 self._file.write(line + "\n")
             except OSError as exc:
                 self._failed = True
-                warnings.warn(f"EMS profiling disabled: cannot write under {self.directory}: {exc}",
-                              RuntimeWarning, stacklevel=3)
+                log.warning("EMS profiling disabled: cannot write under %s: %s", self.directory, exc)
 
     def close(self) -> None:
         with self._lock:

@@ -6,6 +6,7 @@ the directory lock lets one win, and the loser reports RUNNING.
 """
 from __future__ import annotations
 
+import logging
 import os
 import select
 import subprocess
@@ -16,6 +17,8 @@ from typing import Optional
 from .._errors import PoolUnreachable
 
 __all__ = ["start_daemon", "auto_capacity", "read_ready"]
+
+log = logging.getLogger("ems")
 
 #: Environment knobs of an auto-started daemon.
 ENV_CAPACITY = "EMS_AUTO_CAPACITY"
@@ -83,3 +86,4 @@ def start_daemon(directory: str, deadline: float) -> None:
     if not (text.startswith("READY") or text.startswith("RUNNING")):
         raise PoolUnreachable(f"ems-server for {directory} failed to start: {text or 'no output'} "
                               f"(see {os.path.join(directory, 'ems-server.log')})")
+    log.info("ems-server for %s: %s", directory, "started" if text.startswith("READY") else "already running")

@@ -9,6 +9,7 @@ and mapping (inherited ones are dropped, never used).
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from ..forms import KeyQuery
 
 __all__ = ["PoolClient"]
+
+log = logging.getLogger("ems")
 
 
 class PoolClient:
@@ -69,6 +72,9 @@ class PoolClient:
         try:
             with self._lock:
                 if self.instance != conn.instance:
+                    if self.instance is not None:
+                        log.warning("the EMS pool at %s restarted: reconnected, values only its memory "
+                                    "held are gone", self.address)
                     # A new daemon: forget the old one's connections, arena and key set.
                     stale, self._idle = self._idle, []
                     self._arena = None
