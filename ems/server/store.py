@@ -47,6 +47,14 @@ PAGE = 1 << PAGE_SHIFT
 #: memfd, resident as keys spread over it); beyond it, or with more empty values than
 #: pages, clients ask the daemon instead.
 MAX_PUBLISHED_KEYS = 1 << 22
+#: Longest memfd name Linux takes (bytes, without the terminating NUL).
+_MEMFD_NAME_MAX = 249
+
+
+def _memfd_name(prefix: str, tenant: str) -> str:
+    """A tenant's memfd name: only a label in /proc listings, so a long ``access_id`` (up
+    to 512 characters) is cut to the kernel's limit rather than refused."""
+    return f"{prefix}{tenant or 'open'}"[:_MEMFD_NAME_MAX]
 
 
 class Entry:
@@ -88,7 +96,7 @@ class TenantSpace:
         self.arena = arena
         self.pages = PoolAllocator(arena, PAGE_SHIFT)
         self.index: Dict[str, Entry] = {}
-        self.keys = KeySet(f"ems-keys-{name or 'open'}", min(arena.size // PAGE, MAX_PUBLISHED_KEYS))
+        self.keys = KeySet(_memfd_name("ems-keys-", name), min(arena.size // PAGE, MAX_PUBLISHED_KEYS))
 
     def close(self) -> None:
         self.index.clear()
@@ -123,7 +131,7 @@ class Store:
         with self._lock:
             ts = self._spaces.get(tenant)
             if ts is None:
-                ts = TenantSpace(tenant, Arena(f"ems-{tenant or 'open'}", self.arena_size))
+                ts = TenantSpace(tenant, Arena(_memfd_name("ems-", tenant), self.arena_size))
                 self._spaces[tenant] = ts
             return ts
 

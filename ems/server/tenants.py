@@ -15,6 +15,8 @@ from ..config import ID_RE
 __all__ = ["Tenants", "AuthError"]
 
 _KEY_RE = re.compile(r"[0-9A-Za-z+/=]{32,256}")
+#: A trailing comment: ``#`` after white space (ids and keys hold none).
+_COMMENT_RE = re.compile(r"\s#.*$", re.DOTALL)
 
 
 class AuthError(Exception):
@@ -33,16 +35,21 @@ class Tenants:
 
     @classmethod
     def from_file(cls, path: Optional[str]) -> "Tenants":
-        """Parse ``access_id: access_key`` lines ('#' comments and blank lines skipped)."""
+        """Parse ``access_id: access_key`` lines; blank lines and comments are skipped.
+
+        Ids may hold ``#`` and ``:`` (any printable ASCII but white space and path
+        separators), keys neither: a comment is a line that starts with ``#`` or the rest of
+        a line from a ``#`` after white space, and the pair splits at the last ``:``.
+        """
         if path is None:
             return cls(None)
         creds: Dict[str, str] = {}
         with open(path, encoding="utf-8") as f:
             for lineno, raw in enumerate(f, 1):
-                line = raw.split("#", 1)[0].strip()
-                if not line:
+                line = _COMMENT_RE.sub("", raw).strip()
+                if not line or line.startswith("#"):
                     continue
-                ident, sep, key = (part.strip() for part in line.partition(":"))
+                ident, sep, key = (part.strip() for part in line.rpartition(":"))
                 if not sep or not ID_RE.fullmatch(ident) or not _KEY_RE.fullmatch(key):
                     raise ValueError(f"{path}:{lineno}: expected 'access_id: access_key'")
                 if ident in creds:
