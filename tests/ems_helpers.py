@@ -10,6 +10,7 @@ behind and that no shared-memory entry appeared in /dev/shm.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -119,6 +120,19 @@ class EmsDaemon:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @contextlib.contextmanager
+    def stopped(self) -> Iterator[None]:
+        """The daemon stopped (SIGSTOP) for the block.  ``kill`` returns before every thread
+        has stopped (one may still answer a request); ``waitpid(WUNTRACED)`` returns once
+        the kernel has stopped them all, so nothing in the block races the signal."""
+        os.kill(self.pid, signal.SIGSTOP)
+        try:
+            _, status = os.waitpid(self.pid, os.WUNTRACED)
+            assert os.WIFSTOPPED(status), status
+            yield
+        finally:
+            os.kill(self.pid, signal.SIGCONT)
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """The pool daemon with real processes: round trips, failures, restarts, disk tier."""
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -196,19 +195,6 @@ def test_disk_tier_survives_kill_for_spilled_values(daemon_factory, tmp_path):
         Ems._shutdown()
 
 
-@contextlib.contextmanager
-def _stopped(pid: int):
-    """The daemon (our child) stopped by SIGSTOP for the block: waitpid returns once the
-    kernel has stopped it, so nothing in the block can race the signal."""
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        _, status = os.waitpid(pid, os.WUNTRACED)
-        assert os.WIFSTOPPED(status), status
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
-
-
 def test_exists_reads_the_published_key_set_without_the_daemon(daemon_factory, tmp_path):
     """Memory's keys are answered from the key set the daemon publishes: a stopped (SIGSTOP)
     daemon still gets exists right, evictions withdraw keys, and lower tiers are asked."""
@@ -221,7 +207,7 @@ def test_exists_reads_the_published_key_set_without_the_daemon(daemon_factory, t
         assert cc.save(CcKvOption(), keys[:2], wrap[:2]).success == 2
         # a missing middle key stops the count (memory says 1, the disk tier adds nothing)
         assert cc.exists(key_list=[keys[0], "absent", keys[1]]).success == 1
-        with _stopped(d.pid):
+        with d.stopped():
             opt = CcKvOption(timeout=300)  # a round trip would time out (and read as 0)
             assert cc.exists(key_list=keys[:2], option=opt).success == 2
         # 1 MiB values in a 3 MiB pool: k0 and k1 are spilled to disk by the next saves.
@@ -232,7 +218,7 @@ def test_exists_reads_the_published_key_set_without_the_daemon(daemon_factory, t
         published = stats["tenants"]["(open)"]["published_keys"]
         assert published == stats["values"] < 5  # spilled keys left the published set
         assert cc.exists(key_list=keys).success == 5  # ... and the daemon's disk tier has them
-        with _stopped(d.pid):
+        with d.stopped():
             assert cc.exists(key_list=keys, option=CcKvOption(timeout=300)).success == 0
     finally:
         Ems._shutdown()

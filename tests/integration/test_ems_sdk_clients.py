@@ -5,8 +5,6 @@ credentials as the SDK takes them, and the error codes its retry sample depends 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -252,17 +250,19 @@ def test_stalled_pool_times_out_on_every_retry(daemon_factory) -> None:
         cc = init_cc(daemon.dir)
         cc.register_kvcache(kvcache(layers=1, kv=2, blocks=4, block_size=BLOCK))
         assert cc.save(slot_mapping=_slots([0]), hashes=[1], offsets=[BLOCK]).success == 1
-        os.kill(daemon.pid, signal.SIGSTOP)
-        try:
+        with daemon.stopped():
             codes = []
             option = CcKvOption(timeout=300)
             for _ in range(3):
                 with pytest.raises(EmsException) as err:
                     cc.load(slot_mapping=_slots([1]), hashes=[1], offsets=[BLOCK], option=option)
                 codes.append(err.value.status_code())
-            assert codes == [EmsErrorCode.EMS_IO_TIMEOUT] * 3
-        finally:
-            os.kill(daemon.pid, signal.SIGCONT)
+            for call in (cc.async_load, cc.async_save):  # the serving adapter's way
+                fut = call(slot_mapping=_slots([1]), hashes=[2], offsets=[BLOCK], option=option)
+                with pytest.raises(EmsException) as err:
+                    cc.get_result(fut)
+                codes.append(err.value.status_code())
+            assert codes == [EmsErrorCode.EMS_IO_TIMEOUT] * 5
         assert cc.load(slot_mapping=_slots([1]), hashes=[1], offsets=[BLOCK]).success == 1
     finally:
         Ems._shutdown()
