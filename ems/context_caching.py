@@ -68,7 +68,9 @@ class ContextCaching:
 
         Args:
             kvcache: ``kvcache[layer][kv]`` tensors ``[blocks, block_size, heads, head_size]``
-                (``kv``: K and V, or one tensor for MLA), equally shaped and typed, one device.
+                (``kv``: K and V; for MLA one tensor, or the latent and rope parts), one
+                ``blocks`` and ``block_size``, one device; a layer's tensors may differ in
+                width and dtype, and every layer repeats layer 0's.
             store_layer_group_desc: layer-index lists, one per layer group of the chunk
                 form (default: one group of all layers).
         Raises:
