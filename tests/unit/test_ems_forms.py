@@ -129,8 +129,10 @@ def test_register_validation():
     with pytest.raises(InvalidArgument, match="kvcache"):
         KvLayout([[torch.zeros(2, 4, 1, 1)]], None, "MHA")  # one tensor per layer: MLA only
     KvLayout([[torch.zeros(2, 4, 1, 1)]], None, "MLA")
-    with pytest.raises(InvalidArgument, match="differs"):
-        KvLayout([[torch.zeros(2, 4, 1, 1), torch.zeros(2, 4, 1, 2)]], None, "MHA")
+    KvLayout([[torch.zeros(2, 4, 1, 1), torch.zeros(2, 4, 1, 2)]], None, "MHA")  # K, V of two widths
+    with pytest.raises(InvalidArgument, match="differs"):  # but every layer repeats layer 0
+        KvLayout([[torch.zeros(2, 4, 1, 1), torch.zeros(2, 4, 1, 2)]] * 2
+                 + [[torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 1)]], None, "MHA")
     with pytest.raises(InvalidArgument, match="contiguous"):
         KvLayout([[torch.zeros(2, 4, 1, 2)[..., :1], torch.zeros(2, 4, 1, 1)]], None, "MHA")
     with pytest.raises(InvalidArgument, match="store_layer_group_desc"):
