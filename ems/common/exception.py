@@ -11,7 +11,8 @@ __all__ = ["EmsErrorCode", "EmsException"]
 
 
 class EmsErrorCode(IntEnum):
-    """Status codes of :class:`EmsException` (vendor SDK 25.7, section 9.1)."""
+    """Status codes of :class:`EmsException` (vendor SDK 25.7, section 9.1, and one of
+    newer SDKs)."""
 
     EMS_INVALID_ARGUMENT = 1
     """A request argument is invalid: fix it and retry."""
@@ -21,6 +22,10 @@ class EmsErrorCode(IntEnum):
     """The call's deadline (``CcKvOption.timeout``) passed: retry with a longer timeout."""
     EMS_INTERNAL_ERROR = 4
     """An SDK fault (or device memory could not be accessed)."""
+    EMS_RECOVERD_ERROR = 5
+    """Newer vendor SDKs' code (their spelling) for an ``init`` that may succeed once the
+    pool recovers.  Defined so that clients which test for it run; never raised here: a
+    pool that does not answer at ``init`` is ``EMS_IO_ERROR``."""
 
     def __str__(self) -> str:  # f"{code}" reads as the name, as in the vendor's messages
         return self.name

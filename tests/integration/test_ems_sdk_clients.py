@@ -110,6 +110,35 @@ def test_v1_adapter_round_trip(daemon_factory) -> None:
         Ems._shutdown()
 
 
+def test_newer_v1_adapter_init_degrades_instead_of_crashing(daemon_factory, tmp_path) -> None:
+    """Newer adapters name their engine ``vllm@<service>`` and, when init fails, test the
+    code against ``EmsErrorCode.EMS_RECOVERD_ERROR`` (which must exist) and run degraded;
+    once the pool answers, init succeeds with the same config."""
+
+    def adapter_init(config: EmsConfig) -> Tuple[bool, bool]:
+        need_reinit = False
+        try:
+            Ems.init(config)
+            return Ems.get_cc() is not None, need_reinit
+        except EmsException as e:
+            if e.status_code() == EmsErrorCode.EMS_RECOVERD_ERROR:
+                need_reinit = True
+            assert e.status_code() == EmsErrorCode.EMS_IO_ERROR
+            return False, need_reinit
+
+    Ems._shutdown()
+    config = _adapter_config(str(tmp_path / "down"))
+    config.cc_config_v1.llm_engine = "vllm@deepseek"
+    assert adapter_init(config) == (False, False)
+    assert Ems.get_cc() is None and Ems.check_health() is False
+    try:
+        daemon_factory(directory=tmp_path / "down")
+        assert adapter_init(config) == (True, False)
+        assert Ems.check_health() is True
+    finally:
+        Ems._shutdown()
+
+
 def test_v0_adapter_round_trip_striped_over_ranks(daemon_factory) -> None:
     """The V0 adapter: CcConfig by keyword with only rank and device, access_id "access_id"
     and an empty key, its own '@'-joined key text with signed hashes, one K (latent) and
