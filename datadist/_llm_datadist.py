@@ -15,6 +15,7 @@ from ._objects import LLMClusterInfo
 from ._status import LLMStatusCode, raise_error
 from ._types import LLMRole, RegisterMemStatus
 from .engine.core import MAX_LINK_CLUSTERS, Engine
+from .engine.notes import MAX_NOTE_BYTES
 
 __all__ = ["LLMDataDist"]
 
@@ -245,6 +246,33 @@ class LLMDataDist:
         """Transport of the link to ``cluster_id`` (``shm``, ``tcp``, ``gloo``, ``nccl`` or
         ``hccl``); for diagnostics."""
         return self._engine_or_raise().get_link(cluster_id).path
+
+    # -- notifications (datadist extension) ---------------------------------------------------
+    def send_notification(self, cluster_id: int, message: str) -> None:
+        """Send ``message`` to the linked engine ``cluster_id`` (a datadist extension; CANN
+        has none).  One-way and in order with the link's transfers: a notification sent
+        after ``pull_blocks`` returns reaches the peer after it served that pull.  Goes from
+        the engine that called ``link_clusters`` to the engine it linked to; at most
+        ``MAX_NOTE_BYTES`` (60 KiB) of UTF-8.  Raises ``LLM_NOT_YET_LINK`` without such a
+        link, ``LLM_LINK_FAILED``/``LLM_TIMEOUT`` when the link cannot carry it."""
+        if not isinstance(message, str):
+            raise TypeError(f"message must be a str, got {type(message).__name__}")
+        try:
+            size = len(message.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"message is not encodable as UTF-8: {exc}")
+        if size > MAX_NOTE_BYTES:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                        f"message is {size} bytes of UTF-8, more than a notification carries ({MAX_NOTE_BYTES})")
+        if isinstance(cluster_id, bool) or not isinstance(cluster_id, int):
+            raise TypeError(f"cluster_id must be an int, got {type(cluster_id).__name__}")
+        self._engine_or_raise().get_link(cluster_id).send_note(message)
+
+    def get_notifications(self) -> List[Tuple[int, str]]:
+        """Every notification received since the last call, oldest first, as
+        ``(sender cluster id, message)``; the sender is the authenticated peer of the link
+        it came on.  Up to 65536 uncollected notifications are kept (oldest dropped first)."""
+        return self._engine_or_raise().notes.take()
 
 
 def _overall(results: List[LLMStatusCode]) -> LLMStatusCode:

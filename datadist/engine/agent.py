@@ -41,7 +41,7 @@ _DRAIN_CHUNK = 1 << 20
 _HANDSHAKE_S = 5.0
 #: What a linked peer may send on its request stream.
 _SERVED = (wire.MsgType.RESOLVE, wire.MsgType.RELEASE_KEY, wire.MsgType.PUSH, wire.MsgType.PULL,
-           wire.MsgType.UNLINK, wire.MsgType.NOTIFY)
+           wire.MsgType.UNLINK, wire.MsgType.NOTIFY, wire.MsgType.NOTE)
 _EMPTY = np.zeros(0, dtype=np.uint64)
 _NO_PAYLOAD = Plan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
 
@@ -393,6 +393,9 @@ class Agent:
         if isinstance(msg, wire.Notify):
             reg.record_arrival(Arrival(cluster_id=msg.cluster_id, cache_id=msg.cache_id, tensors=range(msg.t_lo, msg.t_hi),
                                        nbytes=msg.nbytes, status=to_status_code(msg.status), message=msg.message))
+            return None
+        if isinstance(msg, wire.Note):
+            self.engine.notes.record(link.remote_cluster_id, msg.text)
             return None
         raise wire.WireError(f"unexpected request {type(msg).__name__}")
 

@@ -34,6 +34,7 @@ from .handshake import ClientAuth
 from .layout import Plan
 from .link import Link
 from .memory import Arena, PeerArena, PoolAllocator
+from .notes import NoteBox
 from .registry import EPOCH_PAGE_SIZE, Registry
 
 __all__ = ["Engine", "host_identity", "resolve_device", "npu_visible"]
@@ -120,6 +121,7 @@ class Engine:
         self.device_arena: Optional[cuda.DeviceArena] = None
         self.registry: Optional[Registry] = None
         self.agent: Optional[Agent] = None
+        self.notes = NoteBox()
         #: Where Placement.DEVICE caches live: "cpu" (host memory) or "cuda:N".
         self.device = resolve_device(options.device_type, options.device_id)
         try:

@@ -238,6 +238,25 @@ class Link:
         except OSError as exc:
             self.mark_broken(f"connection failed: {exc}")
 
+    def send_note(self, text: str) -> None:
+        """Send an application note to the peer (one-way, in order with this link's
+        requests); a link that cannot carry it is broken and the error says so."""
+        if not self.is_client:
+            raise_error(LLMStatusCode.LLM_NOT_YET_LINK,
+                        f"cluster {self.remote_cluster_id} linked to this engine, not the other way round; "
+                        "notifications go from the engine that called link_clusters to the one it linked to")
+        deadline = time.monotonic() + self.timeout_ms / 1000.0
+        with self.lock:
+            self.check_alive()
+            sock = self.req_sock
+            if sock is None:
+                raise_error(LLMStatusCode.LLM_NOT_YET_LINK, f"link to cluster {self.remote_cluster_id} is not ready yet")
+            try:
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                sock.sendall(wire.encode(wire.Note(text=text)))
+            except OSError as exc:
+                self._fail(exc)
+
     def release_key(self, key) -> None:
         """Tell the owner that ``key`` was consumed (pull_cache through a CacheKey)."""
         deadline = time.monotonic() + self.timeout_ms / 1000.0

@@ -26,7 +26,7 @@ from . import native
 
 __all__ = [
     "VERSION", "U64", "MsgType", "Message", "Hello", "HelloAck", "Attach", "Resolve", "Resolved",
-    "ReleaseKey", "Push", "Pull", "Reply", "Unlink", "Notify", "encode", "read_message", "WireError",
+    "ReleaseKey", "Push", "Pull", "Reply", "Unlink", "Notify", "Note", "encode", "read_message", "WireError",
     "PRE_LINK", "HEADER_SIZE", "parse_header", "decode_frame",
 ]
 
@@ -56,6 +56,7 @@ class MsgType(IntEnum):
     REPLY = 9
     UNLINK = 10
     NOTIFY = 11
+    NOTE = 12
 
 
 @dataclass
@@ -191,13 +192,24 @@ class Notify(Message):
 
 
 @dataclass
+class Note(Message):
+    """One-way, initiator -> receiver: an application's message (``send_notification``),
+    e.g. "the blocks of request r were pulled".  The receiver files it under the link's
+    authenticated peer, never under a cluster id the frame claims.  Never answered."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NOTE
+    text: str = ""
+
+
+@dataclass
 class Unlink(Message):
     TYPE: ClassVar[MsgType] = MsgType.UNLINK
     cluster_id: U64 = 0
 
 
 _TYPES: dict[int, type[Message]] = {
-    cls.TYPE: cls for cls in (Hello, HelloAck, Attach, Resolve, Resolved, ReleaseKey, Push, Pull, Reply, Unlink, Notify)
+    cls.TYPE: cls for cls in (Hello, HelloAck, Attach, Resolve, Resolved, ReleaseKey, Push, Pull, Reply, Unlink, Notify,
+                                 Note)
 }
 
 
@@ -278,7 +290,8 @@ _PRE_LINK_BODY = 64 << 10
 _MAX_ARRAYS = 1 << 30
 _LIMITS: dict[int, tuple[int, int]] = {
     int(t): (_PRE_LINK_BODY, 0) for t in (MsgType.HELLO, MsgType.ATTACH, MsgType.UNLINK, MsgType.REPLY,
-                                         MsgType.NOTIFY, MsgType.RESOLVE, MsgType.RELEASE_KEY)}
+                                         MsgType.NOTIFY, MsgType.NOTE, MsgType.RESOLVE,
+                                         MsgType.RELEASE_KEY)}
 _LIMITS.update({int(MsgType.HELLO_ACK): (_MAX_BODY, 0), int(MsgType.RESOLVED): (_MAX_BODY, _MAX_ARRAYS),
                 int(MsgType.PUSH): (_MAX_BODY, _MAX_ARRAYS), int(MsgType.PULL): (_MAX_BODY, _MAX_ARRAYS)})
 HEADER_SIZE = _HEADER.size

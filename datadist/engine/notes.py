@@ -1,0 +1,52 @@
+"""Application messages between linked engines (``LLMDataDist.send_notification``).
+
+A serving framework needs a word back from its peer beside the bytes: "request r's blocks
+are pulled, free them" is what a decode instance tells its prefill instance.  A note
+travels one way, from the end that made a link to the end that accepted it, in order with
+that link's transfers, so a note sent after a pull returns is received after the pull was
+served.  The receiver files each note under the link's authenticated peer.
+
+The box is bounded: notes nobody collects do not grow the process.  When it is full the
+oldest note is dropped and counted.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+
+__all__ = ["NoteBox", "MAX_NOTE_BYTES", "MAX_PENDING_NOTES"]
+
+log = logging.getLogger("datadist")
+
+#: Largest note, in UTF-8 bytes (a link frame before payload is capped at 64 KiB).
+MAX_NOTE_BYTES = 60 << 10
+#: Notes kept until collected; older ones are dropped first.
+MAX_PENDING_NOTES = 65536
+
+
+class NoteBox:
+    """Received notes, oldest first (thread-safe)."""
+
+    def __init__(self, capacity: int = MAX_PENDING_NOTES) -> None:
+        self._notes: collections.deque[tuple[int, str]] = collections.deque()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    def record(self, cluster_id: int, text: str) -> None:
+        with self._lock:
+            if len(self._notes) >= self._capacity:
+                self._notes.popleft()
+                self.dropped += 1
+                if self.dropped & (self.dropped - 1) == 0:  # 1, 2, 4, ...: a flood logs a few lines
+                    log.warning("%d notification(s) dropped: nobody collected them (get_notifications)",
+                                self.dropped)
+            self._notes.append((cluster_id, text))
+
+    def take(self) -> list[tuple[int, str]]:
+        """Every note received so far, oldest first; the box is empty afterwards."""
+        with self._lock:
+            notes = list(self._notes)
+            self._notes.clear()
+        return notes
