@@ -1,0 +1,207 @@
+"""``DatadistConnector``: vLLM's v1 KV connector for prefill/decode disaggregation.
+
+The request protocol is NixlConnector's, so a proxy written for it works unchanged:
+
+1. The proxy sends the prompt to the prefill instance (``kv_role="kv_producer"``) with
+   ``kv_transfer_params={"do_remote_decode": True}`` and ``max_tokens=1``.
+2. When that request finishes, the prefill instance keeps its blocks and answers with
+   ``kv_transfer_params``: ``do_remote_prefill``, ``remote_block_ids``,
+   ``remote_engine_id``, ``remote_request_id``, ``remote_host``, ``remote_port``,
+   ``tp_size`` and ours, ``remote_cluster_ids`` (one datadist engine per tensor-parallel rank).
+3. The proxy passes them unchanged to the decode instance (``kv_role="kv_consumer"``).  Its
+   scheduler counts the prompt as external tokens loaded asynchronously; its worker links
+   to the prefill worker (once per peer), ``pull_blocks`` the prompt's blocks straight into
+   vLLM's cache, then sends the prefill worker a notification over the link.
+4. The prefill worker frees the blocks on that notification, or after ``abort_timeout_s``
+   if no decode instance ever pulls them.
+
+A pull that fails reports the request's blocks through ``get_block_ids_with_load_errors``
+(vLLM then fails or recomputes the request, per ``kv_load_failure_policy``); other
+requests go on.  Pulls run on a worker thread: the engine loop never waits on a peer.
+
+Configuration (``kv_connector_extra_config``): ``host`` (address the prefill worker
+listens on and advertises; default ``$DATADIST_VLLM_HOST`` or 127.0.0.1), ``port`` (0:
+any free port; else port + tensor-parallel rank), ``transfer_backend`` (``auto``),
+``sync_kv_timeout_ms`` (10000), ``abort_timeout_s`` (480), ``link_secret_file``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+
+from .base import SplitConnector
+from .worker import DatadistWorker, Endpoint, RecvJob, Settings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["DatadistConnector", "DatadistConnectorMetadata", "DatadistHandshake"]
+
+log = logging.getLogger("datadist.vllm")
+
+#: kv_transfer_params keys a decode request must carry for a remote prefill.
+_REMOTE_KEYS = ("remote_block_ids", "remote_request_id", "remote_host", "remote_port", "remote_cluster_ids")
+
+
+@dataclass
+class DatadistHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells its scheduler: where its datadist engine listens."""
+
+    host: str
+    port: int
+    cluster_id: int
+
+
+@dataclass
+class DatadistConnectorMetadata(KVConnectorMetadata):
+    """One scheduler step's work for the workers: pulls to start, blocks to hold."""
+
+    reqs_to_recv: dict[str, RecvJob] = field(default_factory=dict)
+    #: request id -> seconds the prefill worker holds its blocks for a pull
+    reqs_to_send: dict[str, float] = field(default_factory=dict)
+
+
+def _settings(vllm_config: "VllmConfig") -> Settings:
+    cfg = vllm_config.kv_transfer_config
+    extra = dict(cfg.kv_connector_extra_config or {})
+    known = {"host", "port", "transfer_backend", "sync_kv_timeout_ms", "abort_timeout_s", "link_secret_file"}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ValueError(f"DatadistConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+    return Settings(host=str(extra.get("host") or os.environ.get("DATADIST_VLLM_HOST") or "127.0.0.1"),
+                    port=int(extra.get("port", 0)),
+                    transfer_backend=str(extra.get("transfer_backend", "auto")),
+                    timeout_ms=int(extra.get("sync_kv_timeout_ms", 10000)),
+                    abort_timeout_s=float(extra.get("abort_timeout_s", 480.0)),
+                    link_secret_file=extra.get("link_secret_file"),
+                    producer=bool(cfg.is_kv_producer), consumer=bool(cfg.is_kv_consumer),
+                    engine_id=str(cfg.engine_id))
+
+
+class DatadistConnector(SplitConnector):
+    """vLLM KV connector over datadist (see the module docstring)."""
+
+    def _make_scheduler(self, vllm_config: "VllmConfig") -> "_Scheduler":
+        return _Scheduler(vllm_config, _settings(vllm_config))
+
+    def _make_worker(self, vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"]) -> DatadistWorker:
+        return DatadistWorker(vllm_config, _settings(vllm_config), kv_cache_config)
+
+    # -- worker side ---------------------------------------------------------------------
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, DatadistConnectorMetadata)
+        self._worker.start(meta.reqs_to_recv, meta.reqs_to_send)
+
+    def wait_for_save(self) -> None:
+        return  # pull mode: the decode instance reads the prefill instance's cache
+
+    def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
+        if self._worker is None or self._worker.endpoint is None:
+            return None
+        ep = self._worker.endpoint
+        return DatadistHandshake(host=ep.host, port=ep.port, cluster_id=ep.cluster_id)
+
+    # -- scheduler side ------------------------------------------------------------------
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self._scheduler.endpoints = [Endpoint(m.host, m.port, m.cluster_id)  # type: ignore[attr-defined]
+                                     for _, m in sorted(metadata.items())]
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._scheduler.build_meta()
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self._scheduler.finished(request, block_ids)
+
+
+class _Scheduler:
+    """The scheduler half: which requests to pull, which blocks to hold for a pull."""
+
+    def __init__(self, vllm_config: "VllmConfig", settings: Settings) -> None:
+        self.settings = settings
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.endpoints: list[Endpoint] = []
+        self._recv: dict[str, RecvJob] = {}
+        self._send: dict[str, float] = {}
+
+    @staticmethod
+    def _remote(params: Optional[dict]) -> bool:
+        return bool(params) and all(params.get(k) is not None for k in _REMOTE_KEYS)
+
+    def matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and self._remote(params):
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0:
+                return count, True  # loaded between steps; vLLM recomputes the last token itself
+        return 0, False
+
+    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request
+        if not self._remote(params):
+            log.warning("request %s: kv_transfer_params lack %s; its prompt is computed here",
+                        request.request_id, [k for k in _REMOTE_KEYS if params.get(k) is None])
+            return
+        # Blocks the local prefix cache already holds are not pulled again; the remote
+        # list is clipped to match (both end with the prompt's last block).
+        local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        self._recv[request.request_id] = self._job(params, local, awaited=num_external_tokens > 0)
+
+    @staticmethod
+    def _job(params: dict, local: list[int], awaited: bool) -> RecvJob:
+        remote = list(params["remote_block_ids"])
+        remote = remote[len(remote) - len(local):] if local else []
+        if len(remote) < len(local):
+            local = local[:len(remote)]
+        clusters = [int(c) for c in params["remote_cluster_ids"]]
+        hosts = list(params.get("remote_hosts") or [params["remote_host"]] * len(clusters))
+        ports = list(params.get("remote_ports") or [params["remote_port"]] * len(clusters))
+        return RecvJob(local_blocks=local, remote_blocks=remote, remote_request_id=str(params["remote_request_id"]),
+                       peers=[Endpoint(str(h), int(p), c) for h, p, c in zip(hosts, ports, clusters)],
+                       awaited=awaited)
+
+    def build_meta(self) -> DatadistConnectorMetadata:
+        meta = DatadistConnectorMetadata(reqs_to_recv=self._recv, reqs_to_send=self._send)
+        self._recv, self._send = {}, {}
+        return meta
+
+    def finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Finished before it was scheduled (aborted): tell the prefill side to free.
+            params["do_remote_prefill"] = False
+            if self._remote(params):
+                self._recv[request.request_id] = self._job(params, [], awaited=False)
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted prefill: nobody will pull, free now
+        if not block_ids or not self.endpoints:
+            return False, None
+        self._send[request.request_id] = self.settings.abort_timeout_s
+        first = self.endpoints[0]
+        return True, {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": list(block_ids), "remote_engine_id": self.settings.engine_id,
+            "remote_request_id": request.request_id, "remote_host": first.host, "remote_port": first.port,
+            "remote_hosts": [e.host for e in self.endpoints], "remote_ports": [e.port for e in self.endpoints],
+            "remote_cluster_ids": [e.cluster_id for e in self.endpoints], "tp_size": self.tp_size,
+            "remote_num_tokens": request.num_computed_tokens,
+        }

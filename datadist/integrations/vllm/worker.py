@@ -1,0 +1,238 @@
+"""The worker half of ``DatadistConnector``: one datadist engine per vLLM worker.
+
+The engine registers vLLM's KV cache tensors as one blocks cache (no copy; see
+:mod:`datadist.integrations.paged`).  A prefill worker listens and holds each finished
+request's blocks until the decode worker's notification (or ``abort_timeout_s``); a decode
+worker pulls on a thread of its own, one request after another, and reports each request
+as received, with its blocks as load errors when the pull failed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+from ... import BlocksCacheKey, LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
+from ..paged import PagedLayout, paged_layout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["Settings", "Endpoint", "RecvJob", "DatadistWorker"]
+
+log = logging.getLogger("datadist.vllm")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The connector's configuration (``kv_connector_extra_config`` and the role)."""
+
+    host: str
+    port: int
+    transfer_backend: str
+    timeout_ms: int
+    abort_timeout_s: float
+    link_secret_file: Optional[str]
+    producer: bool
+    consumer: bool
+    engine_id: str
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where one prefill worker's engine listens."""
+
+    host: str
+    port: int
+    cluster_id: int
+
+
+@dataclass
+class RecvJob:
+    """One request's pull: the prompt's remote blocks into the local ones, then a notice
+    to the prefill worker.  ``local_blocks`` empty: notify only (nothing to load)."""
+
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    remote_request_id: str
+    peers: list[Endpoint]      # one per prefill tensor-parallel rank
+    awaited: bool              # the scheduler waits for this request's load
+
+
+def pulled_note(request_ids: list[str]) -> str:
+    return json.dumps({"pulled": request_ids})
+
+
+def parse_note(text: str) -> list[str]:
+    """Request ids of a decode worker's notification; [] for anything else."""
+    try:
+        ids = json.loads(text).get("pulled", [])
+    except (ValueError, AttributeError):
+        return []
+    return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
+
+
+class DatadistWorker:
+    def __init__(self, vllm_config: "VllmConfig", settings: Settings,
+                 kv_cache_config: Optional["KVCacheConfig"]) -> None:
+        from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                     get_tensor_model_parallel_world_size)
+
+        self.settings = settings
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.kv_cache_config = kv_cache_config
+        self.cluster_id = secrets.randbits(63)
+        self.endpoint: Optional[Endpoint] = None
+        self.layout: Optional[PagedLayout] = None
+        self._datadist: Optional[LLMDataDist] = None
+        self._cache: Any = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="datadist-vllm-pull")
+        self._lock = threading.Lock()
+        self._linked: set[int] = set()
+        self._holding: dict[str, float] = {}     # prefill: request id -> deadline to free its blocks
+        self._early: dict[str, float] = {}       # prefill: pulled before we held them -> when told
+        self._received: set[str] = set()
+        self._failed: set[str] = set()
+        self._errors: set[int] = set()
+
+    # -- setup ---------------------------------------------------------------------------
+    def register(self, kv_caches: Mapping[str, Any]) -> None:
+        cfg = self.kv_cache_config
+        if cfg is None:
+            raise ValueError("DatadistConnector needs vLLM's KVCacheConfig (vLLM >= 0.11)")
+        if len(cfg.kv_cache_groups) != 1:
+            raise NotImplementedError(f"DatadistConnector moves one KV cache group; this model has "
+                                      f"{len(cfg.kv_cache_groups)} (hybrid models are not supported yet)")
+        self.layout = layout = paged_layout(kv_caches, cfg.num_blocks)
+        device_type, _, index = layout.device.partition(":")
+        config = LLMConfig()
+        config.device_type = device_type
+        config.device_id = int(index or 0)
+        config.sync_kv_timeout = self.settings.timeout_ms
+        config.transfer_backend = self.settings.transfer_backend
+        if self.settings.link_secret_file:
+            config.link_secret_file = self.settings.link_secret_file
+        port = self.settings.port + self.tp_rank if self.settings.port else 0
+        if self.settings.producer:
+            config.listen_ip_info = f"{self.settings.host}:{port}"
+        role = LLMRole.PROMPT if self.settings.producer else LLMRole.DECODER
+        self._datadist = datadist = LLMDataDist(role, self.cluster_id)
+        datadist.init(config.generate_options())
+        self._cache = datadist.cache_manager.register_blocks_cache(layout.cache_desc(), list(layout.addrs),
+                                                                   BlocksCacheKey(self.cluster_id, 0))
+        if self.settings.producer:
+            self.endpoint = Endpoint(self.settings.host, int(datadist.listen_port or 0), self.cluster_id)
+        log.info("datadist connector: %d layers x %d tensors of %d blocks x %d bytes on %s registered%s",
+                 layout.num_layers, layout.tensors_per_layer, layout.num_blocks, layout.block_bytes, layout.device,
+                 f"; listening on {self.endpoint.host}:{self.endpoint.port}" if self.endpoint else "")
+
+    # -- per step ------------------------------------------------------------------------
+    def start(self, to_recv: Mapping[str, RecvJob], to_send: Mapping[str, float]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for req_id, ttl in to_send.items():
+                if self._early.pop(req_id, None) is None:
+                    self._holding[req_id] = now + ttl
+                else:
+                    self._holding[req_id] = now  # already pulled: freed on the next report
+        for req_id, job in to_recv.items():
+            self._pool.submit(self._pull, req_id, job)
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(freed on the prefill side, loads done, loads failed) since the last call."""
+        now = time.monotonic()
+        notes = self._datadist.get_notifications() if self._datadist is not None and self.settings.producer else []
+        with self._lock:
+            for _, text in notes:
+                for req_id in parse_note(text):
+                    if req_id in self._holding:
+                        self._holding[req_id] = now
+                    else:
+                        self._early[req_id] = now
+            sent = {r for r, deadline in self._holding.items() if deadline <= now}
+            for req_id in sent:
+                del self._holding[req_id]
+            stale = now - self.settings.abort_timeout_s
+            self._early = {r: t for r, t in self._early.items() if t > stale}
+            received, failed = self._received, self._failed
+            self._received, self._failed = set(), set()
+        return sent, received, failed
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    # -- the pull thread -----------------------------------------------------------------
+    def _pull(self, req_id: str, job: RecvJob) -> None:
+        error = None
+        peer = None
+        try:
+            if len(job.peers) != self.tp_size:
+                raise ValueError(f"prefill instance has {len(job.peers)} tensor-parallel ranks, this one "
+                                 f"{self.tp_size}; DatadistConnector needs equal tensor parallelism")
+            peer = job.peers[self.tp_rank]
+            if job.local_blocks:
+                self._link(peer)
+                self._datadist.cache_manager.pull_blocks(BlocksCacheKey(peer.cluster_id, 0), self._cache,
+                                                         src_blocks=job.remote_blocks, dst_blocks=job.local_blocks)
+        except (LLMException, OSError, ValueError) as exc:
+            error = exc
+            log.warning("request %s: pulling %d blocks from %s failed: %s", req_id, len(job.local_blocks),
+                        peer, exc)
+            if peer is not None and isinstance(exc, LLMException):
+                self._forget(peer.cluster_id)
+        if peer is not None and (error is None or peer.cluster_id in self._linked):
+            self._tell_pulled(peer, job.remote_request_id)
+        with self._lock:
+            if job.awaited:
+                self._received.add(req_id)
+            if error is not None and job.awaited:
+                self._failed.add(req_id)
+                self._errors.update(job.local_blocks)
+
+    def _link(self, peer: Endpoint) -> None:
+        if peer.cluster_id in self._linked:
+            return
+        cluster = LLMClusterInfo(remote_cluster_id=peer.cluster_id)
+        cluster.append_remote_ip_info(peer.host, peer.port)
+        ret, _ = self._datadist.link_clusters([cluster], timeout=self.settings.timeout_ms)
+        if ret != LLMStatusCode.LLM_SUCCESS:
+            raise LLMException(f"link to prefill worker {peer.host}:{peer.port} failed: {ret.name}",
+                               status_code=ret)
+        self._linked.add(peer.cluster_id)
+
+    def _forget(self, cluster_id: int) -> None:
+        """Drop a link that failed; the next request to that peer links again."""
+        self._linked.discard(cluster_id)
+        if self._datadist is not None:
+            try:
+                self._datadist.unlink_clusters([LLMClusterInfo(remote_cluster_id=cluster_id)], timeout=1000,
+                                               force=True)
+            except LLMException:
+                pass
+
+    def _tell_pulled(self, peer: Endpoint, remote_request_id: str) -> None:
+        """Let the prefill worker free the request's blocks (also after a failed pull:
+        nobody will pull them again)."""
+        try:
+            self._link(peer)
+            self._datadist.send_notification(peer.cluster_id, pulled_note([remote_request_id]))
+        except LLMException as exc:
+            log.warning("could not tell %s:%d that request %s is pulled (%s); it frees the blocks after "
+                        "abort_timeout_s", peer.host, peer.port, remote_request_id, exc)
+            self._forget(peer.cluster_id)
+
+    # -- teardown ------------------------------------------------------------------------
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._datadist is not None:
+            self._datadist.finalize()
+            self._datadist = None

@@ -1,0 +1,82 @@
+"""The vLLM connectors in real vLLM (CPU build), each instance in processes of its own.
+
+vLLM pins its own versions of many packages, so it lives in a virtual environment of its
+own over this one's site-packages (``.ci/vllm-env`` makes ``.venv-vllm``); these tests
+run the instances with that environment's Python (or ``$DATADIST_VLLM_PYTHON``) and skip
+when there is none.  Each test reads the JSON line its script prints.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLES = ROOT / "samples"
+
+
+def _vllm_python() -> str:
+    for candidate in (os.environ.get("DATADIST_VLLM_PYTHON"), str(ROOT / ".venv-vllm" / "bin" / "python"),
+                      sys.executable):
+        if candidate and Path(candidate).exists():
+            probe = subprocess.run([candidate, "-c", "import vllm, datadist"], capture_output=True, timeout=120)
+            if probe.returncode == 0:
+                return candidate
+    pytest.skip("no Python with vllm installed (run .ci/vllm-env, or set DATADIST_VLLM_PYTHON)")
+
+
+pytestmark = pytest.mark.vllm
+
+
+def _run(args: List[str], timeout_s: int) -> dict:
+    """Run a script with vLLM's Python; its last output line is JSON."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SAMPLES), str(Path(__file__).parent)]),
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run([_vllm_python(), *args], cwd=SAMPLES, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, \
+        f"{args[0]} exited {done.returncode}\n--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-8000:]}"
+    return json.loads(next(line for line in reversed(lines) if line.startswith("{")))
+
+
+@pytest.mark.timeout(900)
+def test_pd_tokens_match_a_plain_instance() -> None:
+    """Prefill and decode instances with DatadistConnector produce the plain instance's
+    greedy tokens for prompts from 5 to 417 tokens; vLLM counts the decode instance's
+    prompt tokens as loaded by KV transfer (all of them: the prefill instance computed
+    each prompt whole); the prefill instance holds the prompts' blocks until the decode
+    instance has pulled them, and frees them then."""
+    report = _run(["vllm_pd.py", "--json", "--ttft-tokens", "1024"], 880)
+    assert report["match"] == [True] * len(report["prompts"]), report
+    assert report["external_kv_transfer_tokens"] == report["prompt_tokens"], report
+    assert report["prefill_kv_usage_held"] > 0 and report["prefill_kv_usage_after_pull"] == 0, report
+    assert min(report["prompts"]) < 32 < max(report["prompts"]) // 8, report  # a partial block and many blocks
+
+
+@pytest.mark.timeout(600)
+def test_dead_prefill_fails_only_its_request() -> None:
+    """The prefill instance is killed after it answered: the decode instance fails that
+    request (vLLM's finish reason ``error``) within its link timeout and serves the
+    request batched with it, and the next one, with the same tokens as before."""
+    report = _run([str(Path(__file__).parent / "vllm_scenarios.py"), "prefill_dies"], 580)
+    assert report["failed_finish_reason"] == "error", report
+    assert report["other_finish_reason"] == "length", report
+    assert report["other_tokens"] == report["before"] == report["after"], report
+    assert report["seconds"] < 30, report
+
+
+@pytest.mark.timeout(900)
+def test_prefix_cache_is_shared_through_the_pool() -> None:
+    """Instance A saves its prompts' blocks into a private ems pool; instance B, a fresh
+    process, loads the 3 shared prefix blocks of each of its new prompts from the pool
+    (vLLM counts them as external tokens) and produces the plain instance's tokens."""
+    report = _run(["vllm_prefix_cache.py", "--json"], 880)
+    assert report["match"] == [True] * len(report["wave_b"]), report
+    assert report["external_kv_transfer_tokens"] >= report["prefix_tokens"] > 0, report
+    assert report["wave_a_external_tokens"] == 0, report  # the pool started empty

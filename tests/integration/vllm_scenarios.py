@@ -1,0 +1,47 @@
+"""Scenarios of the vLLM tests that the samples do not cover, run with a Python that has
+vLLM (see test_vllm.py): ``python vllm_scenarios.py NAME`` prints one JSON line.
+
+- ``prefill_dies``: a prefill instance answers two requests, then it is killed with
+  every process it started; the decode instance gets one of them with those
+  ``kv_transfer_params`` and one ordinary request in the same batch.  Reports each one's
+  finish reason and tokens, the tokens the ordinary request got before the kill, how
+  long the batch took, and a request served afterwards.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+
+from vllm_instance import Instance, connector_config, write_tiny_model
+from vllm_pd import MODULE, decode_params, prefill_params, prompts
+
+
+def prefill_dies(work: str) -> dict:
+    model = write_tiny_model(f"{work}/model", 512)
+    pulled, ordinary = prompts((96, 70))
+    with Instance(model, kv=connector_config("DatadistConnector", MODULE, "kv_consumer",
+                                             {"sync_kv_timeout_ms": 5000})) as decode:
+        before = decode.generate([ordinary], [{"max_tokens": 8}])[0].tokens
+        prefill = Instance(model, kv=connector_config("DatadistConnector", MODULE, "kv_producer", {"host": "127.0.0.1"}),
+                           in_process=True)
+        try:
+            handed = prefill.generate([pulled], [prefill_params()])[0]
+        finally:
+            prefill.kill()
+        start = time.monotonic()
+        failed, other = decode.generate([pulled, ordinary], [decode_params(handed.kv_transfer_params), {"max_tokens": 8}],
+                                        timeout_s=120)
+        took = time.monotonic() - start
+        after = decode.generate([ordinary], [{"max_tokens": 8}])[0].tokens
+    return {"failed_finish_reason": failed.finish_reason, "failed_tokens": failed.tokens,
+            "other_finish_reason": other.finish_reason, "other_tokens": other.tokens, "before": before,
+            "after": after, "seconds": took}
+
+
+SCENARIOS = {"prefill_dies": prefill_dies}
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory(prefix="vllm-scenario-") as tmp:
+        print(json.dumps(SCENARIOS[sys.argv[1]](tmp)))
