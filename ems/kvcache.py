@@ -188,13 +188,13 @@ class HostCopier:
     # The summed twins return the value's 4 KiB block sums, gathered during the copy, so
     # the checksum of a save or the verification of a load reads no byte a second time.
     def save_summed(self, vp: ValuePlan, value_addr: int) -> np.ndarray:
-        sums = np.zeros(-(-vp.size // BLOCK), dtype=_U64)
+        sums = np.zeros(2 * -(-vp.size // BLOCK), dtype=_U64)
         for plan in vp.plans:
             copy_plan_sum(plan.rebase(dst_delta=value_addr), sums, value_addr, value_is_src=False)
         return sums
 
     def load_summed(self, vp: ValuePlan, value_addr: int) -> np.ndarray:
-        sums = np.zeros(-(-vp.size // BLOCK), dtype=_U64)
+        sums = np.zeros(2 * -(-vp.size // BLOCK), dtype=_U64)
         for plan in vp.plans:
             copy_plan_sum(plan.swapped().rebase(src_delta=value_addr), sums, value_addr, value_is_src=True)
         return sums

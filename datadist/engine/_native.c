@@ -128,26 +128,47 @@ static int next_chunk(chunks_t *w, uint64_t *lo, uint64_t *hi) {
 }
 
 #if defined(__SSE2__)
-/* Copy and sum `n` bytes (a multiple of 64) to a 16-byte aligned `d` with streaming
- * stores: they skip the read-for-ownership of the destination and leave the caches alone,
- * which is what a copy many times the cache's size wants.  Returns the 64-bit word sum. */
-static uint64_t copy_sum_stream(uint8_t *d, const uint8_t *s, uint64_t n) {
-    __m128i a0 = _mm_setzero_si128(), a1 = a0, a2 = a0, a3 = a0;
+/* Copy `n` bytes (a multiple of 64), with streaming stores to a 16-byte aligned `d` when
+ * `stream` is set: they skip the read-for-ownership of the destination and leave the
+ * caches alone, which is what a copy many times the cache's size wants.  Also sums the
+ * copied 64-bit words: *sum = sum of w_k, *wsum = sum of k * w_k for word index k from the
+ * start (mod 2^64).  Per lane, s1 accumulates the words and s2 accumulates s1 after each
+ * 64-byte step (Fletcher's running sum), so after m steps sum(c * w_c) = m * s1 - s2:
+ * position weights with adds only, next to the memory traffic. */
+static void copy_sum_simd(uint8_t *d, const uint8_t *s, uint64_t n, int stream, uint64_t *sum, uint64_t *wsum) {
+    __m128i a0 = _mm_setzero_si128(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     for (uint64_t i = 0; i < n; i += 64) {
         __m128i w0 = _mm_loadu_si128((const __m128i *)(s + i));
         __m128i w1 = _mm_loadu_si128((const __m128i *)(s + i + 16));
         __m128i w2 = _mm_loadu_si128((const __m128i *)(s + i + 32));
         __m128i w3 = _mm_loadu_si128((const __m128i *)(s + i + 48));
-        _mm_stream_si128((__m128i *)(d + i), w0);
-        _mm_stream_si128((__m128i *)(d + i + 16), w1);
-        _mm_stream_si128((__m128i *)(d + i + 32), w2);
-        _mm_stream_si128((__m128i *)(d + i + 48), w3);
+        if (stream) {
+            _mm_stream_si128((__m128i *)(d + i), w0);
+            _mm_stream_si128((__m128i *)(d + i + 16), w1);
+            _mm_stream_si128((__m128i *)(d + i + 32), w2);
+            _mm_stream_si128((__m128i *)(d + i + 48), w3);
+        } else {
+            _mm_storeu_si128((__m128i *)(d + i), w0);
+            _mm_storeu_si128((__m128i *)(d + i + 16), w1);
+            _mm_storeu_si128((__m128i *)(d + i + 32), w2);
+            _mm_storeu_si128((__m128i *)(d + i + 48), w3);
+        }
         a0 = _mm_add_epi64(a0, w0); a1 = _mm_add_epi64(a1, w1);
         a2 = _mm_add_epi64(a2, w2); a3 = _mm_add_epi64(a3, w3);
+        b0 = _mm_add_epi64(b0, a0); b1 = _mm_add_epi64(b1, a1);
+        b2 = _mm_add_epi64(b2, a2); b3 = _mm_add_epi64(b3, a3);
     }
-    uint64_t lanes[2];
-    _mm_storeu_si128((__m128i *)lanes, _mm_add_epi64(_mm_add_epi64(a0, a1), _mm_add_epi64(a2, a3)));
-    return lanes[0] + lanes[1];
+    uint64_t s1[8], s2[8], m = n / 64, total = 0, weighted = 0;
+    _mm_storeu_si128((__m128i *)s1, a0); _mm_storeu_si128((__m128i *)(s1 + 2), a1);
+    _mm_storeu_si128((__m128i *)(s1 + 4), a2); _mm_storeu_si128((__m128i *)(s1 + 6), a3);
+    _mm_storeu_si128((__m128i *)s2, b0); _mm_storeu_si128((__m128i *)(s2 + 2), b1);
+    _mm_storeu_si128((__m128i *)(s2 + 4), b2); _mm_storeu_si128((__m128i *)(s2 + 6), b3);
+    for (uint64_t lane = 0; lane < 8; lane++) { /* word 8c + lane of step c */
+        total += s1[lane];
+        weighted += 8 * (m * s1[lane] - s2[lane]) + lane * s1[lane];
+    }
+    *sum = total;
+    *wsum = weighted;
 }
 #endif
 
@@ -159,8 +180,8 @@ static void copy_run(uint8_t *d, const uint8_t *s, uint64_t n, int stream) {
         uint64_t head = (16 - ((uintptr_t)d & 15)) & 15;
         memcpy(d, s, head);
         d += head; s += head; n -= head;
-        uint64_t body = n & ~(uint64_t)63;
-        copy_sum_stream(d, s, body); /* the sum is free next to the memory traffic */
+        uint64_t body = n & ~(uint64_t)63, unused_sum, unused_wsum;
+        copy_sum_simd(d, s, body, 1, &unused_sum, &unused_wsum); /* the sums are free next to the traffic */
         memcpy(d + body, s + body, n - body);
         return;
     }
@@ -172,17 +193,22 @@ static void copy_run(uint8_t *d, const uint8_t *s, uint64_t n, int stream) {
 
 /* ---------------------------------------------------------------- copies with block sums */
 
-/* The same copy, also adding every copied byte into the running sum of its 4 KiB block of
- * one value: byte k of the value adds byte << 8 * (k % 8) to sums[k / 4096], i.e. each
- * block's sum is the sum (mod 2^64) of its little-endian 64-bit words, however the runs cut
- * it.  A checksum built on those sums then costs no pass of its own over the value: the
- * bytes are summed while they are in registers anyway.  `vbase` is the value's address on
- * the side named by `value_is_src`; every run's bytes on that side lie inside the value. */
+/* The same copy, also adding every copied byte into the two running sums of its 4 KiB
+ * block of one value: byte k of the value is part of word i = (k % 4096) / 8 of block
+ * k / 4096, and adds v = byte << 8 * (k % 8) to sums[2 * block] and (i + 1) * v to
+ * sums[2 * block + 1].  So, however the runs cut it, a block's first sum is the sum
+ * (mod 2^64) of its little-endian 64-bit words and its second the position-weighted sum,
+ * which changes when words move within the block.  A checksum built on those sums costs
+ * no pass of its own over the value: the bytes are summed while they are in registers
+ * anyway.  `vbase` is the value's address on the side named by `value_is_src`; every
+ * run's bytes on that side lie inside the value. */
 
 static void copy_sum_bytes(uint8_t *d, const uint8_t *s, uint64_t n, uint64_t o, uint64_t *sums) {
     for (uint64_t i = 0; i < n; i++, o++) {
+        uint64_t v = (uint64_t)s[i] << (8 * (o & 7)), *block = sums + 2 * (o >> 12);
         d[i] = s[i];
-        sums[o >> 12] += (uint64_t)s[i] << (8 * (o & 7));
+        block[0] += v;
+        block[1] += (((o & 4095) >> 3) + 1) * v;
     }
 }
 
@@ -198,29 +224,27 @@ static void copy_sum(uint8_t *d, const uint8_t *s, uint64_t n, uint64_t o, uint6
         uint64_t chunk = ((o | 4095) + 1) - o; /* up to the end of o's block */
         if (chunk > n) chunk = n;
         chunk &= ~(uint64_t)7;
-        uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, w0, w1, w2, w3;
-        uint64_t i = 0;
+        uint64_t sum = 0, ws = 0, w;
+        uint64_t i = 0, k = ((o & 4095) >> 3) + 1; /* the weight of the chunk's first word */
 #if defined(__SSE2__)
-        if (stream && ((uintptr_t)d & 15) == 0) {
+        if (chunk >= 64) {
+            uint64_t rel;
             i = chunk & ~(uint64_t)63;
-            a0 = copy_sum_stream(d, s, i);
+            copy_sum_simd(d, s, i, stream && ((uintptr_t)d & 15) == 0, &sum, &rel);
+            ws = k * sum + rel;
+            k += i >> 3;
         }
 #else
         (void)stream;
 #endif
-        for (; i + 32 <= chunk; i += 32) {
-            memcpy(&w0, s + i, 8); memcpy(&w1, s + i + 8, 8);
-            memcpy(&w2, s + i + 16, 8); memcpy(&w3, s + i + 24, 8);
-            memcpy(d + i, &w0, 8); memcpy(d + i + 8, &w1, 8);
-            memcpy(d + i + 16, &w2, 8); memcpy(d + i + 24, &w3, 8);
-            a0 += w0; a1 += w1; a2 += w2; a3 += w3;
+        for (; i < chunk; i += 8, k++) { /* the words after the last 64-byte step */
+            memcpy(&w, s + i, 8);
+            memcpy(d + i, &w, 8);
+            sum += w;
+            ws += k * w;
         }
-        for (; i < chunk; i += 8) {
-            memcpy(&w0, s + i, 8);
-            memcpy(d + i, &w0, 8);
-            a0 += w0;
-        }
-        sums[o >> 12] += a0 + a1 + a2 + a3;
+        sums[2 * (o >> 12)] += sum;
+        sums[2 * (o >> 12) + 1] += ws;
         d += chunk; s += chunk; o += chunk; n -= chunk;
     }
     copy_sum_bytes(d, s, n, o, sums);
@@ -315,15 +339,17 @@ static int64_t dd_copy_plan(size_t nt, const uint64_t *sbase, const uint64_t *db
     return (int64_t)total;
 }
 
-/* The copy with block sums.  Returns bytes copied, or -ERANGE (nothing copied) if a run
- * leaves the value's nsums blocks, -ENOMEM if a helper thread's sums cannot be allocated. */
+/* The copy with block sums (two per block: `sums` holds 2 * nblocks words).  Returns bytes
+ * copied, or -ERANGE (nothing copied) if a run leaves the value's nblocks blocks, -ENOMEM
+ * if a helper thread's sums cannot be allocated. */
 static int64_t dd_copy_plan_sum(size_t nt, const uint64_t *sbase, const uint64_t *dbase, size_t nu,
                                 const uint64_t *soff, const uint64_t *doff, const uint64_t *len,
                                 int max_threads, int value_is_src, uint64_t vbase,
-                                uint64_t *sums, size_t nsums) {
+                                uint64_t *sums, size_t nblocks) {
     plan_t p = {sbase, dbase, soff, doff, len, nt, nu};
     const uint64_t *vb = value_is_src ? sbase : dbase, *vo = value_is_src ? soff : doff;
-    uint64_t limit = (uint64_t)nsums << 12;
+    uint64_t limit = (uint64_t)nblocks << 12;
+    size_t nsums = 2 * nblocks;
     for (size_t t = 0; t < nt; t++)
         for (size_t u = 0; u < nu; u++) {
             if (!len[u]) continue;
@@ -347,6 +373,14 @@ static int64_t dd_copy_plan_sum(size_t nt, const uint64_t *sbase, const uint64_t
         free(parts[k].sums);
     }
     return (int64_t)total;
+}
+
+/* The block sums of the whole 4 KiB blocks of the n bytes at s, added to sums (two per
+ * block), without moving them: each block goes through copy_sum into a block-sized
+ * scratch that stays in the L1 cache, so the sums are those of a copy by construction. */
+static void dd_sum_blocks(const uint8_t *s, uint64_t n, uint64_t *sums) {
+    uint8_t scratch[4096] __attribute__((aligned(64)));
+    for (uint64_t o = 0; o + 4096 <= n; o += 4096) copy_sum(scratch, s + o, 4096, o, sums, 0);
 }
 
 /* ---------------------------------------------------------------- foreign copy functions */
@@ -589,9 +623,9 @@ static PyObject *py_copy_plan_sum(PyObject *self, PyObject *const *args, Py_ssiz
     if (PyErr_Occurred()) return NULL;
     Py_buffer sums;
     if (PyObject_GetBuffer(args[6], &sums, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (sums.len % 8) {
+    if (sums.len % 16) {
         PyBuffer_Release(&sums);
-        PyErr_SetString(PyExc_ValueError, "sums must be uint64");
+        PyErr_SetString(PyExc_ValueError, "sums must be uint64, two per 4 KiB block");
         return NULL;
     }
     plan_args a;
@@ -599,11 +633,37 @@ static PyObject *py_copy_plan_sum(PyObject *self, PyObject *const *args, Py_ssiz
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
     r = dd_copy_plan_sum(a.nt, U64P(a, 0), U64P(a, 1), a.nu, U64P(a, 2), U64P(a, 3), U64P(a, 4), threads,
-                         value_is_src, (uint64_t)vbase, (uint64_t *)sums.buf, (size_t)sums.len / 8);
+                         value_is_src, (uint64_t)vbase, (uint64_t *)sums.buf, (size_t)sums.len / 16);
     Py_END_ALLOW_THREADS
     release_plan(&a);
     PyBuffer_Release(&sums);
     return result_or_oserror(r);
+}
+
+static PyObject *py_sum_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "sum_blocks(value, sums)");
+        return NULL;
+    }
+    Py_buffer value, sums;
+    if (PyObject_GetBuffer(args[0], &value, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &sums, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&value);
+        return NULL;
+    }
+    if ((uint64_t)sums.len < (uint64_t)value.len / 4096 * 16) {
+        PyBuffer_Release(&value);
+        PyBuffer_Release(&sums);
+        PyErr_SetString(PyExc_ValueError, "sums must hold two uint64 per whole 4 KiB block of value");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    dd_sum_blocks((const uint8_t *)value.buf, (uint64_t)value.len, (uint64_t *)sums.buf);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&value);
+    PyBuffer_Release(&sums);
+    Py_RETURN_NONE;
 }
 
 static PyObject *py_cma_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -754,6 +814,8 @@ static PyMethodDef methods[] = {
      "wait_readable(fd, spin_us, timeout_ms) -> 0 (OSError ETIMEDOUT at the deadline)"},
     {"copy_plan", (PyCFunction)(void (*)(void))py_copy_plan, METH_FASTCALL,
      "copy_plan(sbase, dbase, soff, doff, len, threads) -> bytes copied"},
+    {"sum_blocks", (PyCFunction)(void (*)(void))py_sum_blocks, METH_FASTCALL,
+     "sum_blocks(value, sums): add the two sums of each whole 4 KiB block of value to sums"},
     {"copy_plan_sum", (PyCFunction)(void (*)(void))py_copy_plan_sum, METH_FASTCALL,
      "copy_plan_sum(sbase, dbase, soff, doff, len, threads, sums, value_base, value_is_src) -> bytes copied; "
      "adds the copied bytes into the value's 4 KiB block sums (OSError ERANGE if a run leaves the value)"},

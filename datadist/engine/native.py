@@ -23,7 +23,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["peer_closed", "index_array", "copy_plan", "copy_plan_sum", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "COPY_THREADS",
+__all__ = ["peer_closed", "index_array", "copy_plan", "copy_plan_sum", "sum_blocks", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "COPY_THREADS",
            "SPIN_US"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
@@ -55,14 +55,21 @@ def copy_plan(plan: Plan, threads: int = COPY_THREADS) -> int:
     return _native.copy_plan(plan.src_bases, plan.dst_bases, plan.src_offs, plan.dst_offs, plan.lens, threads)
 
 
+def sum_blocks(value, sums) -> None:
+    """Add the two sums (as :func:`copy_plan_sum` computes them) of each whole 4 KiB block
+    of ``value`` (a C-contiguous buffer) to ``sums`` (writable uint64, two per block)."""
+    _native.sum_blocks(value, sums)
+
+
 def copy_plan_sum(plan: Plan, sums, value_addr: int, *, value_is_src: bool,
                   threads: int = COPY_THREADS) -> int:
-    """``copy_plan`` that also adds the copied bytes into the 4 KiB block sums of one value
-    (``sums[k]``: the 64-bit little-endian words of the value's block k, mod 2**64), so a
-    checksum over them needs no second pass over memory.  The value starts at
-    ``value_addr`` on the plan's source side (``value_is_src``) or destination side, and
-    ``sums`` (writable uint64, one per started block) is added to, not overwritten.  Raises
-    ``OSError`` (ERANGE, nothing copied) if a run leaves the value."""
+    """``copy_plan`` that also adds the copied bytes into the two sums of each 4 KiB block
+    of one value (``sums[2k]``: the sum of the 64-bit little-endian words of block k;
+    ``sums[2k + 1]``: the sum of word i times ``i + 1``; mod 2**64), so a checksum over
+    them needs no second pass over memory.  The value starts at ``value_addr`` on the
+    plan's source side (``value_is_src``) or destination side, and ``sums`` (writable
+    uint64, two per started block) is added to, not overwritten.  Raises ``OSError``
+    (ERANGE, nothing copied) if a run leaves the value."""
     return _native.copy_plan_sum(plan.src_bases, plan.dst_bases, plan.src_offs, plan.dst_offs, plan.lens,
                                  threads, sums, value_addr, value_is_src)
 

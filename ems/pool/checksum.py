@@ -1,10 +1,13 @@
 """The checksum every pool value carries.
 
-CRC-32 of the per-4-KiB sums of the value's 64-bit words (then of the tail bytes), with
-the length in the high half.  Summing words runs at memory bandwidth (numpy), several times
-faster than a CRC over the bytes, so verifying a value costs a fraction of copying it; the
-CRC over the block sums keeps it position-sensitive at block granularity.  It is an
-integrity check against torn, truncated or bit-rotted values, not a cryptographic hash.
+Per 4 KiB block of the value, two 64-bit sums of its little-endian 64-bit words: the plain
+sum and the position-weighted sum (word i of the block counts ``i + 1`` times), so words
+that change places inside a block change the checksum, as blocks that change places do;
+then CRC-32 of those sums (and of the tail bytes), with the length in the high half.  The
+sums are what the C copy computes while it moves the bytes (``copy_plan_sum``: adds only,
+next to the memory traffic), so a save or a load verifies its value without a second pass
+over it; :func:`checksum` runs the same C summing over a value already in memory.  It is an integrity check
+against torn, truncated, reordered or bit-rotted values, not a cryptographic hash.
 """
 from __future__ import annotations
 
@@ -12,26 +15,34 @@ import zlib
 
 import numpy as np
 
-__all__ = ["checksum", "from_block_sums", "BLOCK"]
+from datadist.engine.native import sum_blocks
 
-#: Bytes summed into one word before the CRC.
+__all__ = ["checksum", "block_sums", "from_block_sums", "BLOCK"]
+
+#: Bytes of one block.
 BLOCK = 4096
-_WORDS = BLOCK // 8
+
+
+def block_sums(arr: np.ndarray) -> np.ndarray:
+    """The two sums of each whole 4 KiB block of a 1-D uint8 array, interleaved
+    (``[plain_0, weighted_0, plain_1, ...]``), as ``copy_plan_sum`` leaves them."""
+    out = np.zeros(2 * (arr.shape[0] // BLOCK), dtype=np.uint64)
+    sum_blocks(np.ascontiguousarray(arr), out)
+    return out
 
 
 def checksum(data) -> int:
     """64-bit checksum of a bytes-like object or a 1-D uint8 array."""
     arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
     n = int(arr.shape[0])
-    body = n - n % BLOCK
-    sums = np.add.reduce(arr[:body].view(np.uint64).reshape(-1, _WORDS), axis=1, dtype=np.uint64)
-    return from_block_sums(sums, arr[body:], n)
+    return from_block_sums(block_sums(arr), arr[n - n % BLOCK:], n)
 
 
 def from_block_sums(sums: np.ndarray, tail, n: int) -> int:
     """The checksum of an ``n``-byte value from the sums of its whole 4 KiB blocks (the
-    first ``n // BLOCK`` of ``sums``; e.g. summed while copying) and its ``tail`` bytes."""
-    crc = zlib.crc32(sums[: n // BLOCK]) if n >= BLOCK else 0
+    first ``2 * (n // BLOCK)`` of ``sums``; e.g. summed while copying) and its ``tail``
+    bytes."""
+    crc = zlib.crc32(np.ascontiguousarray(sums[: 2 * (n // BLOCK)])) if n >= BLOCK else 0
     if n % BLOCK:
         crc = zlib.crc32(tail, crc)
     return ((n & 0xFFFFFFFF) << 32) | crc

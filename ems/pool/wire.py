@@ -33,7 +33,7 @@ __all__ = [
     "SKIPPED", "NO_SPACE", "MAX_FRAME",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 #: Largest control frame either side accepts.
 MAX_FRAME = 64 << 20
 #: Reserve reply offsets: the key already holds a value (nothing to write) / no room.

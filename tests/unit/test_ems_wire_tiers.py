@@ -44,6 +44,11 @@ def test_checksum_detects_changes():
         assert checksum(d) != base
     swapped = np.concatenate([data[4096:8192], data[:4096], data[8192:]])
     assert checksum(swapped) != base  # block order matters
+    words = data[:3 * 4096].view("<u8").copy()
+    for i, j in ((0, 1), (3, 500), (512, 1023)):  # words that change places inside a block
+        moved = words.copy()
+        moved[[i, j]] = moved[[j, i]]
+        assert checksum(np.concatenate([moved.view(np.uint8), data[3 * 4096:]])) != base, (i, j)
     assert checksum(data[:-1]) != base
 
 

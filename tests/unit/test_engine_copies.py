@@ -30,11 +30,14 @@ def _plan(src: np.ndarray, dst: np.ndarray, soffs, doffs, lens) -> Plan:
 
 
 def _block_sums(value: np.ndarray) -> np.ndarray:
-    """Reference: per 4 KiB block, the sum of the value's little-endian 64-bit words."""
+    """Reference: per 4 KiB block, the sum of the value's little-endian 64-bit words and the
+    sum of word i times i + 1 (mod 2**64), interleaved."""
     n = value.shape[0]
     padded = np.zeros(-(-n // BLOCK) * BLOCK, np.uint8)
     padded[:n] = value
-    return padded.view("<u8").reshape(-1, BLOCK // 8).sum(axis=1, dtype=U64)
+    words = padded.view("<u8").reshape(-1, BLOCK // 8)
+    weighted = words * np.arange(1, BLOCK // 8 + 1, dtype=U64)
+    return np.stack([words.sum(axis=1, dtype=U64), weighted.sum(axis=1, dtype=U64)], axis=1).reshape(-1)
 
 
 @pytest.mark.parametrize("total", [100_000, 9 << 20, (33 << 20) + 12345])
@@ -73,7 +76,7 @@ def test_copy_plan_sum_matches_the_checksum(size, dst_shift, value_is_src):
     lens = np.diff(np.concatenate([voffs, [size]]))
     # the cache side holds the runs in reverse order, shifted off alignment by dst_shift
     coffs = np.cumsum(np.concatenate([[0], lens[::-1][:-1]]))[::-1] + dst_shift
-    sums = np.zeros(-(-size // BLOCK), U64)
+    sums = np.zeros(2 * -(-size // BLOCK), U64)
     if value_is_src:
         value[:] = rng.integers(0, 256, size, dtype=np.uint8)
         out = np.zeros_like(cache)
@@ -87,14 +90,14 @@ def test_copy_plan_sum_matches_the_checksum(size, dst_shift, value_is_src):
         for v, c, n in zip(voffs, coffs, lens):
             assert np.array_equal(value[v:v + n], cache[c:c + n])
     whole = size // BLOCK
-    assert np.array_equal(sums[:whole], _block_sums(value)[:whole])
+    assert np.array_equal(sums[:2 * whole], _block_sums(value)[:2 * whole])
     assert from_block_sums(sums, value[whole * BLOCK:], size) == checksum(value)
 
 
 def test_copy_plan_sum_refuses_runs_outside_the_value():
     value = np.zeros(8192, np.uint8)
     cache = np.ones(16384, np.uint8)
-    sums = np.zeros(2, U64)
+    sums = np.zeros(4, U64)
     plan = _plan(cache, value, [0], [4096], [8192])  # ends 4 KiB past the value
     with pytest.raises(OSError) as ei:
         copy_plan_sum(plan, sums, _addr(value), value_is_src=False)
