@@ -77,6 +77,18 @@ class CcResult:
 DataPtr = Union[int, Callable[[], int]]
 
 
+def _npu_process() -> bool:
+    """Whether this process uses torch_npu with a device (never imports it)."""
+    import sys
+
+    if "torch_npu" not in sys.modules:
+        return False
+    try:
+        return bool(sys.modules["torch"].npu.is_available())
+    except Exception:  # a broken adapter: as careful as a working one
+        return True
+
+
 def _cuda_device_memory(addr: int) -> bool:
     """Whether the CUDA driver (where one is loaded by this process already) calls ``addr``
     device memory; never loads CUDA on a machine that has not used it."""
@@ -128,6 +140,10 @@ class KvBufferWrapper:
             raise invalid("data_ptr", f"resolved to {ptr!r}, not an address > 0")
         if _cuda_device_memory(ptr):
             raise invalid("data_ptr", f"{ptr:#x} is CUDA device memory; KvBufferWrapper buffers must be host memory")
+        if not callable(self.data_ptr) and _npu_process():
+            raise invalid("data_ptr", f"{ptr:#x} is a bare address in a process that uses an NPU, where it may be "
+                                      "device memory, which this build cannot move; pass a CPU tensor's data_ptr "
+                                      "method (tensor.data_ptr) for a host buffer")
         return ptr
 
     def __repr__(self) -> str:
