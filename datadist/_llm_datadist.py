@@ -268,11 +268,15 @@ class LLMDataDist:
             raise TypeError(f"cluster_id must be an int, got {type(cluster_id).__name__}")
         self._engine_or_raise().get_link(cluster_id).send_note(message)
 
-    def get_notifications(self) -> List[Tuple[int, str]]:
+    def get_notifications(self, timeout_ms: int = 0) -> List[Tuple[int, str]]:
         """Every notification received since the last call, oldest first, as
         ``(sender cluster id, message)``; the sender is the authenticated peer of the link
-        it came on.  Up to 65536 uncollected notifications are kept (oldest dropped first)."""
-        return self._engine_or_raise().notes.take()
+        it came on.  With ``timeout_ms`` > 0 and none received yet, waits up to that long
+        for the first (returns at once when one comes).  Up to 65536 uncollected
+        notifications are kept (oldest dropped first)."""
+        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or not 0 <= timeout_ms <= 3_600_000:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"timeout_ms = {timeout_ms!r} must be an int in [0, 3600000]")
+        return self._engine_or_raise().notes.take(timeout_ms / 1000.0)
 
 
 def _overall(results: List[LLMStatusCode]) -> LLMStatusCode:

@@ -6,12 +6,6 @@
 to the first token; ``metrics`` returns vLLM's prompt-token counters by source.  Every
 call has a deadline; a child that fails sends its traceback, which the call raises.
 
-``in_process=True`` runs vLLM's engine inside the instance's process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): it then steps only while ``generate`` runs, so a
-prefill instance that holds blocks for a decode instance does not spin meanwhile (its
-datadist engine still serves pulls on its own thread; the blocks are freed at its next
-step).  That matters on a 2-core machine; a deployment keeps vLLM's defaults.
-
 The model is a tiny random Llama (``write_tiny_model``) loaded with dummy weights, so no
 download is needed and two instances of the same config compute the same tokens.
 """
@@ -60,8 +54,7 @@ def _ttft(output: Any, fallback: float) -> float:
     return float(latency) if latency else fallback
 
 
-def _serve(conn, model: str, max_model_len: int, kv: Optional[dict], prefix_caching: bool, env: Dict[str, str],
-           llm_args: Dict[str, Any]) -> None:
+def _serve(conn, model: str, max_model_len: int, kv: Optional[dict], prefix_caching: bool, env: Dict[str, str]) -> None:
     os.setsid()  # kill() ends vLLM's processes too
     os.environ.update(env)
     try:
@@ -71,7 +64,7 @@ def _serve(conn, model: str, max_model_len: int, kv: Optional[dict], prefix_cach
 
         llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", block_size=BLOCK_SIZE,
                   enforce_eager=True, max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
-                  disable_log_stats=False, kv_transfer_config=KVTransferConfig(**kv) if kv else None, **llm_args)
+                  disable_log_stats=False, kv_transfer_config=KVTransferConfig(**kv) if kv else None)
         conn.send(("ready", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -105,18 +98,11 @@ class Instance:
     """One vLLM instance in a child process (see the module docstring)."""
 
     def __init__(self, model: str, *, max_model_len: int = 512, kv: Optional[dict] = None,
-                 prefix_caching: bool = False, kvcache_gib: int = 1, in_process: bool = False,
-                 llm_args: Optional[Dict[str, Any]] = None) -> None:
+                 prefix_caching: bool = False, kvcache_gib: int = 1) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         child_env = {"VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib)}
-        if in_process:
-            child_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        llm_args = dict(llm_args or {})
-        if in_process:  # vLLM's CPU platform runs the worker in the engine's process then
-            llm_args.setdefault("distributed_executor_backend", "uni")
-        self.process = ctx.Process(target=_serve, args=(child, model, max_model_len, kv, prefix_caching, child_env,
-                                                                     llm_args))
+        self.process = ctx.Process(target=_serve, args=(child, model, max_model_len, kv, prefix_caching, child_env))
         self.process.start()
         child.close()
         self._call_result(START_TIMEOUT_S)

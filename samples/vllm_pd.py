@@ -66,13 +66,13 @@ def _run(work: str, ttft_tokens: int, as_json: bool) -> int:
         recompute = plain.generate([long_prompt], [{"max_tokens": 1}])[0].ttft_s
     producer = connector_config("DatadistConnector", MODULE, "kv_producer", {"host": "127.0.0.1"})
     consumer = connector_config("DatadistConnector", MODULE, "kv_consumer")
-    with Instance(model, max_model_len=max_len, kv=producer, in_process=True) as prefill, \
+    with Instance(model, max_model_len=max_len, kv=producer) as prefill, \
             Instance(model, max_model_len=max_len, kv=consumer) as decode:
         handed = prefill.generate(batch, [prefill_params()] * len(batch))
         held = prefill.metrics()["kv_cache_usage"]  # the prompts' blocks wait for the decode instance
         results = decode.generate(batch, [decode_params(h.kv_transfer_params) for h in handed])
         transferred = decode.metrics().get("external_kv_transfer", 0)
-        for _ in range(2):  # steps of the prefill engine: it frees what the decode side pulled
+        for _ in range(2):  # requests of its own: vLLM's metrics then show what the prefill engine freed
             prefill.generate([batch[0]], [{"max_tokens": 1}])
         freed = prefill.metrics()["kv_cache_usage"]
         warm = prefill.generate([long_prompt], [prefill_params()])[0]

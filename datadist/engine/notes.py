@@ -32,6 +32,7 @@ class NoteBox:
         self._notes: collections.deque[tuple[int, str]] = collections.deque()
         self._capacity = capacity
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
         self.dropped = 0
 
     def record(self, cluster_id: int, text: str) -> None:
@@ -43,10 +44,14 @@ class NoteBox:
                     log.warning("%d notification(s) dropped: nobody collected them (get_notifications)",
                                 self.dropped)
             self._notes.append((cluster_id, text))
+            self._arrived.notify_all()
 
-    def take(self) -> list[tuple[int, str]]:
-        """Every note received so far, oldest first; the box is empty afterwards."""
+    def take(self, timeout_s: float = 0.0) -> list[tuple[int, str]]:
+        """Every note received so far, oldest first; the box is empty afterwards.  With
+        ``timeout_s`` > 0 and none there, waits that long at most for the first."""
         with self._lock:
+            if not self._notes and timeout_s > 0:
+                self._arrived.wait(timeout_s)
             notes = list(self._notes)
             self._notes.clear()
         return notes

@@ -79,3 +79,19 @@ def test_bad_notes_are_refused_and_send_nothing(peer_factory: Any, message: Any,
         assert info.value.status_code == S.LLM_PARAM_INVALID and "message" in info.value.message
     dec.call("engine", "send_notification", PROMPT_ID, "after")
     assert _collect(prompt, 1) == [(DECODER_ID, "after")]  # the link still works; nothing else came
+
+
+def test_a_wait_ends_when_a_note_comes_or_at_its_timeout(peer_factory: Any) -> None:
+    prompt, dec = _linked(peer_factory)
+    start = time.monotonic()
+    assert prompt.call("engine", "get_notifications", 300) == []  # nothing came: the whole wait
+    assert time.monotonic() - start >= 0.3
+    pending = prompt.start_call("engine", "get_notifications", 20_000)
+    start = time.monotonic()
+    dec.call("engine", "send_notification", PROMPT_ID, "now")
+    assert [tuple(n) for n in pending.result(30)] == [(DECODER_ID, "now")]
+    assert time.monotonic() - start < 10  # woken by the note, not by the timeout
+    for bad in (-1, 3_600_001, 1.5):
+        with pytest.raises(PeerError) as info:
+            prompt.call("engine", "get_notifications", bad)
+        assert info.value.status_code == S.LLM_PARAM_INVALID and "timeout_ms" in info.value.message

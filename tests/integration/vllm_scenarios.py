@@ -24,8 +24,7 @@ def prefill_dies(work: str) -> dict:
     with Instance(model, kv=connector_config("DatadistConnector", MODULE, "kv_consumer",
                                              {"sync_kv_timeout_ms": 5000})) as decode:
         before = decode.generate([ordinary], [{"max_tokens": 8}])[0].tokens
-        prefill = Instance(model, kv=connector_config("DatadistConnector", MODULE, "kv_producer", {"host": "127.0.0.1"}),
-                           in_process=True)
+        prefill = Instance(model, kv=connector_config("DatadistConnector", MODULE, "kv_producer", {"host": "127.0.0.1"}))
         try:
             handed = prefill.generate([pulled], [prefill_params()])[0]
         finally:

@@ -22,7 +22,10 @@ requests go on.  Pulls run on a worker thread: the engine loop never waits on a 
 Configuration (``kv_connector_extra_config``): ``host`` (address the prefill worker
 listens on and advertises; default ``$DATADIST_VLLM_HOST`` or 127.0.0.1), ``port`` (0:
 any free port; else port + tensor-parallel rank), ``transfer_backend`` (``auto``),
-``sync_kv_timeout_ms`` (10000), ``abort_timeout_s`` (480), ``link_secret_file``.
+``sync_kv_timeout_ms`` (10000), ``abort_timeout_s`` (480), ``link_secret_file``,
+``idle_wait_ms`` (10: on a step that computes nothing while blocks wait for their pull,
+the prefill worker waits this long for the decode side's notification instead of letting
+vLLM's engine loop spin; a notification ends the wait at once).
 """
 from __future__ import annotations
 
@@ -68,12 +71,15 @@ class DatadistConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: dict[str, RecvJob] = field(default_factory=dict)
     #: request id -> seconds the prefill worker holds its blocks for a pull
     reqs_to_send: dict[str, float] = field(default_factory=dict)
+    #: the step computes nothing: the engine only waits (e.g. for pulls of held blocks)
+    idle: bool = False
 
 
 def _settings(vllm_config: "VllmConfig") -> Settings:
     cfg = vllm_config.kv_transfer_config
     extra = dict(cfg.kv_connector_extra_config or {})
-    known = {"host", "port", "transfer_backend", "sync_kv_timeout_ms", "abort_timeout_s", "link_secret_file"}
+    known = {"host", "port", "transfer_backend", "sync_kv_timeout_ms", "abort_timeout_s", "link_secret_file",
+             "idle_wait_ms"}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ValueError(f"DatadistConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
@@ -82,6 +88,7 @@ def _settings(vllm_config: "VllmConfig") -> Settings:
                     transfer_backend=str(extra.get("transfer_backend", "auto")),
                     timeout_ms=int(extra.get("sync_kv_timeout_ms", 10000)),
                     abort_timeout_s=float(extra.get("abort_timeout_s", 480.0)),
+                    idle_wait_ms=int(extra.get("idle_wait_ms", 10)),
                     link_secret_file=extra.get("link_secret_file"),
                     producer=bool(cfg.is_kv_producer), consumer=bool(cfg.is_kv_consumer),
                     engine_id=str(cfg.engine_id))
@@ -100,7 +107,7 @@ class DatadistConnector(SplitConnector):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, DatadistConnectorMetadata)
-        self._worker.start(meta.reqs_to_recv, meta.reqs_to_send)
+        self._worker.start(meta.reqs_to_recv, meta.reqs_to_send, meta.idle)
 
     def wait_for_save(self) -> None:
         return  # pull mode: the decode instance reads the prefill instance's cache
@@ -117,7 +124,9 @@ class DatadistConnector(SplitConnector):
                                      for _, m in sorted(metadata.items())]
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self._scheduler.build_meta()
+        meta = self._scheduler.build_meta()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         return self._scheduler.finished(request, block_ids)

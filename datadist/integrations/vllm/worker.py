@@ -38,6 +38,7 @@ class Settings:
     transfer_backend: str
     timeout_ms: int
     abort_timeout_s: float
+    idle_wait_ms: int
     link_secret_file: Optional[str]
     producer: bool
     consumer: bool
@@ -101,6 +102,7 @@ class DatadistWorker:
         self._received: set[str] = set()
         self._failed: set[str] = set()
         self._errors: set[int] = set()
+        self._idle = False  # this step computes nothing
 
     # -- setup ---------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, Any]) -> None:
@@ -134,7 +136,8 @@ class DatadistWorker:
                  f"; listening on {self.endpoint.host}:{self.endpoint.port}" if self.endpoint else "")
 
     # -- per step ------------------------------------------------------------------------
-    def start(self, to_recv: Mapping[str, RecvJob], to_send: Mapping[str, float]) -> None:
+    def start(self, to_recv: Mapping[str, RecvJob], to_send: Mapping[str, float], idle: bool = False) -> None:
+        self._idle = idle
         now = time.monotonic()
         with self._lock:
             for req_id, ttl in to_send.items():
@@ -147,8 +150,14 @@ class DatadistWorker:
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(freed on the prefill side, loads done, loads failed) since the last call."""
+        notes = []
+        if self._datadist is not None and self.settings.producer:
+            # A step that computes nothing while blocks wait for their pull: wait a little
+            # for the notification rather than let the engine loop spin on empty steps.
+            waiting = any(deadline > time.monotonic() for deadline in list(self._holding.values()))
+            notes = self._datadist.get_notifications(timeout_ms=self.settings.idle_wait_ms if self._idle and waiting
+                                                     else 0)
         now = time.monotonic()
-        notes = self._datadist.get_notifications() if self._datadist is not None and self.settings.producer else []
         with self._lock:
             for _, text in notes:
                 for req_id in parse_note(text):
