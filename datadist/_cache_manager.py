@@ -16,7 +16,7 @@ from ._objects import (_UINT32_MAX, BlocksCacheKey, Cache, CacheDesc, CacheKey, 
 from ._status import LLMStatusCode, raise_error
 from ._tensors import tensor_at
 from ._types import Memtype, Placement
-from .engine import cuda, native
+from .engine import cuda, native, npu
 from .engine.core import Engine
 from .engine.layout import Plan, block_offsets, layer_tensor_indices, plan_units
 from .engine.memory import PoolExhausted
@@ -210,15 +210,20 @@ def _registered_memory(addrs, desc: CacheDesc, engine_device: str):
 
     Tensors say where they live.  Int addresses are asked of the CUDA driver on a CUDA
     engine (so host memory registered with the default ``Placement.DEVICE``, as code
-    written for CPU machines does, still works); elsewhere they are host memory.  CUDA
-    memory on an engine without CUDA, and NPU tensors, are refused rather than misread as
-    host memory."""
+    written for CPU machines does, still works); elsewhere they are host memory, except on
+    an NPU engine with ``Placement.DEVICE``: torch cannot wrap a bare NPU address, so those
+    are refused (register the tensors).  Device memory of another kind than the engine's
+    is refused rather than misread as host memory."""
     ints, tensors = as_tensor_addrs(addrs, desc)
     kinds = sorted({str(t.device) for t in tensors})
     if len(kinds) > 1:
         raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"addrs holds tensors on several devices: {kinds}")
     device = kinds[0] if kinds else "cpu"
-    if not kinds and engine_device != "cpu":
+    if not kinds and engine_device.startswith("npu") and desc.placement == Placement.DEVICE:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                    "addrs are bare addresses on an NPU engine with Placement.DEVICE: NPU memory can only be "
+                    "registered as its tensors (pass them), host memory with Placement.HOST")
+    if not kinds and engine_device.startswith("cuda"):
         on_gpu = [cuda.is_device_memory(a) for a in ints]
         if any(on_gpu) and not all(on_gpu):
             raise_error(LLMStatusCode.LLM_PARAM_INVALID,
@@ -227,11 +232,16 @@ def _registered_memory(addrs, desc: CacheDesc, engine_device: str):
         device = engine_device if all(on_gpu) else "cpu"
     if device == "cpu":
         return ints, tensors, device, ()
-    if not device.startswith("cuda") or engine_device == "cpu":
+    kind = device.partition(":")[0]
+    if kind not in ("cuda", "npu") or kind != engine_device.partition(":")[0]:
         raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
                     f"addrs are memory of {device}; this engine moves host memory"
-                    + (" and CUDA memory" if engine_device != "cpu" else
-                       " only: init it with device_type 'cuda' (or 'auto' where torch sees a GPU)"))
+                    + (f" and {engine_device} memory" if engine_device != "cpu" else
+                       " only: init it with the device_type of that memory (or 'auto' where torch sees it)"))
+    if kind == "npu":
+        for t in tensors:
+            npu.track(t)
+        return ints, tensors, device, ()
     return ints, tensors, device, cuda.export_regions(ints, desc.size)
 
 

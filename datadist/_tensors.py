@@ -22,7 +22,8 @@ def _torch_dtype(dtype):
 
 def tensor_at(addr: int, shape: Sequence[int], dtype, device: str = "cpu"):
     """A tensor of ``shape``/``dtype`` viewing the memory at ``addr`` (no copy), host
-    memory for ``device="cpu"``, CUDA device memory for ``"cuda"`` / ``"cuda:N"``.
+    memory for ``device="cpu"``, CUDA device memory for ``"cuda"`` / ``"cuda:N"``, NPU
+    memory of a tensor the engine knows (its pool, a registered cache) for ``"npu:N"``.
 
     The memory must outlive the tensor: the caller owns that (as with ``llm_datadist``).
     """
@@ -34,18 +35,28 @@ def tensor_at(addr: int, shape: Sequence[int], dtype, device: str = "cpu"):
         numel *= int(d)
     nbytes = numel * torch.empty((), dtype=tdtype).element_size()
     kind = str(device).split(":")[0]
-    if kind not in ("cpu", "cuda"):
+    if kind not in ("cpu", "cuda", "npu"):
         raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                    f"create_tensors on device {device!r}: this build maps CPU and CUDA memory only")
+                    f"create_tensors on device {device!r}: this build maps CPU, CUDA and NPU memory only")
     if kind == "cuda" and not torch.cuda.is_available():
         raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
                     f"create_tensors on device {device!r}, but torch sees no CUDA device here")
+    if kind == "npu":
+        from .engine.core import npu_visible
+
+        if not npu_visible():
+            raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                        f"create_tensors on device {device!r}, but torch_npu sees no NPU here")
     if nbytes == 0:
         return torch.empty(tuple(shape), dtype=tdtype, device=device)
     if kind == "cuda":
         from .engine.cuda import cuda_tensor
 
         raw_t = cuda_tensor(int(addr), nbytes, str(device))
+    elif kind == "npu":
+        from .engine.npu import view
+
+        raw_t = view(int(addr), nbytes, str(device))
     else:
         raw_t = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(int(addr)), dtype=torch.uint8)
     return raw_t.view(tdtype).view(tuple(int(d) for d in shape))

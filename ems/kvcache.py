@@ -17,6 +17,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from datadist.engine import npu
 from datadist.engine.executors import executor, torch_copy_plan
 from datadist.engine.layout import Plan, coalesce, plan_units
 from datadist.engine.native import copy_plan, copy_plan_sum
@@ -96,8 +97,11 @@ class KvLayout:
         self.ptrs = np.array([t.data_ptr() for t in tensors], dtype=_U64)
         self.groups = self._groups(store_layer_group_desc)
         self._every = self._parts(np.arange(len(tensors), dtype=np.int64))
-        if first.device.type not in ("cpu", "cuda"):  # never read device memory as host memory
-            raise invalid("kvcache", f"tensors on {first.device}: this build moves CPU and CUDA caches only")
+        if first.device.type not in ("cpu", "cuda", "npu"):  # never read device memory as host memory
+            raise invalid("kvcache", f"tensors on {first.device}: this build moves CPU, CUDA and NPU caches only")
+        if first.device.type == "npu":  # the torch executor reaches NPU memory through its tensors
+            for t in tensors:
+                npu.track(t)
         # With DATADIST_EXECUTOR=torch host caches take the device path too, so CI runs it.
         on_host = first.device.type == "cpu" and executor() != "torch"
         self.copier = HostCopier() if on_host else DeviceCopier(str(first.device))

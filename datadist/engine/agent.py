@@ -22,7 +22,7 @@ import numpy as np
 
 from .._arrivals import Arrival
 from .._status import LLMException, LLMStatusCode, to_status_code
-from . import native, wire
+from . import native, npu, wire
 from .layout import Plan, tensor_span
 from ..transports.base import ANY_CACHE, STALE
 from ..transports.collective import VIA_COLLECTIVE, CollectiveTransport
@@ -207,6 +207,8 @@ class Agent:
 
     # -- the loop -------------------------------------------------------------------------
     def _run(self) -> None:
+        if self.engine.device.startswith("npu"):
+            npu.set_device(self.engine.device)  # this thread's current device, never the caller's
         while not self._stop:
             try:
                 events = self._sel.select(self._incoming.next_timeout())

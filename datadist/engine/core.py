@@ -21,14 +21,14 @@ import secrets
 import socket
 import threading
 import time
-from typing import Optional
+from typing import Optional, Union
 
 from .._config import EngineOptions
 from .._status import LLMException, LLMStatusCode, raise_error
 from ..transports.collective import COLLECTIVE_BACKENDS, CollectiveTransport, make_group
 from ..transports.shm import ShmTransport
 from ..transports.tcp import TcpTransport
-from . import cuda, native, wire
+from . import cuda, native, npu, wire
 from .agent import Agent
 from .handshake import ClientAuth
 from .layout import Plan
@@ -64,11 +64,11 @@ def npu_visible() -> bool:
 
 
 def resolve_device(device_type: str, device_id: int) -> str:
-    """Where ``Placement.DEVICE`` caches of an engine live: ``"cuda:<device_id>"`` or
-    ``"cpu"`` (host memory, only where asked for).  ``auto`` picks the NPU when torch_npu
-    sees one, else CUDA when torch sees a device, else the CPU.  A device that cannot be
-    used is an error, never host memory in disguise: ``cuda`` without a GPU, and ``npu``
-    (torch_npu missing, or present: this build has no NPU device-memory path), raise
+    """Where ``Placement.DEVICE`` caches of an engine live: ``"npu:<device_id>"``,
+    ``"cuda:<device_id>"`` or ``"cpu"`` (host memory, only where asked for).  ``auto``
+    picks the NPU when torch_npu sees one, else CUDA when torch sees a device, else the CPU.
+    A device that cannot be used is an error, never host memory in disguise: ``npu``
+    without torch_npu or without a device it sees, ``cuda`` without a GPU, raise
     ``LLM_FEATURE_NOT_ENABLED`` naming what to do."""
     if device_type == "npu" or (device_type == "auto" and npu_visible()):
         if importlib.util.find_spec("torch_npu") is None:
@@ -76,10 +76,11 @@ def resolve_device(device_type: str, device_id: int) -> str:
                         "device_type = 'npu' needs torch_npu (Ascend's PyTorch adapter), which is not installed; "
                         "install the torch_npu build matching your torch, or set device_type 'cpu' to keep "
                         "Placement.DEVICE caches in host memory")
-        raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                    f"device_type = {device_type!r} selects the NPU, but this build cannot move NPU device memory "
-                    "yet; set device_type 'cpu' to keep Placement.DEVICE caches in host memory on purpose "
-                    "(hccl links still move them)")
+        if not npu_visible():
+            raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                        "device_type = 'npu', but torch_npu sees no NPU here (driver, ASCEND_RT_VISIBLE_DEVICES); "
+                        "use device_type 'cpu' to keep Placement.DEVICE caches in host memory")
+        return f"npu:{device_id}"
     if device_type == "cuda" or (device_type == "auto" and cuda.driver_present()):
         if cuda.available():
             return f"cuda:{device_id}"
@@ -118,19 +119,20 @@ class Engine:
         self.pools: dict[str, PoolAllocator] = {}
         self.arenas: list[Arena] = []
         self.pinned: list[Arena] = []
-        self.device_arena: Optional[cuda.DeviceArena] = None
+        self.device_arena: Optional[Union[cuda.DeviceArena, npu.NpuArena]] = None
         self.registry: Optional[Registry] = None
         self.agent: Optional[Agent] = None
         self.notes = NoteBox()
-        #: Where Placement.DEVICE caches live: "cpu" (host memory) or "cuda:N".
+        #: Where Placement.DEVICE caches live: "cpu" (host memory), "cuda:N" or "npu:N".
         self.device = resolve_device(options.device_type, options.device_id)
         try:
-            gpu = cuda.device(options.device_id) if self.device != "cpu" else None
+            gpu = cuda.device(options.device_id) if self.device.startswith("cuda") else None
             for name, cfg in (("host", options.host_mem_pool), ("device", options.mem_pool)):
                 if cfg is None:
                     continue
-                if name == "device" and gpu is not None:
-                    self.device_arena = cuda.DeviceArena(gpu, cfg.memory_size)
+                if name == "device" and self.device != "cpu":
+                    self.device_arena = (cuda.DeviceArena(gpu, cfg.memory_size) if gpu is not None else
+                                         npu.NpuArena(self.device, cfg.memory_size))
                     self.pools[name] = PoolAllocator(self.device_arena, cfg.page_shift)
                     continue
                 arena = Arena(f"datadist-{cluster_id}-{name}", cfg.memory_size)
@@ -203,7 +205,7 @@ class Engine:
         link.peer_epoch_addr = mapped[0].local_base
         link.transport = ShmTransport(peer.pid, mapped, self._probe_cma(peer), fallback=tcp,
                                       device_pool=[cuda.IpcRegion.from_wire(r) for r in peer.device_regions],
-                                      cuda_here=self.device != "cpu")
+                                      cuda_here=self.device.startswith("cuda"))
         log.info("link to cluster %d uses shm (cross-memory attach %s)", peer.cluster_id,
                  "on" if link.transport.cma_ok else "off")
 
@@ -290,7 +292,7 @@ class Engine:
         prefix = dist.PrefixStore(f"datadist-link-{min(self.cluster_id, link.remote_cluster_id)}-"
                                   f"{max(self.cluster_id, link.remote_cluster_id)}", store)
         group = make_group(self.backend, prefix, rank, self.timeout_ms / 1000.0)
-        link.transport = CollectiveTransport(self.backend, group, 1 - rank, store)
+        link.transport = CollectiveTransport(self.backend, group, 1 - rank, store, device=self.device)
         log.info("link to cluster %d uses %s (rank %d)", link.remote_cluster_id, self.backend, rank)
 
     def _link_broken(self, cluster_id: int, reason: str) -> None:

@@ -7,7 +7,8 @@ Two executors run the same plans, byte for byte:
 - ``host`` (the default): the C copy loop for host memory (:mod:`datadist.engine.native`),
   the CUDA driver for a plan with a CUDA side (:func:`datadist.engine.cuda.copy_plan`);
 - ``torch``: batched torch ops on the device's current stream, for any memory torch can
-  view (host, CUDA).  Each tensor pair of a plan is viewed as rows of ``g`` bytes (``g``
+  view (host, CUDA, and NPU memory of tensors the engine knows: :mod:`~datadist.engine.npu`);
+  plans with an NPU side always run on it.  Each tensor pair of a plan is viewed as rows of ``g`` bytes (``g``
   the largest size dividing every run and offset), and the plan's runs become one
   ``index_select`` of the source rows and one ``index_copy_`` into the destination rows (a
   single run: one ``copy_``): no Python loop per block, and device memory never makes a
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import cuda, native
+from . import cuda, native, npu
 from .layout import Plan
 
 __all__ = ["EXECUTORS", "executor", "set_executor", "copy_plan", "torch_copy_plan"]
@@ -65,7 +66,7 @@ def set_executor(name: str) -> None:
 
 def copy_plan(plan: Plan) -> int:
     """Run ``plan`` with the current executor; returns the bytes copied."""
-    if _current == "torch":
+    if _current == "torch" or plan.src_dev.startswith("npu") or plan.dst_dev.startswith("npu"):
         return torch_copy_plan(plan)
     return native.copy_plan(plan) if plan.on_host else cuda.copy_plan(plan)
 
@@ -76,6 +77,8 @@ def _view(addr: int, nbytes: int, device: str) -> Any:
 
     if device == "cpu":
         return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+    if device.startswith("npu"):
+        return npu.view(addr, nbytes, device)
     return cuda.cuda_tensor(addr, nbytes, device)
 
 
@@ -95,6 +98,8 @@ def torch_copy_plan(plan: Plan) -> int:
     if ntensors == 0 or lens.shape[0] == 0 or int(lens.sum()) == 0:
         return 0
     so, do = plan.src_offs.astype(np.int64), plan.dst_offs.astype(np.int64)
+    if not _spans_viewable(plan, so, do, lens):
+        return _copy_runs(plan, so, do, lens)
     s_lo, d_lo = int(so.min()), int(do.min())
     rs, rd = so - s_lo, do - d_lo
     g = int(np.gcd.reduce(np.concatenate((lens, rs, rd))))
@@ -125,6 +130,39 @@ def torch_copy_plan(plan: Plan) -> int:
         picked = src.view(-1, g // width).index_select(0, src_rows)
         dst.view(-1, g // width).index_copy_(0, dst_rows,
                                              picked.to(plan.dst_dev) if plan.dst_dev != plan.src_dev else picked)
-    for dev in {plan.src_dev, plan.dst_dev} - {"cpu"}:
-        torch.cuda.synchronize(dev)
+    _synchronize(plan)
     return int(lens.sum()) * ntensors
+
+
+def _synchronize(plan: Plan) -> None:
+    import torch
+
+    for dev in {plan.src_dev, plan.dst_dev} - {"cpu"}:
+        if dev.startswith("npu"):
+            npu.synchronize(dev)
+        else:
+            torch.cuda.synchronize(dev)
+
+
+def _spans_viewable(plan: Plan, so: np.ndarray, do: np.ndarray, lens: np.ndarray) -> bool:
+    """Whether each tensor's span on an NPU side lies in one NPU tensor (it may not where a
+    plan's units are the tensors of a cache, whose NPU allocations are apart)."""
+    for bases, offs, dev in ((plan.src_bases, so, plan.src_dev), (plan.dst_bases, do, plan.dst_dev)):
+        if dev.startswith("npu"):
+            lo, span = int(offs.min()), int((offs - offs.min() + lens).max())
+            if not all(npu.covers((int(b) + lo) % _WRAP, span) for b in bases):
+                return False
+    return True
+
+
+def _copy_runs(plan: Plan, so: np.ndarray, do: np.ndarray, lens: np.ndarray) -> int:
+    """The plan one run at a time (each run lies in one tensor): for the rare plans whose
+    tensors' spans cross NPU allocations."""
+    total = 0
+    for sb, db in zip(plan.src_bases.astype(object), plan.dst_bases.astype(object)):
+        for s_off, d_off, n in zip(so.tolist(), do.tolist(), lens.tolist()):
+            if n:
+                _view((db + d_off) % _WRAP, n, plan.dst_dev).copy_(_view((sb + s_off) % _WRAP, n, plan.src_dev))
+                total += n
+    _synchronize(plan)
+    return total

@@ -93,13 +93,19 @@ def wait_work(work, deadline: float, group, poll: bool) -> None:
 class CollectiveTransport(Transport):
     """Moves plan bytes through ``group`` (see the module docstring)."""
 
-    def __init__(self, backend: str, group, peer_rank: int, store=None) -> None:
+    def __init__(self, backend: str, group, peer_rank: int, store=None, device: str = "cpu") -> None:
         self.name = backend
         self.group = group
         self.peer_rank = peer_rank
         gpu = cuda.active()
-        #: Where staging tensors live, and where the backend wants them moved to (if anywhere).
-        self.staging_dev = gpu.name if backend == "nccl" and gpu is not None else "cpu"
+        #: Where staging tensors live, and where the backend wants them moved to (if anywhere):
+        #: an NPU engine's hccl links gather on its NPU, as nccl links do on the GPU.
+        if backend == "nccl" and gpu is not None:
+            self.staging_dev = gpu.name
+        elif backend == "hccl" and device.startswith("npu"):
+            self.staging_dev = device
+        else:
+            self.staging_dev = "cpu"
         self.wire_dev = {"gloo": None, "nccl": "cuda", "hccl": "npu"}[backend] if self.staging_dev == "cpu" else None
         self._store = store  # keeps the rendezvous alive as long as the group
         self._poll = backend in POLLED_BACKENDS

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..engine import cuda, executors
+from ..engine import cuda, executors, npu
 from ..engine.layout import Plan
 
 __all__ = ["LocalTransport", "host_side", "staging_buffer", "staging_plan"]
@@ -42,6 +42,8 @@ def staging_buffer(nbytes: int, device: str = "cpu"):
 
     pinned = device == "cpu" and cuda.active() is not None and torch.cuda.is_available()
     buf = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=device, pin_memory=pinned)
+    if device.startswith("npu"):
+        npu.track(buf)  # the torch executor reaches NPU memory through known tensors only
     return buf, buf.data_ptr()
 
 

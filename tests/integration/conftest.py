@@ -1,4 +1,33 @@
-"""Fixtures of the real-process harness (see harness.py), for every module in this folder."""
+"""Fixtures of the real-process harness (see harness.py), for every module in this folder,
+and a private ``ems-server`` for tests that run client code as a user would."""
+import os
+import select
+import subprocess
+import sys
+from typing import Iterator
+
+import pytest
+
 from harness import pair, pair_holder, peer_factory
 
-__all__ = ["pair", "pair_holder", "peer_factory"]
+__all__ = ["pair", "pair_holder", "peer_factory", "ems_pool_dir"]
+
+
+@pytest.fixture(scope="module")
+def ems_pool_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An ``ems-server`` of this module's own; yields its directory (an ``EMS_SERVER``
+    value), so client code never touches the node's ``/dev/shm/ems``."""
+    directory = str(tmp_path_factory.mktemp("ems-pool"))
+    ready_r, ready_w = os.pipe()
+    daemon = subprocess.Popen([sys.executable, "-m", "ems.server", "serve", "--dir", directory, "--capacity", "64M",
+                               "--log-level", "WARNING", "--ready-fd", str(ready_w)], pass_fds=(ready_w,),
+                              stdin=subprocess.DEVNULL)
+    os.close(ready_w)
+    try:
+        readable, _, _ = select.select([ready_r], [], [], 30)
+        assert readable and os.read(ready_r, 256).startswith(b"READY"), "ems-server did not start in 30 s"
+        yield directory
+    finally:
+        os.close(ready_r)
+        daemon.terminate()
+        assert daemon.wait(30) == 0

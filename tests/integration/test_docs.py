@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import List, Optional
 
 import pytest
 
@@ -84,29 +83,10 @@ def _matches(expected: str, actual: str) -> List[str]:
     return missing
 
 
-@pytest.fixture(scope="module")
-def private_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """An ``ems-server`` of this module's own; yields its directory (an ``EMS_SERVER``)."""
-    directory = str(tmp_path_factory.mktemp("docs-pool"))
-    ready_r, ready_w = os.pipe()
-    daemon = subprocess.Popen([sys.executable, "-m", "ems.server", "serve", "--dir", directory, "--capacity", "64M",
-                               "--log-level", "WARNING", "--ready-fd", str(ready_w)], pass_fds=(ready_w,),
-                              stdin=subprocess.DEVNULL)
-    os.close(ready_w)
-    try:
-        readable, _, _ = select.select([ready_r], [], [], 30)
-        assert readable and os.read(ready_r, 256).startswith(b"READY"), "ems-server did not start in 30 s"
-        yield directory
-    finally:
-        os.close(ready_r)
-        daemon.terminate()
-        assert daemon.wait(30) == 0
-
-
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("block", RUNNABLE)
-def test_runnable_block(block: Block, tmp_path: Path, private_pool: str) -> None:
-    env = {**os.environ, "EMS_SERVER": private_pool,
+def test_runnable_block(block: Block, tmp_path: Path, ems_pool_dir: str) -> None:
+    env = {**os.environ, "EMS_SERVER": ems_pool_dir,
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     if block.lang == "python":
         script = tmp_path / "block.py"

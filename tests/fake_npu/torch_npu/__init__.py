@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def _module(ext) -> types.ModuleType:
         index = device.index if isinstance(device, torch.device) else int(device)
         if index not in (0, None):
             raise RuntimeError(f"fake npu: only device 0 exists, got {device}")
-        calls.append(("set_device", 0 if index is None else index))
+        calls.append(("set_device", 0 if index is None else index, threading.current_thread().name))
 
     def synchronize(device=None) -> None:
         calls.append(("synchronize", device))
