@@ -179,12 +179,14 @@ class ContextCaching:
 
     def _copier(self, req: Request, conn: Connection):
         if req.form == V0:
-            return _HOST
-        layout = self._layout
-        assert layout is not None
-        if isinstance(layout.copier, DeviceCopier) and layout.copier.device != "cpu" and conn.arena is None:
-            raise invalid("kvcache", "device tensors need the shared-memory pool (unix socket), not a tcp:// address")
-        return layout.copier
+            copier = _HOST if req.device == "cpu" else DeviceCopier(req.device)
+            what = "value_list"
+        else:
+            assert self._layout is not None
+            copier, what = self._layout.copier, "kvcache"
+        if isinstance(copier, DeviceCopier) and copier.device != "cpu" and conn.arena is None:
+            raise invalid(what, "device tensors need the shared-memory pool (unix socket), not a tcp:// address")
+        return copier
 
     def _save(self, req: Request, deadline: Optional[float], moved: List[int]) -> int:
         ok: List[bool] = []

@@ -44,6 +44,7 @@ class Request:
     option: CcKvOption
     keys: List[str]
     values: List[ValuePlan]
+    device: str = "cpu"  # where a V0 call's buffers are (V1: the registered cache's device)
 
     @property
     def total(self) -> int:
@@ -156,8 +157,8 @@ def parse_transfer(op: str, args: Tuple[Any, ...], kwargs: Dict[str, Any], ns: N
     form = _form(bound)
     option = _option(bound.get("option"))
     if form == V0:
-        keys, values = _v0(bound["key_list"], bound["value_list"], ns)
-        return Request(form, option, keys, values)
+        keys, values, device = _v0(bound["key_list"], bound["value_list"], ns)
+        return Request(form, option, keys, values, device)
     if layout is None:
         raise invalid("kvcache", f"call register_kvcache() before the {form} form of {op}()")
     if form == HASH:
@@ -170,7 +171,7 @@ def parse_transfer(op: str, args: Tuple[Any, ...], kwargs: Dict[str, Any], ns: N
     return Request(form, option, ns.hash_keys(hashes), [layout.chunk_plan(d) for d in descs])
 
 
-def _v0(key_list: Any, value_list: Any, ns: Namespace) -> Tuple[List[str], List[ValuePlan]]:
+def _v0(key_list: Any, value_list: Any, ns: Namespace) -> Tuple[List[str], List[ValuePlan], str]:
     if not isinstance(key_list, (list, tuple)) or not key_list:
         raise invalid("key_list", "must be a non-empty list of PrimaryKey or str")
     if not isinstance(value_list, (list, tuple)):
@@ -194,6 +195,7 @@ def _v0(key_list: Any, value_list: Any, ns: Namespace) -> Tuple[List[str], List[
         seen.add(ident)
         keys.append(wire)
     values: List[ValuePlan] = []
+    devices = set()
     for i, bufs in enumerate(value_list):
         if not isinstance(bufs, (list, tuple)) or not bufs:
             raise invalid(f"value_list[{i}]", "must be a non-empty list of KvBufferWrapper")
@@ -201,10 +203,14 @@ def _v0(key_list: Any, value_list: Any, ns: Namespace) -> Tuple[List[str], List[
         for j, b in enumerate(bufs):
             if not isinstance(b, KvBufferWrapper):
                 raise invalid(f"value_list[{i}][{j}]", f"must be a KvBufferWrapper, got {type(b).__name__}")
-            addrs.append(b.address())
+            addr, device = b.locate()
+            devices.add(device)
+            addrs.append(addr)
             lens.append(b.length)
         values.append(buffers_plan(addrs, lens))
-    return keys, values
+    if len(devices) > 1:
+        raise invalid("value_list", f"mixes buffers of {', '.join(sorted(devices))}; one call moves one kind of memory")
+    return keys, values, devices.pop() if devices else "cpu"
 
 
 def _hash_form(bound: Dict[str, Any], layout: KvLayout) -> Tuple[List[HashId], List[np.ndarray]]:

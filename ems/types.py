@@ -123,28 +123,38 @@ class KvBufferWrapper:
         self.data_ptr = data_ptr
         self.length = length
 
-    def address(self) -> int:
-        """The buffer's address (calls ``data_ptr`` if it is a method).
+    def locate(self) -> tuple[int, str]:
+        """The buffer's address (calls ``data_ptr`` if it is a method) and the memory it is
+        in: ``"cpu"``, or the device of the tensor whose bound ``data_ptr`` was given
+        (``cuda:N``, ``npu:N``; then copied to and from the pool by the torch executor).
 
-        V0 values are copied with host memory copies, so the buffer must be host memory:
-        the bound ``data_ptr`` of a device tensor, and on a CUDA machine an address the
-        driver reports as device memory, are refused (``EMS_INVALID_ARGUMENT``) rather
-        than read as host memory."""
+        A bare address is host memory: on a CUDA machine one the driver reports as device
+        memory, and in a process that uses an NPU any, are refused
+        (``EMS_INVALID_ARGUMENT``) rather than read as host memory: pass the device
+        tensor's ``data_ptr`` method instead."""
         owner = getattr(self.data_ptr, "__self__", None)
         device = getattr(owner, "device", None)
         if device is not None and getattr(device, "type", "cpu") != "cpu":
-            raise invalid("data_ptr", f"is memory of {device}; KvBufferWrapper buffers must be host memory "
-                                      "(register device caches and use the hash form, or copy to a CPU tensor)")
+            if device.type not in ("cuda", "npu"):
+                raise invalid("data_ptr", f"is memory of {device}; this build moves host, CUDA and NPU buffers")
+            nbytes = owner.numel() * owner.element_size()
+            if self.length > nbytes:
+                raise invalid("length", f"{self.length} exceeds the {nbytes} bytes of the {device} tensor")
+            if device.type == "npu":
+                from datadist.engine import npu
+
+                npu.track(owner)  # the torch executor reaches NPU memory through its tensors
+            return int(owner.data_ptr()), str(device)
         ptr = self.data_ptr() if callable(self.data_ptr) else self.data_ptr
         if not _is_int(ptr) or ptr <= 0:
             raise invalid("data_ptr", f"resolved to {ptr!r}, not an address > 0")
         if _cuda_device_memory(ptr):
-            raise invalid("data_ptr", f"{ptr:#x} is CUDA device memory; KvBufferWrapper buffers must be host memory")
+            raise invalid("data_ptr", f"{ptr:#x} is a bare address of CUDA device memory; pass the tensor's "
+                                      "data_ptr method (tensor.data_ptr) so its device is known")
         if not callable(self.data_ptr) and _npu_process():
             raise invalid("data_ptr", f"{ptr:#x} is a bare address in a process that uses an NPU, where it may be "
-                                      "device memory, which this build cannot move; pass a CPU tensor's data_ptr "
-                                      "method (tensor.data_ptr) for a host buffer")
-        return ptr
+                                      "device memory; pass the tensor's data_ptr method (tensor.data_ptr)")
+        return ptr, "cpu"
 
     def __repr__(self) -> str:
         return f"KvBufferWrapper(data_ptr={self.data_ptr!r}, length={self.length})"

@@ -96,22 +96,23 @@ def test_npu_tensors_are_refused_by_a_host_engine(npu_env: dict) -> None:
     assert out.startswith("LLM_FEATURE_NOT_ENABLED |") and "npu" in out and "still 32.0" in out, out
 
 
-def test_ems_v0_refuses_npu_buffers_and_bare_addresses(npu_env: dict) -> None:
+def test_ems_v0_refuses_bare_npu_addresses(npu_env: dict) -> None:
     out = _ok(_run(npu_env, """
         import torch, torch_npu
         from ems import KvBufferWrapper
         t = torch.ones(64, dtype=torch.uint8, device="npu")
-        for wrapper in (KvBufferWrapper(t.data_ptr, 64), KvBufferWrapper(t.data_ptr(), 64)):
+        print("npu", KvBufferWrapper(t.data_ptr, 64).locate() == (t.data_ptr(), "npu:0"))
+        for wrapper in (KvBufferWrapper(t.data_ptr(), 64), KvBufferWrapper(t.data_ptr, 65)):
             try:
-                wrapper.address()
+                wrapper.locate()
             except Exception as exc:  # EMS_INVALID_ARGUMENT at the API
-                print("wrapper:", exc)
+                print("refused:", exc)
         host = torch.ones(64, dtype=torch.uint8)
-        print("host ok", KvBufferWrapper(host.data_ptr, 64).address() == host.data_ptr())
+        print("host ok", KvBufferWrapper(host.data_ptr, 64).locate() == (host.data_ptr(), "cpu"))
     """))
-    wrappers = [line for line in out.splitlines() if line.startswith("wrapper:")]
-    assert len(wrappers) == 2 and "npu" in wrappers[0] and "NPU" in wrappers[1], out
-    assert "host ok True" in out, out
+    refused = [line for line in out.splitlines() if line.startswith("refused:")]
+    assert "npu True" in out and "host ok True" in out, out
+    assert len(refused) == 2 and "bare address" in refused[0] and "exceeds" in refused[1], out
 
 
 @pytest.fixture
@@ -222,6 +223,24 @@ def test_local_npu_copies_and_the_engine_thread_device(npu_env: dict) -> None:
     assert "registered [104.0, 105.0, 106.0, 107.0]" in out and "bare LLM_PARAM_INVALID" in out, out
     device_calls = out.split("set_device ", 1)[1]
     assert "('set_device', 0, 'datadist-agent" in device_calls and "MainThread" not in device_calls, out
+
+
+def test_ems_v0_saves_and_loads_npu_buffers(npu_env: dict, ems_pool_dir: str) -> None:
+    out = _ok(_run({**npu_env, "EMS_SERVER": ems_pool_dir}, """
+        import torch, torch_npu
+        from ems import CcConfig_v1, CcKvOption, Ems, EmsConfig, KvBufferWrapper, PrimaryKey
+        Ems.init(EmsConfig(cc_config=CcConfig_v1(rank_id=0, device_id=0, model_id="npu-v0")))
+        cc = Ems.get_cc()
+        k, v = (torch.arange(256, dtype=torch.int16).to("npu") + i for i in (0, 1000))
+        values = [[KvBufferWrapper(k.data_ptr, 512), KvBufferWrapper(v.data_ptr, 512)]]
+        option = CcKvOption(timeout=5000)
+        print(cc.save(option, [PrimaryKey("r1", "layer0")], values))
+        want = (k.cpu().clone(), v.cpu().clone())
+        k.zero_(), v.zero_()
+        print(cc.load(option, [PrimaryKey("r1", "layer0")], values))
+        print("equal", torch.equal(k.cpu(), want[0]) and torch.equal(v.cpu(), want[1]))
+    """))
+    assert out.count("CcResult(success=1, total=1)") == 2 and "equal True" in out, out
 
 
 def test_ems_saves_and_loads_npu_caches(npu_env: dict, ems_pool_dir: str) -> None:

@@ -83,7 +83,7 @@ def test_buffer_and_primary_key():
     _bad(lambda: KvBufferWrapper(0, 4), "data_ptr")
     _bad(lambda: KvBufferWrapper(16, 0), "length")
     _bad(lambda: KvBufferWrapper("16", 4), "data_ptr")
-    assert KvBufferWrapper(lambda: 64, 4).address() == 64
+    assert KvBufferWrapper(lambda: 64, 4).locate() == (64, "cpu")
     _bad(lambda: PrimaryKey("", "a"), "distribute_key")
     _bad(lambda: PrimaryKey("d", "x" * 128), "attribute_key")
     _bad(lambda: PrimaryKey("d", 5), "attribute_key")
@@ -102,12 +102,12 @@ def test_exception_and_result_shapes():
 def test_kv_buffer_of_a_device_tensor_is_refused_not_read_as_host_memory():
     import torch
 
-    dev = torch.empty(16, device="meta")  # any non-CPU device: V0 buffers are copied by host memcpy
+    dev = torch.empty(16, device="meta")  # a device this build cannot move: never read as host memory
     buf = KvBufferWrapper(dev.data_ptr, 64)
     with pytest.raises(ValueError, match="data_ptr.*memory of meta"):  # EMS_INVALID_ARGUMENT at the call
-        buf.address()
+        buf.locate()
     host = torch.zeros(16)
-    assert KvBufferWrapper(host.data_ptr, 64).address() == host.data_ptr()
+    assert KvBufferWrapper(host.data_ptr, 64).locate() == (host.data_ptr(), "cpu")
 
 
 def test_kv_cache_on_a_device_this_build_cannot_move_is_refused():
