@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from harness import (DECODER_ID, PROMPT_ID, Desc, Ref, base_config, blocks_key, expect_blocks, free_port,
-                     key_config)
+from harness import (DECODER_ID, PROMPT_ID, Desc, Ref, base_config, blocks_key, cache_key, expect_blocks,
+                     expect_rows, free_port, key_config)
 
 FAKE_NPU = Path(__file__).resolve().parents[1] / "fake_npu"
 
@@ -153,6 +153,25 @@ def test_npu_caches_move_between_processes(npu_peers: Any, transport: str) -> No
     for s, d in ((1, 4), (2, 0)):
         want[2:4, d * rb:(d + 1) * rb] = mine[2:4, s * rb:(s + 1) * rb]
     np.testing.assert_array_equal(prompt.read("kv"), want)
+
+
+def test_npu_rows_move_with_cache_keys_and_layer_ranges(npu_peers: Any) -> None:
+    """pull_cache and push_cache between NPU caches (rows, not blocks), over tcp."""
+    rows = Desc(4, (3, 8, 16), "fp16")
+    port = free_port()
+    prompt = npu_peers("peer", "prompt", "PROMPT", PROMPT_ID, _npu_config("tcp", listen_port=port))
+    prompt.alloc("rows", rows, keys=[cache_key(PROMPT_ID, 300 + i) for i in range(3)])
+    data = prompt.fill("rows", rows, 13)
+    dec = npu_peers("peer", "decoder", "DECODER", DECODER_ID, _npu_config("tcp"))
+    dec.alloc("dst", rows)
+    base = dec.fill("dst", rows, 14)
+    dec.link(prompt, port=port)
+    dec.cm("pull_cache", cache_key(PROMPT_ID, 301), Ref("dst"), 2, src_layer_range=range(1, 2),
+           dst_layer_range=range(0, 1), tensor_num_per_layer=2)
+    want = expect_rows(base, data, 1, 2, rows.row_bytes, src_layers=range(1, 2), dst_layers=range(0, 1))
+    np.testing.assert_array_equal(dec.read("dst"), want)
+    dec.cm("push_cache", cache_key(PROMPT_ID, 300), Ref("dst"), 2)
+    np.testing.assert_array_equal(prompt.read("rows"), expect_rows(data, want, 2, 0, rows.row_bytes))
 
 
 def test_layer_by_layer_push_from_an_npu_cache(npu_peers: Any) -> None:
