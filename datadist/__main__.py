@@ -26,7 +26,7 @@ def report() -> Dict[str, Any]:
         out["native_extension"] = f"missing: {exc}"
     from .engine import cuda
     from .engine.core import npu_visible
-    from .engine.executors import executor
+    from .engine.executor import executor
 
     out["executor"] = executor()
     import torch

@@ -4,206 +4,29 @@ contract's exceptions, nothing changed on failure), builds one coalesced plan wi
 """
 from __future__ import annotations
 
-import operator
 import time
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ._arrivals import Arrival
-from ._objects import (_UINT32_MAX, BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, MemInfo,
+from ._arrivals import Arrival, arrival_of
+from ._objects import (BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, MemInfo,
                        as_tensor_addrs)
-from ._status import LLMStatusCode, raise_error
+from ._status import LLMStatusCode, api_class, raise_error
 from ._tensors import tensor_at
 from ._types import Memtype, Placement
-from .engine import cuda, native, npu
+from .engine import cuda, npu
+from .engine.arrivals import Notice
 from .engine.core import Engine
-from .engine.layout import Plan, block_offsets, layer_tensor_indices, plan_units
+from .engine.layout import Plan, plan_units
 from .engine.memory import PoolExhausted
-from .transports.base import RemoteCache
-from .transports.local import LocalTransport
-
-if TYPE_CHECKING:
-    from ._transfer_async import CacheTask, LayerSynchronizer
+from ._planning import (Side, block_list_arg, blocks_plan, check_nonempty, int_arg, layer_range_arg, row_blocks_plan,
+                        row_plan, row_size_arg, tensors_per_layer)
+from ._transfer_async import CacheTask, LayerSynchronizer, start_task
+from .engine.transports.base import RemoteCache
+from .engine.transports.local import LocalTransport
 
 __all__ = ["CacheManager"]
-
-class _Side:
-    """Geometry of one side of a transfer: tensor addresses, row stride, the memory the
-    tensors are in ("cpu" or "cuda:N") and the element type ("" where unknown: raw peer
-    addresses, which are bytes)."""
-
-    __slots__ = ("addrs", "num_tensors", "tensor_size", "batch_size", "device", "dtype")
-
-    def __init__(self, addrs: np.ndarray, num_tensors: int, tensor_size: int, batch_size: int,
-                 device: str = "cpu", dtype: str = "") -> None:
-        self.addrs, self.num_tensors, self.tensor_size, self.batch_size = addrs, num_tensors, tensor_size, batch_size
-        self.device, self.dtype = device, dtype
-
-    @property
-    def stride(self) -> int:
-        return self.tensor_size // self.batch_size
-
-    @classmethod
-    def of_cache(cls, cache: Cache) -> "_Side":
-        d = cache.cache_desc
-        return cls(np.asarray(cache.tensor_addrs, dtype=np.uint64), d.num_tensors, d.size, d.batch_size,
-                   dtype=d.data_type.name)
-
-    @classmethod
-    def of_remote(cls, r: RemoteCache) -> "_Side":
-        return cls(r.addrs, r.num_tensors, r.tensor_size, r.batch_size, r.device, r.dtype)
-
-
-# ------------------------------------------------------------------------- validation
-
-def _int_arg(name: str, value) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return operator.index(value)
-
-
-def _tnpl(value, num_tensors: int, ranges: bool) -> int:
-    """``tensor_num_per_layer``, checked as CANN does: any N > 0 (a uint32); only with layer
-    ranges does N matter, and then it must be at most, and divide, the cache's tensors."""
-    n = _int_arg("tensor_num_per_layer", value)
-    if n < 0:
-        raise ValueError(f"tensor_num_per_layer = {n} must not be negative")
-    if n == 0 or n > _UINT32_MAX or (ranges and (n > num_tensors or num_tensors % n)):
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    f"tensor_num_per_layer = {n} is invalid: it must be > 0"
-                    + (f", at most and dividing the cache's {num_tensors} tensors when layer ranges are given"
-                       if ranges else ""))
-    return n
-
-
-def _layers(name: str, value, num_layers: int) -> range:
-    if value is None:
-        return range(0, num_layers)
-    if not isinstance(value, range):
-        raise TypeError(f"{name} must be a range or None, got {type(value).__name__}")
-    if value.step != 1 or not 0 <= value.start < value.stop <= num_layers:
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    f"{name} = {value} is invalid: step must be 1 and 0 <= start < stop <= {num_layers} layers")
-    return value
-
-
-def _blocks(name: str, value, num_blocks: int) -> np.ndarray:
-    if not isinstance(value, (list, tuple, range, np.ndarray)):
-        raise TypeError(f"{name} must be a list of block indices, got {type(value).__name__}")
-    try:
-        fast = native.index_array(value)  # lists and tuples: one C pass, with min and max
-    except (TypeError, OverflowError) as exc:
-        raise TypeError(f"{name} must be a flat list of ints: {exc}") from None
-    if fast is not None:
-        arr, lo, hi = fast
-    else:
-        arr = np.asarray(value)
-        if arr.size == 0:
-            return np.empty(0, dtype=np.int64)
-        if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise TypeError(f"{name} must be a flat list of ints, got {value!r:.80}")
-        lo, hi = int(arr.min()), int(arr.max())
-    if arr.shape[0] and (lo < 0 or hi >= num_blocks):
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    f"{name} holds index {lo if lo < 0 else hi}, outside [0, {num_blocks}) blocks")
-    return arr
-
-
-def _nonempty(name: str, value) -> None:
-    """CANN refuses empty block lists on pull_blocks/push_blocks (an empty transfer is a bug
-    in the caller's bookkeeping, not a no-op)."""
-    if isinstance(value, (list, tuple, range, np.ndarray)) and len(value) == 0:
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"{name} = {value!r} is empty; give at least one block index")
-
-
-def _selection(src: _Side, dst: _Side, tnpl, src_range, dst_range, same_range: bool = False):
-    """Tensor indices of both sides for the layer ranges (validated)."""
-    ranges = src_range is not None or dst_range is not None
-    n = _tnpl(tnpl, src.num_tensors, ranges)
-    if not ranges:
-        if src.num_tensors != dst.num_tensors:
-            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                        f"source has {src.num_tensors} tensors, destination {dst.num_tensors}; give layer ranges")
-        every = np.arange(src.num_tensors)
-        return every, every
-    if dst.num_tensors % n:
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    f"tensor_num_per_layer = {n} does not divide the destination's {dst.num_tensors} tensors")
-    sr = _layers("src_layer_range", src_range, src.num_tensors // n)
-    dr = _layers("dst_layer_range", dst_range, dst.num_tensors // n)
-    if len(sr) != len(dr):
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    f"src_layer_range {sr} and dst_layer_range {dr} differ in length")
-    if same_range and sr != dr:
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    f"a push needs the same layer range on both sides, got src_layer_range={sr} and dst_layer_range={dr}")
-    return layer_tensor_indices(sr, n), layer_tensor_indices(dr, n)
-
-
-def _same_dtype(src: _Side, dst: _Side) -> None:
-    """Bytes of one element type never land in a cache of another (a uint8 row is not an
-    fp16 row of the same size); raw peer addresses carry no type and are exempt."""
-    if src.dtype and dst.dtype and src.dtype != dst.dtype:
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    f"source cache holds {src.dtype}, destination {dst.dtype}; both sides must have one data type")
-
-
-def _same_stride(src: _Side, dst: _Side, what: str) -> int:
-    _same_dtype(src, dst)
-    if src.stride != dst.stride:
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    f"{what}: source {what} is {src.stride} bytes per tensor, destination {dst.stride}")
-    return src.stride
-
-
-def _blocks_plan(src: _Side, dst: _Side, src_blocks, dst_blocks, tnpl, src_range, dst_range,
-                 same_range: bool = False) -> Plan:
-    sb = _blocks("src_blocks", src_blocks, src.batch_size)
-    db = _blocks("dst_blocks", dst_blocks, dst.batch_size)
-    if sb.shape != db.shape:
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    f"src_blocks has {sb.shape[0]} entries, dst_blocks {db.shape[0]}; they must be equal")
-    ts, td = _selection(src, dst, tnpl, src_range, dst_range, same_range)
-    stride = _same_stride(src, dst, "block size")
-    return plan_units(src.addrs[ts], block_offsets(sb, stride), dst.addrs[td], block_offsets(db, stride),
-                      stride).on(src.device, dst.device)
-
-
-def _row_plan(src: _Side, src_row: int, dst: _Side, dst_row: int, size: int, offset: int, tnpl,
-              src_range, dst_range, same_range: bool = False) -> Plan:
-    _same_dtype(src, dst)
-    ts, td = _selection(src, dst, tnpl, src_range, dst_range, same_range)
-    return plan_units(src.addrs[ts], [src_row * src.stride + offset], dst.addrs[td],
-                      [dst_row * dst.stride + offset], size).on(src.device, dst.device)
-
-
-def _row_blocks_plan(src: _Side, src_row: int, dst: _Side, dst_blocks, tnpl, src_range, dst_range) -> Plan:
-    """Chunk i of row ``src_row`` (chunks of one destination block) -> ``dst_blocks[i]``."""
-    _same_dtype(src, dst)
-    db = _blocks("dst_blocks", dst_blocks, dst.batch_size)
-    chunk = dst.stride
-    if db.shape[0] * chunk > src.stride:
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    f"{db.shape[0]} blocks of {chunk} bytes exceed the source row of {src.stride} bytes")
-    ts, td = _selection(src, dst, tnpl, src_range, dst_range)
-    src_offs = block_offsets(np.arange(db.shape[0]), chunk, src_row * src.stride)
-    return plan_units(src.addrs[ts], src_offs, dst.addrs[td], block_offsets(db, chunk), chunk).on(src.device,
-                                                                                                     dst.device)
-
-
-def _row_size(size, src: _Side, dst: _Side, offset: int = 0) -> int:
-    size = _int_arg("size", size)
-    limit = min(src.stride, dst.stride) - offset
-    if size == -1:
-        if src.stride != dst.stride:
-            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                        f"rows differ in size ({src.stride} vs {dst.stride} bytes per tensor); pass size")
-        return limit
-    if not 0 < size <= limit:
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"size = {size} is invalid: must be -1 or in (0, {limit}] bytes")
-    return size
-
 
 def _registered_memory(addrs, desc: CacheDesc, engine_device: str):
     """``as_tensor_addrs`` plus where the memory is: ``(ints, tensors, device, ipc)``.
@@ -245,11 +68,14 @@ def _registered_memory(addrs, desc: CacheDesc, engine_device: str):
     return ints, tensors, device, cuda.export_regions(ints, desc.size)
 
 
+@api_class
 class CacheManager:
     """Allocates, registers and moves caches for one engine (``LLMDataDist.cache_manager``)."""
 
     def __init__(self, owner) -> None:
         self._owner = owner  # the LLMDataDist, for its engine and role
+        # What the engine's boards call for each user callback (to remove it again).
+        self._callbacks: Dict[tuple[int, Callable[[Arrival], None]], Callable[[Notice], None]] = {}
 
     @property
     def _engine(self) -> Engine:
@@ -342,6 +168,8 @@ class CacheManager:
         rec = self._engine.registry.remove(cache.cache_id)
         if rec is not None and rec.release is not None:
             rec.release()
+        for key in [k for k in self._callbacks if k[0] == cache.cache_id]:
+            del self._callbacks[key]
 
     def deallocate_cache(self, cache: Cache) -> None:
         """Free a cache from ``allocate_cache``; no-op if already freed."""
@@ -353,7 +181,7 @@ class CacheManager:
 
     def unregister_cache(self, cache_id: int) -> None:
         """Forget a registered cache (the memory stays the caller's)."""
-        self._engine.registry.remove(_int_arg("cache_id", cache_id))
+        self._engine.registry.remove(int_arg("cache_id", cache_id))
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
         """Drop a key (no-op if absent)."""
@@ -400,16 +228,16 @@ class CacheManager:
         return [tensor_at(a, d.shape, d.data_type, side.device) for a in cache.tensor_addrs]
 
     # -- local side of transfers --------------------------------------------------------
-    def _local(self, cache: Cache) -> _Side:
+    def _local(self, cache: Cache) -> Side:
         if not isinstance(cache, Cache):
             raise TypeError(f"cache must be a Cache, got {type(cache).__name__}")
         if cache.cache_id < 0:  # Cache.create_cpu_cache: not registered with the engine
-            return _Side.of_cache(cache)
+            return Side.of_cache(cache)
         rec = self._engine.registry.get(cache.cache_id)
         if rec is None:
             raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                         f"cache {cache.cache_id} is not (or no longer) known to this engine")
-        return _Side(rec.addrs, rec.num_tensors, rec.tensor_size, rec.batch_size, rec.device, rec.dtype)
+        return Side(rec.addrs, rec.num_tensors, rec.tensor_size, rec.batch_size, rec.device, rec.dtype)
 
     @staticmethod
     def _key_cluster(key, what: str, kinds) -> int:
@@ -425,16 +253,16 @@ class CacheManager:
         ``batch_index`` of ``cache``; ``size`` bytes per tensor (-1: the whole row)."""
         cluster = self._key_cluster(cache_key, "cache_key", (CacheKey, CacheKeyByIdAndIndex))
         dst = self._local(cache)
-        row = _int_arg("batch_index", batch_index)
+        row = int_arg("batch_index", batch_index)
         if not 0 <= row < dst.batch_size:
             raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"batch_index = {row} outside [0, {dst.batch_size})")
-        _int_arg("size", size)
+        int_arg("size", size)
         link = self._engine.get_link(cluster)
 
         def planner(remote: RemoteCache) -> Plan:
-            src = _Side.of_remote(remote)
-            n = _row_size(size, src, dst)
-            return _row_plan(src, remote.row, dst, row, n, 0, tensor_num_per_layer, src_layer_range, dst_layer_range)
+            src = Side.of_remote(remote)
+            n = row_size_arg(size, src, dst)
+            return row_plan(src, remote.row, dst, row, n, 0, tensor_num_per_layer, src_layer_range, dst_layer_range)
 
         link.transfer(cache_key, planner, push=False)
         if isinstance(cache_key, CacheKey):
@@ -447,21 +275,21 @@ class CacheManager:
         ``src_blocks=()`` chunk i of the remote row goes to ``dst_blocks[i]``."""
         cluster = self._key_cluster(src_cache_key, "src_cache_key", (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
         dst = self._local(dst_cache)
-        _nonempty("dst_blocks", dst_blocks)
+        check_nonempty("dst_blocks", dst_blocks)
         if isinstance(src_cache_key, BlocksCacheKey):
-            _nonempty("src_blocks", src_blocks)
+            check_nonempty("src_blocks", src_blocks)
         row_mode = not isinstance(src_cache_key, BlocksCacheKey) and len(src_blocks) == 0
         link = self._engine.get_link(cluster)
 
         def planner(remote: RemoteCache) -> Plan:
-            src = _Side.of_remote(remote)
+            src = Side.of_remote(remote)
             if not row_mode:
                 if not remote.is_blocks:
                     raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                                 "pull_blocks from a contiguous cache needs src_blocks=() (row -> blocks)")
-                return _blocks_plan(src, dst, src_blocks, dst_blocks, tensor_num_per_layer, src_layer_range,
+                return blocks_plan(src, dst, src_blocks, dst_blocks, tensor_num_per_layer, src_layer_range,
                                     dst_layer_range)
-            return _row_blocks_plan(src, remote.row, dst, dst_blocks, tensor_num_per_layer, src_layer_range,
+            return row_blocks_plan(src, remote.row, dst, dst_blocks, tensor_num_per_layer, src_layer_range,
                                     dst_layer_range)
 
         link.transfer(src_cache_key, planner, push=False)
@@ -473,17 +301,17 @@ class CacheManager:
         """Push row ``src_batch_index`` of ``src_cache`` into the remote row the key names."""
         cluster = self._key_cluster(dst_cache_key, "dst_cache_key", (CacheKeyByIdAndIndex, CacheKey))
         src = self._local(src_cache)
-        row = _int_arg("src_batch_index", src_batch_index)
+        row = int_arg("src_batch_index", src_batch_index)
         if not 0 <= row < src.batch_size:
             raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"src_batch_index = {row} outside [0, {src.batch_size})")
-        if _int_arg("size", size) != -1:
+        if int_arg("size", size) != -1:
             raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"push_cache supports only size=-1, got {size}")
         link = self._engine.get_link(cluster)
 
         def planner(remote: RemoteCache) -> Plan:
-            dst = _Side.of_remote(remote)
-            n = _row_size(-1, src, dst)
-            return _row_plan(src, row, dst, remote.row, n, 0, tensor_num_per_layer, src_layer_range, dst_layer_range,
+            dst = Side.of_remote(remote)
+            n = row_size_arg(-1, src, dst)
+            return row_plan(src, row, dst, remote.row, n, 0, tensor_num_per_layer, src_layer_range, dst_layer_range,
                              same_range=True)
 
         link.transfer(dst_cache_key, planner, push=True)
@@ -494,8 +322,8 @@ class CacheManager:
         """Push local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
         cluster = self._key_cluster(dst_cache_key, "dst_cache_key", (BlocksCacheKey, CacheKeyByIdAndIndex))
         src = self._local(src_cache)
-        _nonempty("dst_blocks", dst_blocks)
-        _blocks("src_blocks", src_blocks, src.batch_size)
+        check_nonempty("dst_blocks", dst_blocks)
+        block_list_arg("src_blocks", src_blocks, src.batch_size)
         link = self._engine.get_link(cluster)
 
         def planner(remote: RemoteCache) -> Plan:
@@ -503,15 +331,15 @@ class CacheManager:
                 raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                             f"push_blocks: {dst_cache_key} names cache {remote.cache_id}, which is not a blocks "
                             "cache (push_cache writes rows of contiguous caches)")
-            return _blocks_plan(src, _Side.of_remote(remote), src_blocks, dst_blocks, tensor_num_per_layer,
+            return blocks_plan(src, Side.of_remote(remote), src_blocks, dst_blocks, tensor_num_per_layer,
                                 src_layer_range, dst_layer_range, same_range=True)
 
         link.transfer(dst_cache_key, planner, push=True)
 
-    def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: "LayerSynchronizer", transfer_configs,
+    def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer, transfer_configs,
                              src_block_indices: Optional[Sequence[int]] = None,
                              dst_block_indices: Optional[Sequence[int]] = None,
-                             dst_block_memory_size: Optional[int] = None) -> "CacheTask":
+                             dst_block_memory_size: Optional[int] = None) -> CacheTask:
         """Push ``src_cache`` layer by layer, each layer once ``layer_synchronizer`` reports
         it computed, to every destination of ``transfer_configs`` (``TransferConfig`` or
         ``TransferWithCacheKeyConfig``); blocks ``src_block_indices[j] ->
@@ -521,7 +349,6 @@ class CacheManager:
         Every argument is checked first and nothing starts if one is wrong: ``TypeError``,
         ``LLM_PARAM_INVALID``, ``LLM_KV_CACHE_NOT_EXIST`` (unknown
         source cache), ``LLM_NOT_YET_LINK`` (a destination cluster not linked)."""
-        from ._transfer_async import start_task  # that module builds on this one's planners
 
         src = self._local(src_cache)
         eng = self._engine
@@ -556,27 +383,35 @@ class CacheManager:
         are kept from ``watch_arrivals`` on (this call watches too), so waiting after the
         push is fine once the cache is watched."""
         board = self._board(cache)
-        n = _tnpl(tensor_num_per_layer, board.num_tensors, layer_range is not None)
-        layers = _layers("layer_range", layer_range, board.num_tensors // n)
+        n = tensors_per_layer(tensor_num_per_layer, board.num_tensors, layer_range is not None)
+        layers = layer_range_arg("layer_range", layer_range, board.num_tensors // n)
         if timeout_in_millis is not None:
-            timeout_in_millis = _int_arg("timeout_in_millis", timeout_in_millis)
+            timeout_in_millis = int_arg("timeout_in_millis", timeout_in_millis)
             if timeout_in_millis < 0:
                 raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"timeout_in_millis = {timeout_in_millis} must be >= 0")
         if src_cluster_id is not None:
-            src_cluster_id = _int_arg("src_cluster_id", src_cluster_id)
+            src_cluster_id = int_arg("src_cluster_id", src_cluster_id)
         deadline = None if timeout_in_millis is None else time.monotonic() + timeout_in_millis / 1000.0
-        return board.wait(range(layers.start * n, layers.stop * n), deadline, src_cluster_id)
+        notices = board.wait(range(layers.start * n, layers.stop * n), deadline, src_cluster_id)
+        return [arrival_of(notice) for notice in notices]
 
     def add_arrival_callback(self, cache: Cache, callback: Callable[[Arrival], None]) -> None:
         """Call ``callback(arrival)`` for every push notice into ``cache`` (on the engine's
         agent thread: keep it short, do not block in it).  Notices still go to waits."""
         if not callable(callback):
             raise TypeError(f"callback must be callable, got {type(callback).__name__}")
-        self._board(cache).add_callback(callback)
+        board = self._board(cache)
+        key = (cache.cache_id, callback)
+        if key not in self._callbacks:
+            self._callbacks[key] = lambda notice: callback(arrival_of(notice))
+        board.add_callback(self._callbacks[key])
 
     def remove_arrival_callback(self, cache: Cache, callback: Callable[[Arrival], None]) -> None:
         """Stop calling ``callback`` for ``cache`` (no-op if it was not registered)."""
-        self._board(cache).remove_callback(callback)
+        board = self._board(cache)
+        wrapper = self._callbacks.pop((cache.cache_id, callback), None)
+        if wrapper is not None:
+            board.remove_callback(wrapper)
 
     # -- local copies --------------------------------------------------------------------
     def copy_cache(self, dst: Cache, src: Cache, dst_batch_index: int = 0, src_batch_index: int = 0,
@@ -584,8 +419,8 @@ class CacheManager:
         """Copy ``size`` bytes per tensor from ``offset`` of row ``src_batch_index`` of
         ``src`` to the same place of row ``dst_batch_index`` of ``dst`` (same process)."""
         d, s = self._local(dst), self._local(src)
-        di, si = _int_arg("dst_batch_index", dst_batch_index), _int_arg("src_batch_index", src_batch_index)
-        off = _int_arg("offset", offset)
+        di, si = int_arg("dst_batch_index", dst_batch_index), int_arg("src_batch_index", src_batch_index)
+        off = int_arg("offset", offset)
         if not 0 <= di < d.batch_size or not 0 <= si < s.batch_size:
             raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                         f"dst_batch_index = {di} / src_batch_index = {si} outside [0, {d.batch_size}) / [0, {s.batch_size})")
@@ -594,7 +429,7 @@ class CacheManager:
         if s.num_tensors != d.num_tensors:
             raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                         f"source has {s.num_tensors} tensors, destination {d.num_tensors}")
-        n = _row_size(size, s, d, off)
+        n = row_size_arg(size, s, d, off)
         LocalTransport.copy(plan_units(s.addrs, [si * s.stride + off], d.addrs, [di * d.stride + off],
                                        n).on(s.device, d.device))
 
@@ -609,7 +444,7 @@ class CacheManager:
                 raise TypeError(f"copy_block_info[{s}] must be a list of block indices")
             srcs.extend([s] * len(targets))
             dsts.extend(targets)
-        plan = _blocks_plan(side, side, srcs, dsts, 1, None, None)
+        plan = blocks_plan(side, side, srcs, dsts, 1, None, None)
         LocalTransport.copy(plan)
 
     def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: Dict[int, int]) -> None:
@@ -620,5 +455,5 @@ class CacheManager:
         if s.num_tensors != d.num_tensors:
             raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                         f"source has {s.num_tensors} tensors, destination {d.num_tensors}")
-        LocalTransport.copy(_blocks_plan(s, d, list(src_to_dst.keys()), list(src_to_dst.values()), 1, None, None))
+        LocalTransport.copy(blocks_plan(s, d, list(src_to_dst.keys()), list(src_to_dst.values()), 1, None, None))
 

@@ -22,6 +22,7 @@ from typing import Dict, Optional
 from ._objects import ip_to_str
 from ._status import LLMStatusCode, ParamInvalidError, raise_error
 from ._types import RegisterMemStatus
+from .engine.errors import Fault
 
 __all__ = ["CommDomain", "parse_comm_args", "MAX_COMM_NAME", "HCCL_BASE_PORT"]
 
@@ -126,7 +127,7 @@ class CommDomain:
     def _connect(self, engine, cluster: int, addr: tuple[str, int], deadline: float) -> None:
         while not self.cancel.is_set():
             code = engine.link(cluster, addr[0], addr[1], deadline)
-            if code in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK):
+            if code in (Fault.OK, Fault.ALREADY_LINKED):
                 return
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"could not link to cluster {cluster} at {addr[0]}:{addr[1]}: {code.name}")

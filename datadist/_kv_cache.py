@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from ._objects import CacheDesc, _check_type, _int_in
-from ._status import ParamInvalidError
+from ._status import ParamInvalidError, api_class
 from ._types import Placement
 
 __all__ = ["KvCache"]
@@ -17,6 +17,7 @@ __all__ = ["KvCache"]
 _INT64 = (-(2**63), 2**63 - 1)
 
 
+@api_class
 class KvCache:
     """A v1-mode cache: ``cache_id``, ``cache_desc`` and one list of tensor addresses per
     device (``per_device_tensor_addrs``)."""

@@ -12,7 +12,7 @@ from ._cache_manager import CacheManager
 from ._comm import CommDomain, parse_comm_args
 from ._config import EngineOptions, parse_options
 from ._objects import LLMClusterInfo
-from ._status import LLMStatusCode, raise_error
+from ._status import LLMStatusCode, api_class, raise_error, status_code_of_fault
 from ._types import LLMRole, RegisterMemStatus
 from .engine.core import MAX_LINK_CLUSTERS, Engine
 from .engine.notes import MAX_NOTE_BYTES
@@ -26,6 +26,7 @@ _active_lock = threading.Lock()
 _active: Optional["weakref.ref[LLMDataDist]"] = None
 
 
+@api_class
 class LLMDataDist:
     """A prompt, decoder or mixed engine of cluster ``cluster_id``.
 
@@ -148,7 +149,7 @@ class LLMDataDist:
                 raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                             f"cluster info {c!r} needs remote_cluster_id and a remote ip (append_remote_ip_info)")
             ip, port = c.remote_ip_info_list[0]
-            results.append(engine.link(c.remote_cluster_id, ip, port, deadline))
+            results.append(status_code_of_fault(engine.link(c.remote_cluster_id, ip, port, deadline)))
         return _overall(results), results
 
     def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
@@ -158,7 +159,7 @@ class LLMDataDist:
         clusters, deadline = self._check_clusters(clusters, timeout)
         if len(clusters) > MAX_LINK_CLUSTERS:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, [LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT] * len(clusters)
-        results = [engine.unlink(c.remote_cluster_id, deadline, bool(force)) for c in clusters]
+        results = [status_code_of_fault(engine.unlink(c.remote_cluster_id, deadline, bool(force))) for c in clusters]
         return _overall(results), results
 
     # -- comm domains (collective linking) ----------------------------------------------

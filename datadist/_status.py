@@ -7,12 +7,18 @@ raise :class:`ParamInvalidError`, which is both an ``LLMException(LLM_PARAM_INVA
 SPEC (``LLMException``) catches it.
 
 Library code raises through :func:`raise_error`; :func:`status_of` maps any exception back
-to a status code (per-cluster results, async task results).
+to a status code (per-cluster results, async task results).  The engine raises its own
+:class:`~datadist.engine.errors.EngineError`; this module is the one place that turns an
+engine fault into a status code (:func:`status_code_of_fault`) and an engine error into
+the contract's exception (:func:`translated`, :func:`api_errors`).
 """
 from __future__ import annotations
 
+import functools
 from enum import IntEnum
-from typing import Any, NoReturn, Union
+from typing import Any, Callable, NoReturn, ParamSpec, TypeVar, Union
+
+from .engine.errors import EngineError, Fault
 
 __all__ = [
     "LLMStatusCode",
@@ -22,6 +28,10 @@ __all__ = [
     "raise_error",
     "status_of",
     "to_status_code",
+    "status_code_of_fault",
+    "translated",
+    "api_errors",
+    "api_class",
 ]
 
 _BASE = 0x5010B000
@@ -148,6 +158,8 @@ def status_of(exc: BaseException) -> LLMStatusCode:
     ``LLM_PARAM_INVALID`` for ``TypeError``/``ValueError``, else ``LLM_FAILED``."""
     if isinstance(exc, LLMException):
         return exc.status_code
+    if isinstance(exc, EngineError):
+        return status_code_of_fault(exc.fault)
     if isinstance(exc, TimeoutError):
         return LLMStatusCode.LLM_TIMEOUT
     if isinstance(exc, MemoryError):
@@ -155,3 +167,59 @@ def status_of(exc: BaseException) -> LLMStatusCode:
     if isinstance(exc, (TypeError, ValueError)):
         return LLMStatusCode.LLM_PARAM_INVALID
     return LLMStatusCode.LLM_FAILED
+
+
+_FAULTS: dict[Fault, LLMStatusCode] = {
+    Fault.OK: LLMStatusCode.LLM_SUCCESS,
+    Fault.FAILED: LLMStatusCode.LLM_FAILED,
+    Fault.CACHE_NOT_FOUND: LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+    Fault.PARAM_INVALID: LLMStatusCode.LLM_PARAM_INVALID,
+    Fault.NOT_LINKED: LLMStatusCode.LLM_NOT_YET_LINK,
+    Fault.ALREADY_LINKED: LLMStatusCode.LLM_ALREADY_LINK,
+    Fault.LINK_FAILED: LLMStatusCode.LLM_LINK_FAILED,
+    Fault.DEVICE_OUT_OF_MEMORY: LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY,
+    Fault.FEATURE_NOT_ENABLED: LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+    Fault.TIMEOUT: LLMStatusCode.LLM_TIMEOUT,
+    Fault.LINK_BUSY: LLMStatusCode.LLM_LINK_BUSY,
+    Fault.OUT_OF_MEMORY: LLMStatusCode.LLM_OUT_OF_MEMORY,
+}
+
+
+def status_code_of_fault(fault: Fault) -> LLMStatusCode:
+    """The status code that reports an engine fault."""
+    return _FAULTS[fault]
+
+
+def translated(exc: EngineError) -> LLMException:
+    """The contract's exception for an engine error, with its message and traceback."""
+    code = _FAULTS[exc.fault]
+    cls = ParamInvalidError if code == LLMStatusCode.LLM_PARAM_INVALID else LLMException
+    return cls(str(exc), status_code=code).with_traceback(exc.__traceback__)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_C = TypeVar("_C", bound=type)
+
+
+def api_errors(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Decorate a public entry point: an :class:`EngineError` escaping it surfaces as the
+    contract's exception (:func:`translated`)."""
+
+    @functools.wraps(fn)
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return fn(*args, **kwargs)
+        except EngineError as exc:
+            raise translated(exc) from None
+
+    return call
+
+
+def api_class(cls: _C) -> _C:
+    """Apply :func:`api_errors` to every public method ``cls`` defines: the boundary
+    between the API layer and the engine, declared once per class."""
+    for name, attr in list(vars(cls).items()):
+        if not name.startswith("_") and callable(attr) and not isinstance(attr, type):
+            setattr(cls, name, api_errors(attr))
+    return cls

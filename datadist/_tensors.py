@@ -4,7 +4,7 @@ from __future__ import annotations
 import ctypes
 from typing import Sequence, Union
 
-from ._status import LLMStatusCode, raise_error
+from ._status import LLMStatusCode, api_errors, raise_error
 from ._types import DataType
 
 __all__ = ["create_tensors", "tensor_at"]
@@ -62,6 +62,7 @@ def tensor_at(addr: int, shape: Sequence[int], dtype, device: str = "cpu"):
     return raw_t.view(tdtype).view(tuple(int(d) for d in shape))
 
 
+@api_errors
 def create_tensors(shape: Sequence[int], dtype: Union["DataType", "object"], addrs: Sequence[int],
                    device: str = "cpu") -> list:
     """One tensor of ``shape``/``dtype`` over each address in ``addrs`` (module helper of

@@ -53,12 +53,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from ._cache_manager import _blocks, _blocks_plan, _int_arg, _layers, _row_blocks_plan, _row_plan, _row_size, _Side
+from ._planning import (Side, block_list_arg, blocks_plan, int_arg, layer_range_arg, row_blocks_plan, row_plan,
+                        row_size_arg)
 from ._objects import _UINT32_MAX, _UINT64_MAX, BlocksCacheKey, CacheKeyByIdAndIndex, _check_type, _int_in, _Value
-from ._status import LLMStatusCode, ParamInvalidError, raise_error, status_of
+from ._status import LLMStatusCode, ParamInvalidError, api_class, raise_error, status_of
 from .engine.layout import Plan
 from .engine.link import Link
-from .transports.base import ANY_CACHE, RemoteCache
+from .engine.transports.base import ANY_CACHE, RemoteCache
 
 __all__ = ["LayerSynchronizer", "TransferConfig", "TransferWithCacheKeyConfig", "CacheTask"]
 
@@ -195,6 +196,7 @@ class TransferWithCacheKeyConfig(_Value):
         return self._src_batch_index
 
 
+@api_class
 class CacheTask:
     """A running ``transfer_cache_async``: one result per transfer config, in config order.
 
@@ -228,7 +230,7 @@ class CacheTask:
     def _wait(self, timeout_in_millis: Optional[int]) -> bool:
         timeout = None
         if timeout_in_millis is not None:
-            ms = _int_arg("timeout_in_millis", timeout_in_millis)
+            ms = int_arg("timeout_in_millis", timeout_in_millis)
             if ms < 0:
                 raise_error(_S.LLM_PARAM_INVALID, f"timeout_in_millis = {ms} must be >= 0 or None")
             timeout = ms / 1000.0
@@ -244,18 +246,18 @@ class _Source:
 
     __slots__ = ("side", "is_blocks", "src_blocks", "dst_blocks", "block_size", "num_layers")
 
-    def __init__(self, side: _Side, is_blocks: bool, src_block_indices, dst_block_indices,
+    def __init__(self, side: Side, is_blocks: bool, src_block_indices, dst_block_indices,
                  dst_block_memory_size) -> None:
         if side.num_tensors % _TNPL:
             raise_error(_S.LLM_PARAM_INVALID,
                         f"src_cache has {side.num_tensors} tensors; transfer_cache_async sends layers of "
                         f"{_TNPL} tensors (K, V)")
-        size = None if dst_block_memory_size is None else _int_arg("dst_block_memory_size", dst_block_memory_size)
+        size = None if dst_block_memory_size is None else int_arg("dst_block_memory_size", dst_block_memory_size)
         if size is not None and size < 0:
             raise_error(_S.LLM_PARAM_INVALID, f"dst_block_memory_size = {size} must be >= 0 (0: not given)")
         size = size or None  # 0 means "not given", as in CANN
-        sb = None if src_block_indices is None else _blocks("src_block_indices", src_block_indices, side.batch_size)
-        db = None if dst_block_indices is None else _blocks("dst_block_indices", dst_block_indices, _ANY_BLOCK)
+        sb = None if src_block_indices is None else block_list_arg("src_block_indices", src_block_indices, side.batch_size)
+        db = None if dst_block_indices is None else block_list_arg("dst_block_indices", dst_block_indices, _ANY_BLOCK)
         if is_blocks:
             if sb is None and db is None:  # CANN: the whole blocks cache, block i -> block i
                 sb = db = np.arange(side.batch_size, dtype=np.int64)
@@ -287,12 +289,12 @@ class _Source:
     def plan(self, row: int, remote: RemoteCache, src_layers: range, dst_layers: range) -> Plan:
         """Plan source layers ``src_layers`` (row ``row`` of a contiguous source) into
         ``dst_layers`` of ``remote``; raises ``LLM_PARAM_INVALID`` if they do not fit."""
-        dst = _Side.of_remote(remote)
+        dst = Side.of_remote(remote)
         if self.dst_blocks is None:
             if remote.is_blocks:
                 raise_error(_S.LLM_PARAM_INVALID,
                             f"cache {remote.cache_id} is a blocks cache: give dst_block_indices")
-            return _row_plan(self.side, row, dst, remote.row, _row_size(-1, self.side, dst), 0, _TNPL,
+            return row_plan(self.side, row, dst, remote.row, row_size_arg(-1, self.side, dst), 0, _TNPL,
                              src_layers, dst_layers)
         if not remote.is_blocks:
             raise_error(_S.LLM_PARAM_INVALID,
@@ -301,8 +303,8 @@ class _Source:
             raise_error(_S.LLM_PARAM_INVALID,
                         f"cache {remote.cache_id} has {dst.stride}-byte blocks, the transfer {self.block_size}")
         if self.is_blocks:
-            return _blocks_plan(self.side, dst, self.src_blocks, self.dst_blocks, _TNPL, src_layers, dst_layers)
-        return _row_blocks_plan(self.side, row, dst, self.dst_blocks, _TNPL, src_layers, dst_layers)
+            return blocks_plan(self.side, dst, self.src_blocks, self.dst_blocks, _TNPL, src_layers, dst_layers)
+        return row_blocks_plan(self.side, row, dst, self.dst_blocks, _TNPL, src_layers, dst_layers)
 
 
 class _Route:
@@ -314,7 +316,7 @@ class _Route:
             raise TypeError(f"{name} must be a TransferConfig or TransferWithCacheKeyConfig, "
                             f"got {type(config).__name__}")
         self.index = index
-        self.layers = _layers(f"{name}.src_layer_range", config.src_layer_range, src.num_layers)
+        self.layers = layer_range_arg(f"{name}.src_layer_range", config.src_layer_range, src.num_layers)
         self.row = config.src_batch_index
         if src.is_blocks and self.row:
             raise_error(_S.LLM_PARAM_INVALID,
@@ -467,7 +469,7 @@ class _Task:
             route.result.set_result(_S.LLM_SUCCESS)
 
 
-def start_task(get_link: Callable[[int], Link], timeout_ms: int, src_side: _Side, src_is_blocks: bool,
+def start_task(get_link: Callable[[int], Link], timeout_ms: int, src_side: Side, src_is_blocks: bool,
                check_src: Callable[[], object], layer_synchronizer: LayerSynchronizer, transfer_configs,
                src_block_indices, dst_block_indices, dst_block_memory_size) -> CacheTask:
     """Validate ``transfer_cache_async``'s arguments against the source cache and the links,

@@ -41,7 +41,7 @@ import numpy as np
 
 from . import __version__
 from .benchrecord import record
-from .engine.executors import EXECUTORS, executor, set_executor
+from .engine.executor import EXECUTORS, executor, set_executor
 
 __all__ = ["main", "WORKLOADS", "run"]
 

@@ -29,7 +29,7 @@ from typing import Any, Dict, List
 import numpy as np
 
 from datadist.benchrecord import record
-from datadist.engine.executors import executor
+from datadist.engine.executor import executor
 
 from . import __version__
 

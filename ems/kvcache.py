@@ -18,7 +18,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from datadist.engine import npu
-from datadist.engine.executors import executor, torch_copy_plan
+from datadist.engine.executor import executor, torch_copy_plan
 from datadist.engine.layout import Plan, coalesce, plan_units
 from datadist.engine.native import copy_plan, copy_plan_sum
 
@@ -206,7 +206,7 @@ class HostCopier:
 
 class DeviceCopier:
     """Executes the same plans when the KV cache lives in device memory: on the torch
-    executor (:mod:`datadist.engine.executors`), device side to host arena and back, with
+    executor (:mod:`datadist.engine.executor`), device side to host arena and back, with
     no Python loop per run and no host staging."""
 
     def __init__(self, device: str) -> None:

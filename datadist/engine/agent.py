@@ -20,13 +20,13 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .._arrivals import Arrival
-from .._status import LLMException, LLMStatusCode, to_status_code
+from .arrivals import Notice
+from .errors import EngineError, Fault
 from . import native, npu, wire
 from .layout import Plan, tensor_span
-from ..transports.base import ANY_CACHE, STALE
-from ..transports.collective import VIA_COLLECTIVE, CollectiveTransport
-from ..transports.local import host_side
+from .transports.base import ANY_CACHE, STALE
+from .transports.collective import VIA_COLLECTIVE, CollectiveTransport
+from .transports.local import host_side
 from .handshake import REFUSAL, ServerAuth
 from .incoming import Incoming, Pending, RateLimitedLog
 from .link import Link
@@ -56,7 +56,7 @@ def _opening(msg: wire.Hello) -> bool:
 
 def _refusal() -> wire.HelloAck:
     """A refusal that names nothing of this engine."""
-    return wire.HelloAck(status=int(LLMStatusCode.LLM_LINK_FAILED), message=REFUSAL)
+    return wire.HelloAck(status=int(Fault.LINK_FAILED), message=REFUSAL)
 
 
 def warn_if_unauthenticated(addr: tuple, secret: object) -> None:
@@ -351,8 +351,8 @@ class Agent:
                 rec, row = reg.resolve(msg.kind, cluster_id=msg.cluster_id, cache_id=msg.cache_id,
                                        batch_index=msg.batch_index, req_id=msg.req_id, model_id=msg.model_id,
                                        prefix_id=msg.prefix_id)
-            except LLMException as exc:
-                return wire.Resolved(status=int(exc.status_code), message=str(exc))
+            except EngineError as exc:
+                return wire.Resolved(status=int(exc.fault), message=str(exc))
             return wire.Resolved(cache_id=rec.cache_id, row=row, num_tensors=rec.num_tensors,
                                  tensor_size=rec.tensor_size, batch_size=rec.batch_size, is_blocks=rec.is_blocks,
                                  dtype=rec.dtype, epoch=reg.epoch, watched=reg.watched(rec.cache_id) is not None,
@@ -363,7 +363,7 @@ class Agent:
             try:
                 rec, _ = reg.resolve("key", cluster_id=msg.cluster_id, req_id=msg.req_id,
                                      model_id=msg.model_id, prefix_id=msg.prefix_id)
-            except LLMException:
+            except EngineError:
                 return wire.Reply()
             if rec.release is not None:
                 reg.remove_key(msg)
@@ -393,8 +393,8 @@ class Agent:
             link.closing = True  # the peer ends both streams next: expected, not a failure
             return wire.Reply()
         if isinstance(msg, wire.Notify):
-            reg.record_arrival(Arrival(cluster_id=msg.cluster_id, cache_id=msg.cache_id, tensors=range(msg.t_lo, msg.t_hi),
-                                       nbytes=msg.nbytes, status=to_status_code(msg.status), message=msg.message))
+            reg.record_arrival(Notice(cluster_id=msg.cluster_id, cache_id=msg.cache_id, tensors=range(msg.t_lo, msg.t_hi),
+                                       nbytes=msg.nbytes, status=Fault.of(msg.status), message=msg.message))
             return None
         if isinstance(msg, wire.Note):
             self.engine.notes.record(link.remote_cluster_id, msg.text)
@@ -407,7 +407,7 @@ class Agent:
         "ready" first, so the initiator never posts an operation that has no partner."""
         transport = link.transport
         if not status and not isinstance(transport, CollectiveTransport):
-            status, why = int(LLMStatusCode.LLM_PARAM_INVALID), "this link has no process group"
+            status, why = int(Fault.PARAM_INVALID), "this link has no process group"
         sock.sendall(wire.encode(wire.Reply(status=status, message=why)))
         if status:
             return None
@@ -418,7 +418,7 @@ class Agent:
         try:
             transport.serve_push(bases, offs, lens, msg.nbytes, self.engine.timeout_ms, device)
         except RuntimeError as exc:  # torch.distributed: the initiator gave up or died
-            return wire.Reply(status=int(LLMStatusCode.LLM_LINK_FAILED), message=f"collective receive failed: {exc}")
+            return wire.Reply(status=int(Fault.LINK_FAILED), message=f"collective receive failed: {exc}")
         self._arrived(link, self.engine.registry.get(msg.cache_id), msg)
         return wire.Reply()
 
@@ -428,28 +428,28 @@ class Agent:
         if rec is None or self.engine.registry.watched(rec.cache_id) is None:
             return
         lo, hi = tensor_span(rec.addrs, *msg.arrays)
-        self.engine.registry.record_arrival(Arrival(cluster_id=link.remote_cluster_id, cache_id=rec.cache_id,
+        self.engine.registry.record_arrival(Notice(cluster_id=link.remote_cluster_id, cache_id=rec.cache_id,
                                                     tensors=range(lo, hi), nbytes=msg.nbytes,
-                                                    status=LLMStatusCode.LLM_SUCCESS))
+                                                    status=Fault.OK))
 
     @staticmethod
     def _check_request(reg: Registry, rec: Optional[CacheRecord], msg: wire.Push) -> tuple[int, str]:
         if len(msg.arrays) != 3:
-            return int(LLMStatusCode.LLM_PARAM_INVALID), "malformed plan"
+            return int(Fault.PARAM_INVALID), "malformed plan"
         if msg.cache_id == ANY_CACHE:
             # Raw addresses (TransferConfig.dst_addrs): no lookup that could be stale; the
             # plan must lie inside the caches registered right now.
             bases, offs, lens = msg.arrays
             if int(lens.sum()) * bases.shape[0] != msg.nbytes or not runs_inside_any(reg.all(), bases, offs, lens):
-                return int(LLMStatusCode.LLM_PARAM_INVALID), f"plan reaches outside every cache of cluster {reg.cluster_id}"
+                return int(Fault.PARAM_INVALID), f"plan reaches outside every cache of cluster {reg.cluster_id}"
             return 0, ""
         if msg.epoch != reg.epoch:  # first: a freed cache id may simply mean a stale lookup
             return STALE, "caches changed since the lookup"
         if rec is None:
-            return int(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST), f"cache {msg.cache_id} does not exist (freed?)"
+            return int(Fault.CACHE_NOT_FOUND), f"cache {msg.cache_id} does not exist (freed?)"
         bases, offs, lens = msg.arrays
         if int(lens.sum()) * bases.shape[0] != msg.nbytes or not runs_inside(rec, bases, offs, lens):
-            return int(LLMStatusCode.LLM_PARAM_INVALID), f"plan reaches outside cache {rec.cache_id}"
+            return int(Fault.PARAM_INVALID), f"plan reaches outside cache {rec.cache_id}"
         return 0, ""
 
 

@@ -23,11 +23,11 @@ import threading
 import time
 from typing import Optional, Union
 
-from .._config import EngineOptions
-from .._status import LLMException, LLMStatusCode, raise_error
-from ..transports.collective import COLLECTIVE_BACKENDS, CollectiveTransport, make_group
-from ..transports.shm import ShmTransport
-from ..transports.tcp import TcpTransport
+from .options import EngineSettings
+from .errors import EngineError, Fault, fail
+from .transports.collective import COLLECTIVE_BACKENDS, CollectiveTransport, make_group
+from .transports.shm import ShmTransport
+from .transports.tcp import TcpTransport
 from . import cuda, native, npu, wire
 from .agent import Agent
 from .handshake import ClientAuth
@@ -72,12 +72,12 @@ def resolve_device(device_type: str, device_id: int) -> str:
     ``LLM_FEATURE_NOT_ENABLED`` naming what to do."""
     if device_type == "npu" or (device_type == "auto" and npu_visible()):
         if importlib.util.find_spec("torch_npu") is None:
-            raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            fail(Fault.FEATURE_NOT_ENABLED,
                         "device_type = 'npu' needs torch_npu (Ascend's PyTorch adapter), which is not installed; "
                         "install the torch_npu build matching your torch, or set device_type 'cpu' to keep "
                         "Placement.DEVICE caches in host memory")
         if not npu_visible():
-            raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            fail(Fault.FEATURE_NOT_ENABLED,
                         "device_type = 'npu', but torch_npu sees no NPU here (driver, ASCEND_RT_VISIBLE_DEVICES); "
                         "use device_type 'cpu' to keep Placement.DEVICE caches in host memory")
         return f"npu:{device_id}"
@@ -85,7 +85,7 @@ def resolve_device(device_type: str, device_id: int) -> str:
         if cuda.available():
             return f"cuda:{device_id}"
         if device_type == "cuda":
-            raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            fail(Fault.FEATURE_NOT_ENABLED,
                         "device_type = 'cuda', but torch sees no CUDA device here (CPU-only torch, no driver, "
                         "or CUDA_VISIBLE_DEVICES empty); use device_type 'cpu' or 'auto'")
     return "cpu"
@@ -102,7 +102,7 @@ def host_identity() -> str:
 
 
 class Engine:
-    def __init__(self, cluster_id: int, role: int, options: EngineOptions) -> None:
+    def __init__(self, cluster_id: int, role: int, options: EngineSettings) -> None:
         self.cluster_id = cluster_id
         self.role = role
         self.options = options
@@ -176,7 +176,7 @@ class Engine:
         collective = {self.backend, peer.backend} & set(COLLECTIVE_BACKENDS)
         if collective:
             if self.backend != peer.backend:
-                raise_error(LLMStatusCode.LLM_LINK_FAILED,
+                fail(Fault.LINK_FAILED,
                             f"transfer_backend {self.backend!r} here, {peer.backend!r} on cluster {peer.cluster_id}: "
                             "collective links need the same backend on both ends")
             return
@@ -197,7 +197,7 @@ class Engine:
             for m in mapped:
                 m.close()
             if self.backend == "shm":
-                raise_error(LLMStatusCode.LLM_LINK_FAILED,
+                fail(Fault.LINK_FAILED,
                             f"transfer_backend='shm' but cluster {peer.cluster_id}'s memory cannot be mapped: {exc}")
             log.info("link to cluster %d uses tcp: %s", peer.cluster_id, exc)
             link.transport = tcp
@@ -229,12 +229,12 @@ class Engine:
         # A refusal names nothing of this engine (no cluster id, pid, host, memory or
         # handles): only an accepted peer learns those.
         if msg.remote_cluster_id != self.cluster_id:
-            return wire.HelloAck(status=int(LLMStatusCode.LLM_LINK_FAILED),
+            return wire.HelloAck(status=int(Fault.LINK_FAILED),
                                  message=f"no cluster {msg.remote_cluster_id} at this address")
         with self._links_lock:
             old = self.links.get((msg.cluster_id, False))
             if old is not None and old.broken is None:
-                return wire.HelloAck(status=int(LLMStatusCode.LLM_ALREADY_LINK),
+                return wire.HelloAck(status=int(Fault.ALREADY_LINKED),
                                      message=f"cluster {msg.cluster_id} is already linked here")
         fields = self._hello_fields()
         link = Link(remote_cluster_id=msg.cluster_id, remote_role=msg.role, peer_pid=msg.pid,
@@ -244,8 +244,8 @@ class Engine:
             self._make_transport(msg, link)
         except Exception as exc:  # reported to the peer, which raises it there
             link.close()
-            return wire.HelloAck(status=int(getattr(exc, "status_code", LLMStatusCode.LLM_LINK_FAILED)),
-                                 message=str(exc) if isinstance(exc, LLMException) else
+            return wire.HelloAck(status=int(exc.fault if isinstance(exc, EngineError) else Fault.LINK_FAILED),
+                                 message=str(exc) if isinstance(exc, EngineError) else
                                  f"the link could not be set up ({type(exc).__name__})")
         store_port = 0
         if self.backend in COLLECTIVE_BACKENDS:
@@ -268,7 +268,7 @@ class Engine:
         # Only the peer that just linked knows the token: nobody else can take over the
         # request connection of a link that is opening.
         if link is None or link.req_sock is not None or not hmac.compare_digest(link.attach_token, msg.token):
-            return wire.Reply(status=int(LLMStatusCode.LLM_LINK_FAILED), message="no pending link to attach to")
+            return wire.Reply(status=int(Fault.LINK_FAILED), message="no pending link to attach to")
         link.req_sock = sock
         if link.store is None:
             link.ready.set()
@@ -311,12 +311,12 @@ class Engine:
             old.close()
 
     # -- client side ---------------------------------------------------------------------
-    def link(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> LLMStatusCode:
+    def link(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> Fault:
         """Link to the server at ``ip:port``; returns the per-cluster status."""
         with self._links_lock:
             old = self.links.get((remote_cluster_id, True))
         if old is not None and old.broken is None:
-            return LLMStatusCode.LLM_ALREADY_LINK
+            return Fault.ALREADY_LINKED
         socks: list[socket.socket] = []
         link: Optional[Link] = None
         try:
@@ -329,14 +329,14 @@ class Engine:
                                 "secret (or refused ours)", remote_cluster_id, ip, port)
                     for s in socks:
                         s.close()
-                    return LLMStatusCode.LLM_LINK_FAILED
+                    return Fault.LINK_FAILED
             hello_sock.sendall(wire.encode(hello))
             ack = wire.read_message(hello_sock)
             if not isinstance(ack, wire.HelloAck):
                 raise wire.WireError(f"expected HELLO_ACK, got {type(ack).__name__}")
             if ack.status:
                 log.warning("link to cluster %d at %s:%d refused: %s", remote_cluster_id, ip, port, ack.message)
-                return LLMStatusCode(ack.status)
+                return Fault.of(ack.status)
             link = Link(remote_cluster_id=remote_cluster_id, remote_role=ack.role, peer_pid=ack.pid,
                         timeout_ms=self.timeout_ms, is_client=True, local_cluster_id=self.cluster_id,
                         on_broken=self._link_broken)
@@ -359,7 +359,7 @@ class Engine:
                 s.close()
             if link is not None:
                 link.close()
-            return LLMStatusCode.LLM_LINK_FAILED
+            return Fault.LINK_FAILED
         except Exception:
             for s in socks:
                 s.close()
@@ -371,7 +371,7 @@ class Engine:
         self._install(link)
         self.agent.watch(link)
         log.info("linked to cluster %d at %s:%d over %s", remote_cluster_id, ip, port, link.path)
-        return LLMStatusCode.LLM_SUCCESS
+        return Fault.OK
 
     def _authenticate(self, sock: socket.socket, hello: wire.Hello, remote_cluster_id: int) -> bool:
         """The client's half of an authenticated opening (:mod:`datadist.engine.handshake`):
@@ -437,19 +437,19 @@ class Engine:
         """The link to ``cluster_id`` ready for transfers; ``LLM_NOT_YET_LINK`` otherwise."""
         link = self.find_link(cluster_id)
         if link is None or not link.ready.is_set():
-            raise_error(LLMStatusCode.LLM_NOT_YET_LINK,
+            fail(Fault.NOT_LINKED,
                         f"cluster {cluster_id} is not linked with cluster {self.cluster_id}; call link_clusters first")
         return link
 
-    def unlink(self, cluster_id: int, deadline: float, force: bool) -> LLMStatusCode:
+    def unlink(self, cluster_id: int, deadline: float, force: bool) -> Fault:
         link = self.find_link(cluster_id)
         if link is None:
-            return LLMStatusCode.LLM_NOT_YET_LINK
+            return Fault.NOT_LINKED
         # A transfer in flight makes the link busy.  A link being retired (its peer just went
         # away: the agent holds the lock for a moment) is not busy: wait for that moment.
         if not (link.lock.acquire(blocking=False)
                 or (link.broken is not None and link.lock.acquire(timeout=max(0.0, deadline - time.monotonic())))):
-            return LLMStatusCode.LLM_LINK_BUSY
+            return Fault.LINK_BUSY
         link.closing = True
         try:
             if not force and link.broken is None:
@@ -460,7 +460,7 @@ class Engine:
         finally:
             link.lock.release()
         self.drop_link(link, notify=False)
-        return LLMStatusCode.LLM_SUCCESS
+        return Fault.OK
 
     def drop_link(self, link: Link, notify: bool) -> None:
         """Forget ``link`` and close it (any thread; the agent calls it on UNLINK)."""

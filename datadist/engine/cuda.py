@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from .._status import LLMStatusCode, raise_error
+from .errors import Fault, fail
 from . import _native
 from .memory import PeerSpan
 
@@ -166,7 +166,7 @@ class CudaDevice:
         count = ctypes.c_int()
         drv.check("cuDeviceGetCount", drv.cuDeviceGetCount(ctypes.byref(count)))
         if not 0 <= index < count.value:
-            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+            fail(Fault.PARAM_INVALID,
                         f"device_id = {index}, but this machine has {count.value} CUDA device(s)")
         torch.cuda.init()  # torch's runtime on the same primary context
         dev = ctypes.c_int()
@@ -206,7 +206,7 @@ def active() -> Optional[CudaDevice]:
 
 def _current() -> CudaDevice:
     if _active is None:
-        raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        fail(Fault.FEATURE_NOT_ENABLED,
                     "a copy involves CUDA memory, but this engine was not initialized with device_type cuda")
     return _active
 
@@ -302,7 +302,7 @@ class DeviceArena:
         try:
             self._tensor = torch.empty(int(size), dtype=torch.uint8, device=dev.name)
         except torch.cuda.OutOfMemoryError as exc:
-            raise_error(LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY,
+            fail(Fault.DEVICE_OUT_OF_MEMORY,
                         f"mem_pool_cfg memory_size = {size} bytes does not fit on {dev.name}: {exc}")
         self.base = self._tensor.data_ptr()
         self.size = int(size)
@@ -343,5 +343,5 @@ def cuda_tensor(addr: int, nbytes: int, device_name: str):
 
     t = torch.as_tensor(_CudaBytes(addr, nbytes), device=device_name)
     if t.data_ptr() != int(addr):  # torch copied instead of viewing: never hand that out
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"address {addr:#x} is not device memory of {device_name}")
+        fail(Fault.PARAM_INVALID, f"address {addr:#x} is not device memory of {device_name}")
     return t

@@ -33,7 +33,7 @@ class Plan:
 
     ``src_dev`` / ``dst_dev`` say what memory each side addresses: ``"cpu"`` (host memory)
     or a CUDA device (``"cuda:0"``).  Executors that can only reach host memory stage the
-    other kind (:mod:`datadist.transports.local`).
+    other kind (:mod:`datadist.engine.transports.local`).
     """
 
     src_bases: np.ndarray

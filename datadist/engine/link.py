@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Callable, NoReturn, Optional
 
-from .._status import LLMException, LLMStatusCode, raise_error
-from ..transports.base import RemoteCache, StaleLookup, Transport
+from .errors import EngineError, Fault, fail
+from .transports.base import RemoteCache, StaleLookup, Transport
 from . import native, wire
 from .cuda import IpcRegion
 from .layout import Plan, tensor_span
@@ -31,7 +31,7 @@ __all__ = ["Link"]
 log = logging.getLogger("datadist")
 
 # Errors that a stale cached lookup can cause; they are retried once with a fresh lookup.
-_RETRYABLE = (LLMStatusCode.LLM_PARAM_INVALID, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+_RETRYABLE = (Fault.PARAM_INVALID, Fault.CACHE_NOT_FOUND)
 
 
 class Link:
@@ -76,7 +76,7 @@ class Link:
     def check_alive(self) -> None:
         """Raise ``LLM_LINK_FAILED`` if the link is broken (peer gone, stream lost)."""
         if self.broken is not None:
-            raise_error(LLMStatusCode.LLM_LINK_FAILED,
+            fail(Fault.LINK_FAILED,
                         f"link to cluster {self.remote_cluster_id} is broken ({self.broken}); "
                         "unlink_clusters and link_clusters again")
 
@@ -93,7 +93,7 @@ class Link:
 
     def protocol_error(self, msg: wire.Message) -> None:
         self.mark_broken(f"unexpected {type(msg).__name__} frame")
-        raise_error(LLMStatusCode.LLM_LINK_FAILED, f"protocol error on link to cluster {self.remote_cluster_id}")
+        fail(Fault.LINK_FAILED, f"protocol error on link to cluster {self.remote_cluster_id}")
 
     # -- requests ------------------------------------------------------------------------
     def rpc(self, msg: wire.Message, deadline: float, send_plan: Optional[Plan] = None) -> wire.Message:
@@ -102,7 +102,7 @@ class Link:
         breaks the link (the stream can no longer be trusted)."""
         sock = self.req_sock
         if sock is None:
-            raise_error(LLMStatusCode.LLM_NOT_YET_LINK, f"link to cluster {self.remote_cluster_id} is not ready yet")
+            fail(Fault.NOT_LINKED, f"link to cluster {self.remote_cluster_id} is not ready yet")
         try:
             frame = wire.encode(msg)
             if send_plan is not None:
@@ -129,11 +129,11 @@ class Link:
         broken either way (the stream can no longer be trusted)."""
         if isinstance(exc, (TimeoutError, socket.timeout)):
             self.mark_broken("sync_kv_timeout passed mid-request")
-            raise_error(LLMStatusCode.LLM_TIMEOUT,
+            fail(Fault.TIMEOUT,
                         f"request to cluster {self.remote_cluster_id} did not finish within sync_kv_timeout "
                         f"({self.timeout_ms} ms); the link is marked broken")
         self.mark_broken(f"connection failed: {exc}")
-        raise_error(LLMStatusCode.LLM_LINK_FAILED, f"link to cluster {self.remote_cluster_id} is broken: {exc}")
+        fail(Fault.LINK_FAILED, f"link to cluster {self.remote_cluster_id} is broken: {exc}")
 
     def _epoch_now(self) -> Optional[int]:
         if self.peer_epoch_addr is None:
@@ -155,7 +155,7 @@ class Link:
         if not isinstance(reply, wire.Resolved):
             self.protocol_error(reply)
         if reply.status:
-            raise_error(reply.status, reply.message)
+            fail(Fault.of(reply.status), reply.message)
         remote = RemoteCache(cache_id=reply.cache_id, row=reply.row, num_tensors=reply.num_tensors,
                              tensor_size=reply.tensor_size, batch_size=reply.batch_size, is_blocks=reply.is_blocks,
                              dtype=reply.dtype, addrs=reply.arrays[0], epoch=reply.epoch, watched=reply.watched,
@@ -175,7 +175,7 @@ class Link:
         against all its caches."""
         deadline = time.monotonic() + self.timeout_ms / 1000.0
         if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise_error(LLMStatusCode.LLM_TIMEOUT,
+            fail(Fault.TIMEOUT,
                         f"link to cluster {self.remote_cluster_id} stayed busy with another transfer "
                         f"for sync_kv_timeout ({self.timeout_ms} ms)")
         try:
@@ -190,8 +190,8 @@ class Link:
                 cached = True
                 try:
                     plan = planner(remote)
-                except LLMException as exc:
-                    if not from_cache or exc.status_code not in _RETRYABLE:
+                except EngineError as exc:
+                    if not from_cache or exc.fault not in _RETRYABLE:
                         raise
                     cached = False
                     continue
@@ -200,22 +200,22 @@ class Link:
                         self.transport.pull(self, plan, remote, deadline)
                     elif not self.transport.push(self, plan, remote, deadline) and remote.watched:
                         # One-sided: the receiver learns of it only from a notice.
-                        self._notify(remote, plan, LLMStatusCode.LLM_SUCCESS, "")
+                        self._notify(remote, plan, Fault.OK, "")
                     return remote
                 except StaleLookup:
                     # The peer's caches changed between lookup and request: look again.
                     stale_retries -= 1
                     if not stale_retries:
-                        raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                        fail(Fault.CACHE_NOT_FOUND,
                                     f"cache behind {key} on cluster {self.remote_cluster_id} kept changing")
                     cached = False
-                except LLMException as exc:
+                except EngineError as exc:
                     # A cached lookup may describe a cache the peer has since replaced
                     # (socket peers share no epoch to check before planning): ask once
                     # more before reporting the error.
-                    if not from_cache or exc.status_code not in _RETRYABLE:
+                    if not from_cache or exc.fault not in _RETRYABLE:
                         if push and remote.watched:
-                            self._notify(remote, plan, exc.status_code, str(exc))
+                            self._notify(remote, plan, exc.fault, str(exc))
                         raise
                     cached = False
         finally:
@@ -223,7 +223,7 @@ class Link:
             if self._close_when_idle:
                 self.retire(self.broken or "peer gone")
 
-    def _notify(self, remote: RemoteCache, plan: Plan, status: LLMStatusCode, message: str) -> None:
+    def _notify(self, remote: RemoteCache, plan: Plan, status: Fault, message: str) -> None:
         """Tell the receiver what a push wrote (one-way; see ``datadist._arrivals``).  A
         notice that cannot be sent is dropped: the link is broken then, and the receiver's
         waits on this cluster fail by that."""
@@ -242,7 +242,7 @@ class Link:
         """Send an application note to the peer (one-way, in order with this link's
         requests); a link that cannot carry it is broken and the error says so."""
         if not self.is_client:
-            raise_error(LLMStatusCode.LLM_NOT_YET_LINK,
+            fail(Fault.NOT_LINKED,
                         f"cluster {self.remote_cluster_id} linked to this engine, not the other way round; "
                         "notifications go from the engine that called link_clusters to the one it linked to")
         deadline = time.monotonic() + self.timeout_ms / 1000.0
@@ -250,7 +250,7 @@ class Link:
             self.check_alive()
             sock = self.req_sock
             if sock is None:
-                raise_error(LLMStatusCode.LLM_NOT_YET_LINK, f"link to cluster {self.remote_cluster_id} is not ready yet")
+                fail(Fault.NOT_LINKED, f"link to cluster {self.remote_cluster_id} is not ready yet")
             try:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.sendall(wire.encode(wire.Note(text=text)))

@@ -19,7 +19,7 @@ import threading
 import weakref
 from typing import Any
 
-from .._status import LLMStatusCode, raise_error
+from .errors import Fault, fail
 
 __all__ = ["NpuArena", "track", "covers", "view", "set_device", "synchronize"]
 
@@ -33,7 +33,7 @@ def _flat(tensor: Any) -> Any:
     import torch
 
     if not tensor.is_contiguous():
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"NPU tensor of shape {tuple(tensor.shape)} is not contiguous")
+        fail(Fault.PARAM_INVALID, f"NPU tensor of shape {tuple(tensor.shape)} is not contiguous")
     return tensor.detach().reshape(-1).view(torch.uint8)
 
 
@@ -71,7 +71,7 @@ def view(addr: int, nbytes: int, device: str) -> Any:
     """A ``uint8`` tensor over ``nbytes`` at ``addr`` of a live tracked NPU tensor."""
     base, size, tensor = _find(addr)
     if tensor is None or addr + nbytes > base + size:
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+        fail(Fault.PARAM_INVALID,
                     f"{nbytes} bytes at {addr:#x} are not inside an NPU tensor this engine knows (its pool or a "
                     "registered cache); NPU memory is reached through its tensors only")
     return _flat(tensor).narrow(0, addr - base, nbytes)
@@ -105,7 +105,7 @@ class NpuArena:
         try:
             self._tensor = torch.empty(int(size), dtype=torch.uint8, device=device)
         except RuntimeError as exc:
-            raise_error(LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY,
+            fail(Fault.DEVICE_OUT_OF_MEMORY,
                         f"mem_pool_cfg memory_size = {size} bytes does not fit on {device}: {exc}")
         self.base = track(self._tensor)
         self.size = int(size)

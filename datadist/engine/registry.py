@@ -16,8 +16,8 @@ from typing import Optional
 
 import numpy as np
 
-from .._arrivals import Arrival, ArrivalBoard
-from .._status import LLMStatusCode, raise_error
+from .arrivals import ArrivalBoard, Notice
+from .errors import Fault, fail
 from .memory import Arena
 
 __all__ = ["CacheRecord", "Registry", "EPOCH_PAGE_SIZE"]
@@ -178,7 +178,7 @@ class Registry:
         with self._lock:
             return self._boards.get(cache_id)
 
-    def record_arrival(self, arrival: Arrival) -> None:
+    def record_arrival(self, arrival: Notice) -> None:
         board = self.watched(arrival.cache_id)
         if board is not None:  # unwatched, or freed meanwhile: nobody asked
             board.record(arrival)
@@ -201,26 +201,26 @@ class Registry:
         """The cache and row a peer's key names; raises ``LLM_KV_CACHE_NOT_EXIST``."""
         with self._lock:
             if cluster_id != self.cluster_id:
-                raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                fail(Fault.CACHE_NOT_FOUND,
                             f"key names cluster {cluster_id}, but this engine is cluster {self.cluster_id}")
             if kind == "id":
                 rec = self._caches.get(cache_id)
                 if rec is None:
-                    raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cluster {self.cluster_id} has no cache id {cache_id}")
+                    fail(Fault.CACHE_NOT_FOUND, f"cluster {self.cluster_id} has no cache id {cache_id}")
                 if not 0 <= batch_index < rec.batch_size:
-                    raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    fail(Fault.CACHE_NOT_FOUND,
                                 f"batch_index {batch_index} out of range for cache {cache_id} with {rec.batch_size} rows")
                 return rec, batch_index
             if kind == "key":
                 hit = self._keys.get((req_id, model_id, prefix_id))
                 if hit is None:
-                    raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    fail(Fault.CACHE_NOT_FOUND,
                                 f"cluster {self.cluster_id} has no cache key (req_id={req_id}, model_id={model_id}, "
                                 f"prefix_id={prefix_id}); it was never registered, or already pulled or removed")
                 return self._caches[hit[0]], hit[1]
             cid = self._blocks_keys.get((cluster_id, model_id))
             if cid is None:
-                raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                fail(Fault.CACHE_NOT_FOUND,
                             f"cluster {self.cluster_id} has no blocks cache for model_id {model_id}")
             return self._caches[cid], 0
 

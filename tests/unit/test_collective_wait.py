@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from datadist.transports.collective import wait_work
+from datadist.engine.transports.collective import wait_work
 
 
 class _Work:

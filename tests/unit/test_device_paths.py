@@ -16,9 +16,10 @@ from datadist import LLMException, LLMStatusCode, create_tensors
 from datadist.engine import _native, cuda, wire
 from datadist.engine.agent import _device_of
 from datadist.engine.core import resolve_device
+from datadist.engine.errors import EngineError, Fault
 from datadist.engine.layout import Plan, plan_units
 from datadist.engine.registry import Registry
-from datadist.transports.local import LocalTransport, host_side, staging_plan
+from datadist.engine.transports.local import LocalTransport, host_side, staging_plan
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -176,13 +177,13 @@ def test_without_cuda_device_caches_are_host_memory_and_cuda_requests_are_refuse
     assert resolve_device("auto", 0) == "cpu"
     assert resolve_device("cpu", 3) == "cpu"
     if importlib.util.find_spec("torch_npu") is None:
-        with pytest.raises(LLMException) as caught:
+        with pytest.raises(EngineError) as caught:
             resolve_device("npu", 0)  # never host memory in disguise
-        assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+        assert caught.value.fault == Fault.FEATURE_NOT_ENABLED
         assert "torch_npu" in str(caught.value) and "device_type 'cpu'" in str(caught.value)
-    with pytest.raises(LLMException) as caught:
+    with pytest.raises(EngineError) as caught:
         resolve_device("cuda", 0)
-    assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    assert caught.value.fault == Fault.FEATURE_NOT_ENABLED
     assert "device_type = 'cuda'" in str(caught.value)
     owner = np.zeros(16, np.int32)
     with pytest.raises(LLMException) as caught:
@@ -191,9 +192,9 @@ def test_without_cuda_device_caches_are_host_memory_and_cuda_requests_are_refuse
     with pytest.raises(LLMException) as caught:
         create_tensors([16], __import__("torch").int32, [owner.ctypes.data], "npu:0")
     assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
-    with pytest.raises(LLMException) as caught:
+    with pytest.raises(EngineError) as caught:
         cuda.copy_plan(plan_units([1], [0], [2], [0], 8).on("cuda:0", "cpu"))
-    assert caught.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    assert caught.value.fault == Fault.FEATURE_NOT_ENABLED
 
 
 # -- the driver-facing code, against a stand-in driver whose copy function is a host
@@ -290,8 +291,8 @@ def test_host_side_stages_a_device_side_through_one_host_buffer(fake_gpu) -> Non
 
 
 def test_shm_prefers_the_regions_a_lookup_names_over_older_mappings(fake_gpu) -> None:
-    from datadist.transports.base import RemoteCache
-    from datadist.transports.shm import ShmTransport
+    from datadist.engine.transports.base import RemoteCache
+    from datadist.engine.transports.shm import ShmTransport
 
     pool = cuda.IpcRegion(b"\x01" * 64, 0x7000_0000, 1 << 20)
     old = cuda.IpcRegion(b"\x02" * 64, 0x9000_0000, 1 << 20)

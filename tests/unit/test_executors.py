@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from datadist.engine import executors
+from datadist.engine import executor as executors
 from datadist.engine.layout import Plan, plan_units
 
 U64 = np.uint64

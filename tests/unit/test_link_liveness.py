@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from datadist import LLMException, LLMStatusCode
+from datadist.engine.errors import EngineError, Fault
 from datadist.engine.link import Link
 
 
@@ -38,8 +38,8 @@ def test_ended_stream_breaks_the_link(how: str) -> None:
             there.close()
         else:
             there.shutdown(socket.SHUT_WR)
-        with pytest.raises(LLMException) as caught:
+        with pytest.raises(EngineError) as caught:
             link.check_peer()
-        assert caught.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+        assert caught.value.fault == Fault.LINK_FAILED
         assert lost == [(7, "peer process exited")]
         there.close()

@@ -28,9 +28,9 @@ import logging
 import time
 import numpy as np
 
-from .._status import LLMStatusCode, raise_error
-from ..engine import cuda, wire
-from ..engine.layout import Plan
+from ..errors import Fault, fail
+from .. import cuda, wire
+from ..layout import Plan
 from .base import RemoteCache, Transport, check_reply
 from .local import LocalTransport, staging_buffer, staging_plan
 
@@ -168,7 +168,7 @@ class CollectiveTransport(Transport):
         except (RuntimeError, TimeoutError) as exc:  # torch reports collective timeouts and peer loss so
             link.mark_broken(f"{what} failed: {exc}")
             timeout = isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() or "timeout" in str(exc).lower()
-            raise_error(LLMStatusCode.LLM_TIMEOUT if timeout else LLMStatusCode.LLM_LINK_FAILED,
+            fail(Fault.TIMEOUT if timeout else Fault.LINK_FAILED,
                         f"collective {what} with cluster {link.remote_cluster_id} failed: {exc}")
 
     def close(self) -> None:

@@ -5,15 +5,15 @@ behind it (``writev`` of the local runs), and one ``REPLY``; a pull is a ``PULL`
 ``REPLY`` and the payload (``readv`` into the local runs).  One round trip per call; no
 payload byte passes through a Python object.  Device memory cannot be read or written by
 the socket calls: such a side is staged through one host buffer on either end
-(:func:`~datadist.transports.local.host_side`).
+(:func:`~datadist.engine.transports.local.host_side`).
 """
 from __future__ import annotations
 
 import time
 
-from .._status import LLMStatusCode, raise_error
-from ..engine import native, wire
-from ..engine.layout import Plan
+from ..errors import Fault, fail
+from .. import native, wire
+from ..layout import Plan
 from .base import RemoteCache, Transport, check_reply
 from .local import host_side
 
@@ -47,9 +47,9 @@ class TcpTransport(Transport):
             native.sock_recv(link.req_sock.fileno(), plan, _left_ms(deadline))
         except TimeoutError:
             link.mark_broken("deadline passed mid-pull")
-            raise_error(LLMStatusCode.LLM_TIMEOUT,
+            fail(Fault.TIMEOUT,
                         f"pull from cluster {link.remote_cluster_id} did not finish within sync_kv_timeout "
                         f"({link.timeout_ms} ms); the link is marked broken")
         except OSError as exc:
             link.mark_broken(f"connection failed: {exc}")
-            raise_error(LLMStatusCode.LLM_LINK_FAILED, f"link to cluster {link.remote_cluster_id} is broken: {exc}")
+            fail(Fault.LINK_FAILED, f"link to cluster {link.remote_cluster_id} is broken: {exc}")

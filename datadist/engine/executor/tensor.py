@@ -1,74 +1,26 @@
-"""The copy executors: what runs a :class:`~datadist.engine.layout.Plan` whose both sides
-are addressable in this process (local copies, copies into a peer's mapped memory, and the
-gathers and scatters of staging buffers).
+"""The torch executor: a plan's runs as batched torch ops on the device's current stream.
 
-Two executors run the same plans, byte for byte:
-
-- ``host`` (the default): the C copy loop for host memory (:mod:`datadist.engine.native`),
-  the CUDA driver for a plan with a CUDA side (:func:`datadist.engine.cuda.copy_plan`);
-- ``torch``: batched torch ops on the device's current stream, for any memory torch can
-  view (host, CUDA, and NPU memory of tensors the engine knows: :mod:`~datadist.engine.npu`);
-  plans with an NPU side always run on it.  Each tensor pair of a plan is viewed as rows of ``g`` bytes (``g``
-  the largest size dividing every run and offset), and the plan's runs become one
-  ``index_select`` of the source rows and one ``index_copy_`` into the destination rows (a
-  single run: one ``copy_``): no Python loop per block, and device memory never makes a
-  round trip through host memory.
-
-``DATADIST_EXECUTOR=torch`` selects the torch executor for every local copy of the
-process (tests run the transfer suites under it on CPU, so its code path is exercised on
-every commit); the leg between processes (mapped memory, cross-memory attach, sockets,
-collectives) is not an executor's business and stays as it is.
+Each tensor pair of a plan is viewed as rows of ``g`` bytes (``g`` the largest size dividing
+every run and offset), and the plan's runs become one ``index_select`` of the source rows and
+one ``index_copy_`` into the destination rows (a single run: one ``copy_``): no Python loop per
+block, and device memory never makes a round trip through host memory.  It reaches any
+memory torch can view: host, CUDA, and NPU memory of tensors the engine knows
+(:mod:`datadist.engine.npu`).
 """
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from . import cuda, native, npu
-from .layout import Plan
+from .. import cuda, npu
+from ..layout import Plan
 
-__all__ = ["EXECUTORS", "executor", "set_executor", "copy_plan", "torch_copy_plan"]
+__all__ = ["torch_copy_plan"]
 
-log = logging.getLogger("datadist")
-
-EXECUTORS = ("host", "torch")
 _WRAP = 1 << 64
-_ENV = "DATADIST_EXECUTOR"
-
-
-def _from_env() -> str:
-    name = os.environ.get(_ENV, "host").strip().lower() or "host"
-    if name not in EXECUTORS:
-        log.warning("%s=%r is not one of %s; using host", _ENV, name, ", ".join(EXECUTORS))
-        return "host"
-    return name
-
-
-_current = _from_env()
-
-
-def executor() -> str:
-    """The executor local copies use in this process."""
-    return _current
-
-
-def set_executor(name: str) -> None:
-    """Use executor ``name`` (one of :data:`EXECUTORS`) for this process's local copies."""
-    global _current
-    if name not in EXECUTORS:
-        raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {name!r}")
-    _current = name
-
-
-def copy_plan(plan: Plan) -> int:
-    """Run ``plan`` with the current executor; returns the bytes copied."""
-    if _current == "torch" or plan.src_dev.startswith("npu") or plan.dst_dev.startswith("npu"):
-        return torch_copy_plan(plan)
-    return native.copy_plan(plan) if plan.on_host else cuda.copy_plan(plan)
 
 
 def _view(addr: int, nbytes: int, device: str) -> Any:
@@ -82,7 +34,7 @@ def _view(addr: int, nbytes: int, device: str) -> Any:
     return cuda.cuda_tensor(addr, nbytes, device)
 
 
-def _rows(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def _rows(starts: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     """Row indices ``starts[i] .. starts[i] + counts[i] - 1`` of every run, in order."""
     total = int(counts.sum())
     first = np.repeat(starts - np.cumsum(counts) + counts, counts)
@@ -144,7 +96,7 @@ def _synchronize(plan: Plan) -> None:
             torch.cuda.synchronize(dev)
 
 
-def _spans_viewable(plan: Plan, so: np.ndarray, do: np.ndarray, lens: np.ndarray) -> bool:
+def _spans_viewable(plan: Plan, so: npt.NDArray[np.int64], do: npt.NDArray[np.int64], lens: npt.NDArray[np.int64]) -> bool:
     """Whether each tensor's span on an NPU side lies in one NPU tensor (it may not where a
     plan's units are the tensors of a cache, whose NPU allocations are apart)."""
     for bases, offs, dev in ((plan.src_bases, so, plan.src_dev), (plan.dst_bases, do, plan.dst_dev)):
@@ -155,7 +107,7 @@ def _spans_viewable(plan: Plan, so: np.ndarray, do: np.ndarray, lens: np.ndarray
     return True
 
 
-def _copy_runs(plan: Plan, so: np.ndarray, do: np.ndarray, lens: np.ndarray) -> int:
+def _copy_runs(plan: Plan, so: npt.NDArray[np.int64], do: npt.NDArray[np.int64], lens: npt.NDArray[np.int64]) -> int:
     """The plan one run at a time (each run lies in one tensor): for the rare plans whose
     tensors' spans cross NPU allocations."""
     total = 0

@@ -2,7 +2,7 @@
 that this process has mapped (the shared-memory path reuses it), and through staging
 buffers for executors that only reach one kind of memory.
 
-Plans run on the process's executor (:mod:`datadist.engine.executors`): by default the C
+Plans run on the process's executor (:mod:`datadist.engine.executor`): by default the C
 copy loop for host-only plans and the CUDA driver for a plan with a CUDA side; with
 ``DATADIST_EXECUTOR=torch``, batched torch ops.
 Sockets and cross-memory attach reach host memory only, so a transfer whose local side is
@@ -16,8 +16,8 @@ from typing import Iterator
 
 import numpy as np
 
-from ..engine import cuda, executors, npu
-from ..engine.layout import Plan
+from .. import cuda, executor, npu
+from ..layout import Plan
 
 __all__ = ["LocalTransport", "host_side", "staging_buffer", "staging_plan"]
 
@@ -29,9 +29,9 @@ class LocalTransport:
 
     @staticmethod
     def copy(plan: Plan) -> int:
-        """Copy the plan with the process's executor (:mod:`datadist.engine.executors`);
+        """Copy the plan with the process's executor (:mod:`datadist.engine.executor`);
         returns the bytes moved."""
-        return executors.copy_plan(plan)
+        return executor.copy_plan(plan)
 
 
 def staging_buffer(nbytes: int, device: str = "cpu"):

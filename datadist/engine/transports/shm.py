@@ -18,10 +18,10 @@ import errno
 import logging
 from typing import Optional
 
-from .._status import LLMStatusCode, raise_error
-from ..engine import cuda, native
-from ..engine.layout import Plan
-from ..engine.memory import PeerArena
+from ..errors import Fault, fail
+from .. import cuda, native
+from ..layout import Plan
+from ..memory import PeerArena
 from .base import ANY_CACHE, RemoteCache, Transport
 from .local import LocalTransport, host_side
 
@@ -92,9 +92,9 @@ class ShmTransport(Transport):
             except OSError as exc:
                 if exc.errno == errno.ESRCH:
                     link.mark_broken(f"peer process {self.pid} is gone")
-                    raise_error(LLMStatusCode.LLM_LINK_FAILED,
+                    fail(Fault.LINK_FAILED,
                                 f"link to cluster {link.remote_cluster_id} is broken: peer process {self.pid} exited")
-                raise_error(LLMStatusCode.LLM_FAILED,
+                fail(Fault.FAILED,
                             f"cross-memory copy with cluster {link.remote_cluster_id} (pid {self.pid}) failed: {exc}")
         else:
             if not self._told_fallback:

@@ -10,7 +10,7 @@ link's lock:
    local -> peer, a pull's peer -> local.
 3. ``close()`` when the link goes away.
 
-Failures raise :class:`~datadist._status.LLMException`; a transport that can no longer
+Failures raise :class:`~datadist.engine.errors.EngineError`; a transport that can no longer
 trust its stream (deadline passed mid-transfer, peer gone) marks the link broken.
 """
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._status import raise_error
-from ..engine import wire
-from ..engine.layout import Plan
+from ..errors import Fault, fail
+from .. import wire
+from ..layout import Plan
 
 #: Reply status of a request planned against an outdated lookup (resolve again, retry).
 STALE = -2
@@ -41,7 +41,7 @@ def check_reply(link, reply: wire.Message) -> None:
     if reply.status == STALE:
         raise StaleLookup(reply.message)
     if reply.status:
-        raise_error(reply.status, reply.message)
+        fail(Fault.of(reply.status), reply.message)
 
 __all__ = ["RemoteCache", "Transport", "StaleLookup", "STALE", "ANY_CACHE", "check_reply"]
 
