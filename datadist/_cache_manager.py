@@ -20,7 +20,7 @@ from .engine.arrivals import Notice
 from .engine.core import Engine
 from .engine.layout import Plan, plan_units
 from .engine.memory import PoolExhausted
-from ._planning import (Side, block_list_arg, blocks_plan, check_nonempty, int_arg, layer_range_arg, row_blocks_plan,
+from ._planning import (Side, cache_ref, block_list_arg, blocks_plan, check_nonempty, int_arg, layer_range_arg, row_blocks_plan,
                         row_plan, row_size_arg, tensors_per_layer)
 from ._transfer_async import CacheTask, LayerSynchronizer, start_task
 from .engine.transports.base import RemoteCache
@@ -264,9 +264,10 @@ class CacheManager:
             n = row_size_arg(size, src, dst)
             return row_plan(src, remote.row, dst, row, n, 0, tensor_num_per_layer, src_layer_range, dst_layer_range)
 
-        link.transfer(cache_key, planner, push=False)
+        ref = cache_ref(cache_key)
+        link.transfer(ref, planner, push=False)
         if isinstance(cache_key, CacheKey):
-            link.release_key(cache_key)
+            link.release_key(ref)
 
     def pull_blocks(self, src_cache_key, dst_cache: Cache, src_blocks: Sequence[int] = (),
                     dst_blocks: Sequence[int] = (), *, src_layer_range: Optional[range] = None,
@@ -292,7 +293,7 @@ class CacheManager:
             return row_blocks_plan(src, remote.row, dst, dst_blocks, tensor_num_per_layer, src_layer_range,
                                     dst_layer_range)
 
-        link.transfer(src_cache_key, planner, push=False)
+        link.transfer(cache_ref(src_cache_key), planner, push=False)
 
     # -- pushes --------------------------------------------------------------------------
     def push_cache(self, dst_cache_key, src_cache: Cache, src_batch_index: int = 0,
@@ -314,7 +315,7 @@ class CacheManager:
             return row_plan(src, row, dst, remote.row, n, 0, tensor_num_per_layer, src_layer_range, dst_layer_range,
                              same_range=True)
 
-        link.transfer(dst_cache_key, planner, push=True)
+        link.transfer(cache_ref(dst_cache_key), planner, push=True)
 
     def push_blocks(self, dst_cache_key, src_cache: Cache, src_blocks: Sequence[int] = (),
                     dst_blocks: Sequence[int] = (), src_layer_range: Optional[range] = None,
@@ -334,7 +335,7 @@ class CacheManager:
             return blocks_plan(src, Side.of_remote(remote), src_blocks, dst_blocks, tensor_num_per_layer,
                                 src_layer_range, dst_layer_range, same_range=True)
 
-        link.transfer(dst_cache_key, planner, push=True)
+        link.transfer(cache_ref(dst_cache_key), planner, push=True)
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer, transfer_configs,
                              src_block_indices: Optional[Sequence[int]] = None,

@@ -10,13 +10,14 @@ import operator
 
 import numpy as np
 
-from ._objects import _UINT32_MAX, Cache
+from ._objects import _UINT32_MAX, BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex
 from ._status import LLMStatusCode, raise_error
 from .engine import native
+from .engine.keys import CacheRef, RefKind
 from .engine.layout import Plan, block_offsets, layer_tensor_indices, plan_units
 from .engine.transports.base import RemoteCache
 
-__all__ = ["Side", "int_arg", "tensors_per_layer", "layer_range_arg", "block_list_arg", "check_nonempty", "selection", "same_dtype", "same_stride", "blocks_plan", "row_plan", "row_blocks_plan", "row_size_arg"]
+__all__ = ["cache_ref", "Side", "int_arg", "tensors_per_layer", "layer_range_arg", "block_list_arg", "check_nonempty", "selection", "same_dtype", "same_stride", "blocks_plan", "row_plan", "row_blocks_plan", "row_size_arg"]
 
 
 class Side:
@@ -194,3 +195,14 @@ def row_size_arg(size, src: Side, dst: Side, offset: int = 0) -> int:
     if not 0 < size <= limit:
         raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"size = {size} is invalid: must be -1 or in (0, {limit}] bytes")
     return size
+
+
+def cache_ref(key: CacheKeyByIdAndIndex | CacheKey | BlocksCacheKey) -> CacheRef:
+    """How the engine names the peer cache ``key`` names (a validated key object)."""
+    if isinstance(key, CacheKeyByIdAndIndex):
+        return CacheRef(RefKind.ID, key.cluster_id, cache_id=key.cache_id, batch_index=key.batch_index,
+                        label=str(key))
+    if isinstance(key, BlocksCacheKey):
+        return CacheRef(RefKind.BLOCKS, key.prompt_cluster_id, model_id=key.model_id, label=str(key))
+    return CacheRef(RefKind.KEY, key.prompt_cluster_id, req_id=key.req_id, model_id=key.model_id,
+                    prefix_id=key.prefix_id, label=str(key))

@@ -53,10 +53,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from ._planning import (Side, block_list_arg, blocks_plan, int_arg, layer_range_arg, row_blocks_plan, row_plan,
+from ._planning import (Side, cache_ref, block_list_arg, blocks_plan, int_arg, layer_range_arg, row_blocks_plan, row_plan,
                         row_size_arg)
 from ._objects import _UINT32_MAX, _UINT64_MAX, BlocksCacheKey, CacheKeyByIdAndIndex, _check_type, _int_in, _Value
 from ._status import LLMStatusCode, ParamInvalidError, api_class, raise_error, status_of
+from .engine.keys import CacheRef
 from .engine.layout import Plan
 from .engine.link import Link
 from .engine.transports.base import ANY_CACHE, RemoteCache
@@ -324,10 +325,10 @@ class _Route:
         if not src.is_blocks and self.row >= src.side.batch_size:
             raise_error(_S.LLM_PARAM_INVALID,
                         f"{name}.src_batch_index = {self.row} outside [0, {src.side.batch_size})")
-        self.key: Optional[Union[BlocksCacheKey, CacheKeyByIdAndIndex]] = None
+        self.key: Optional[CacheRef] = None
         self.raw: Optional[RemoteCache] = None
         if isinstance(config, TransferWithCacheKeyConfig):
-            self.key = config.cache_key
+            self.key = cache_ref(config.cache_key)
             cluster = config.cache_key.cluster_id
         else:
             self.raw = self._describe_raw(name, config, src)

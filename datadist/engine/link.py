@@ -17,12 +17,13 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, NoReturn, Optional
+from typing import Callable, NoReturn, Optional, Union
 
 from .errors import EngineError, Fault, fail
 from .transports.base import RemoteCache, StaleLookup, Transport
 from . import native, wire
 from .cuda import IpcRegion
+from .keys import CacheRef, RefKind
 from .layout import Plan, tensor_span
 from .registry import Registry
 
@@ -54,7 +55,7 @@ class Link:
         self.lock = threading.Lock()
         self.broken: Optional[str] = None
         self.ready = threading.Event()
-        self._lookups: dict[tuple, RemoteCache] = {}
+        self._lookups: dict[CacheRef, RemoteCache] = {}
         self._closed = False
         self._close_when_idle = False
         self.closing = False         # set by unlink: the end of the streams is expected
@@ -140,18 +141,17 @@ class Link:
             return None
         return Registry.read_epoch(self.peer_epoch_addr)
 
-    def lookup(self, key, deadline: float, *, cached: bool = True) -> tuple[RemoteCache, bool]:
+    def lookup(self, key: CacheRef, deadline: float, *, cached: bool = True) -> tuple[RemoteCache, bool]:
         """What ``key`` names on the peer, and whether that came from the cache of
         lookups (kept until the peer's epoch moves; ``cached=False`` asks the peer)."""
-        kt = _lookup_key(key)
-        hit = self._lookups.get(kt) if cached else None
+        hit = self._lookups.get(key) if cached else None
         if hit is not None:
             epoch = self._epoch_now()
             # Socket peers check the epoch themselves on each request (StaleLookup).
             if epoch is None or epoch == hit.epoch:
                 return hit, True
             self._lookups.clear()
-        reply = self.rpc(_resolve_message(key), deadline)
+        reply = self.rpc(key.resolve_message(), deadline)
         if not isinstance(reply, wire.Resolved):
             self.protocol_error(reply)
         if reply.status:
@@ -160,12 +160,13 @@ class Link:
                              tensor_size=reply.tensor_size, batch_size=reply.batch_size, is_blocks=reply.is_blocks,
                              dtype=reply.dtype, addrs=reply.arrays[0], epoch=reply.epoch, watched=reply.watched,
                              device=reply.device, ipc=tuple(IpcRegion.from_wire(r) for r in reply.ipc))
-        if kt[0] != "key":
+        if key.kind != RefKind.KEY:
             # CacheKey lookups are consumed by pulls; caching them buys little.
-            self._lookups[kt] = remote
+            self._lookups[key] = remote
         return remote, False
 
-    def transfer(self, key, planner: Callable[[RemoteCache], Plan], push: bool) -> RemoteCache:
+    def transfer(self, key: Union[CacheRef, RemoteCache], planner: Callable[[RemoteCache], Plan],
+                 push: bool) -> RemoteCache:
         """Resolve ``key``, plan against it and move the bytes, within ``sync_kv_timeout``.
 
         ``planner`` validates the remote geometry and returns a plan whose peer side is in
@@ -190,8 +191,10 @@ class Link:
                 cached = True
                 try:
                     plan = planner(remote)
-                except EngineError as exc:
-                    if not from_cache or exc.fault not in _RETRYABLE:
+                except Exception:
+                    # The planner (the caller's validation) refused what a cached lookup
+                    # says: the peer may have replaced that cache since, so ask once more.
+                    if not from_cache:
                         raise
                     cached = False
                     continue
@@ -257,12 +260,11 @@ class Link:
             except OSError as exc:
                 self._fail(exc)
 
-    def release_key(self, key) -> None:
+    def release_key(self, key: CacheRef) -> None:
         """Tell the owner that ``key`` was consumed (pull_cache through a CacheKey)."""
         deadline = time.monotonic() + self.timeout_ms / 1000.0
         with self.lock:
-            reply = self.rpc(wire.ReleaseKey(cluster_id=key.prompt_cluster_id, req_id=key.req_id,
-                                             model_id=key.model_id, prefix_id=key.prefix_id), deadline)
+            reply = self.rpc(key.release_message(), deadline)
         if not isinstance(reply, wire.Reply):
             self.protocol_error(reply)
 
@@ -333,22 +335,3 @@ class Link:
         if self.transport is not None:
             self.transport.close()
         self.store = None
-
-
-def _lookup_key(key) -> tuple:
-    name = type(key).__name__
-    if name == "CacheKeyByIdAndIndex":
-        return ("id", key.cluster_id, key.cache_id, key.batch_index)
-    if name == "BlocksCacheKey":
-        return ("blocks", key.prompt_cluster_id, key.model_id)
-    return ("key", key.prompt_cluster_id, key.req_id, key.model_id, key.prefix_id)
-
-
-def _resolve_message(key) -> wire.Resolve:
-    kt = _lookup_key(key)
-    if kt[0] == "id":
-        return wire.Resolve(kind="id", cluster_id=kt[1], cache_id=kt[2], batch_index=kt[3])
-    if kt[0] == "blocks":
-        return wire.Resolve(kind="blocks", cluster_id=kt[1], model_id=kt[2])
-    return wire.Resolve(kind="key", cluster_id=kt[1], req_id=kt[2], model_id=kt[3], prefix_id=kt[4])
-
