@@ -15,7 +15,8 @@ setup(
     license="Apache-2.0",
     license_files=["LICENSE"],
     packages=find_packages(include=["datadist", "datadist.*", "ems", "ems.*", "llm_datadist", "llm_datadist.*"]),
-    package_data={"datadist": ["py.typed"], "ems": ["py.typed"], "llm_datadist": ["py.typed"]},
+    package_data={"datadist": ["py.typed", "engine/_native.pyi"], "ems": ["py.typed", "pool/_keyset.pyi"],
+                  "llm_datadist": ["py.typed"]},
     # The only Python version this project is tested on.
     python_requires=">=3.11",
     # torch: any build the user has (CPU, CUDA, Ascend's); nothing here pins or replaces it.
@@ -26,7 +27,7 @@ setup(
         "redis": ["redis>=5"],
         "plot": ["matplotlib"],
         "progress": ["tqdm"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "redis>=5", "matplotlib", "tqdm"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "redis>=5", "matplotlib", "tqdm", "radon", "mypy"],
     },
     classifiers=[
         "Development Status :: 4 - Beta",

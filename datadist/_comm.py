@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-from ._objects import ip_to_str
+from ._cluster import ip_to_str
 from ._status import LLMStatusCode, ParamInvalidError, raise_error
 from ._types import RegisterMemStatus
 from .engine.errors import Fault

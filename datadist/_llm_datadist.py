@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ._cache_manager import CacheManager
 from ._comm import CommDomain, parse_comm_args
 from ._config import EngineOptions, parse_options
-from ._objects import LLMClusterInfo
+from ._cluster import LLMClusterInfo
 from ._status import LLMStatusCode, api_class, raise_error, status_code_of_fault
 from ._types import LLMRole, RegisterMemStatus
 from .engine.core import MAX_LINK_CLUSTERS, Engine

@@ -1,9 +1,12 @@
 """Shared helpers of the ems tests: real daemons and redis-servers in temporary directories.
 
-Test modules put ``tests/`` on ``sys.path`` and import what they need::
+``tests/`` is on ``sys.path`` under pytest (``pythonpath`` in pyproject.toml's
+``[tool.pytest.ini_options]``), so test modules import what they need directly::
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from ems_helpers import EmsDaemon, daemon_factory, ems_cc, run_client
+
+Child interpreters started with :data:`ENV` (``run_client`` does) see the source tree and
+``tests/`` through ``PYTHONPATH``: a client script imports ``ems_helpers`` the same way.
 
 Every process started here is killed at teardown, and the fixtures assert that none is left
 behind and that no shared-memory entry appeared in /dev/shm.
@@ -25,8 +28,12 @@ from typing import Iterator, List, Optional
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+#: The environment of every child interpreter: the source tree and ``tests/`` (this module)
+#: ahead of the caller's ``PYTHONPATH``.
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    p for p in (str(ROOT), str(TESTS), os.environ.get("PYTHONPATH")) if p)}
 
 
 def free_port(bus_offset: int = 0) -> int:

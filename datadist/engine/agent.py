@@ -20,28 +20,20 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .arrivals import Notice
-from .errors import EngineError, Fault
 from . import native, npu, wire
-from .layout import Plan, tensor_span
-from .transports.base import ANY_CACHE, STALE
-from .transports.collective import VIA_COLLECTIVE, CollectiveTransport
-from .transports.local import host_side
+from .errors import Fault
 from .handshake import REFUSAL, ServerAuth
 from .incoming import Incoming, Pending, RateLimitedLog
+from .layout import Plan
 from .link import Link
-from .registry import CacheRecord, Registry
+from .requests import SERVED, RequestHandler
 
-__all__ = ["Agent", "runs_inside", "runs_inside_any", "warn_if_unauthenticated"]
+__all__ = ["Agent", "warn_if_unauthenticated"]
 
 log = logging.getLogger("datadist")
 
-_DRAIN_CHUNK = 1 << 20
 #: Least time a new connection has to deliver its first frame (more if sync_kv_timeout is longer).
 _HANDSHAKE_S = 5.0
-#: What a linked peer may send on its request stream.
-_SERVED = (wire.MsgType.RESOLVE, wire.MsgType.RELEASE_KEY, wire.MsgType.PUSH, wire.MsgType.PULL,
-           wire.MsgType.UNLINK, wire.MsgType.NOTIFY, wire.MsgType.NOTE)
 _EMPTY = np.zeros(0, dtype=np.uint64)
 _NO_PAYLOAD = Plan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
 
@@ -87,6 +79,8 @@ class Agent:
         self._stop = False
         self._incoming = Incoming(max(engine.timeout_ms / 1000.0, _HANDSHAKE_S))
         self._refusals = RateLimitedLog(log)
+        assert engine.registry is not None
+        self._requests = RequestHandler(engine.registry, engine.notes, engine.timeout_ms)
         self.listeners: dict[tuple[str, int], socket.socket] = {}
         if listen is not None:
             try:
@@ -276,9 +270,9 @@ class Agent:
         try:
             secret = self.engine.options.link_secret
             if isinstance(msg, wire.Attach):
-                reply = self.engine.accept_attach(msg, sock)
+                reply = self.engine.linker.accept_attach(msg, sock)
             elif secret is None:  # an opening asks for a secret this engine does not hold
-                reply = _refusal() if _opening(msg) else self.engine.accept_hello(msg, sock)
+                reply = _refusal() if _opening(msg) else self.engine.linker.accept_hello(msg, sock)
             elif pend.auth is None:  # the opening: answer with a challenge, then wait for the proof
                 state = (ServerAuth.start(secret, msg.nonce, str(msg.cluster_id).encode(),
                                           str(self.engine.cluster_id).encode())
@@ -296,7 +290,7 @@ class Agent:
                 return
             elif (msg.cluster_id, msg.remote_cluster_id) == (pend.auth[1], self.engine.cluster_id) \
                     and pend.auth[0].check(msg.nonce, msg.proof):
-                reply = self.engine.accept_hello(msg, sock)
+                reply = self.engine.linker.accept_hello(msg, sock)
             else:
                 reply = _refusal()
             sock.sendall(wire.encode(reply))
@@ -309,7 +303,7 @@ class Agent:
         elif isinstance(msg, wire.Attach):
             link = self.engine.links.get((msg.cluster_id, False))
             if link is not None:
-                self.engine.after_attach(link)
+                self.engine.linker.after_attach(link)
 
     def _expire_pending(self) -> None:
         for pend in self._incoming.expired():
@@ -319,9 +313,9 @@ class Agent:
     def _serve(self, link: Link) -> None:
         sock = link.serve_sock
         try:
-            with contextlib.ExitStack() as self._request_scope:  # staging buffers of this request
-                msg = wire.read_message(sock, _SERVED)
-                reply = self._handle(link, msg, sock)
+            with contextlib.ExitStack() as scope:  # staging buffers of this request
+                msg = wire.read_message(sock, SERVED)
+                reply = self._requests.handle(link, msg, sock, scope)
                 if isinstance(msg, wire.Unlink):
                     # Forgotten before it is confirmed: once the peer's unlink returns, this
                     # end has no link either (a switch_role right after must not see one).
@@ -329,7 +323,7 @@ class Agent:
                     self._unregister(link)
                     self.engine.drop_link(link, notify=False)
                 if reply is not None:  # a pull's payload follows its reply in the same writev
-                    native.sock_send(sock.fileno(), self._pending_plan or _NO_PAYLOAD, self.engine.timeout_ms,
+                    native.sock_send(sock.fileno(), self._requests.payload or _NO_PAYLOAD, self.engine.timeout_ms,
                                      wire.encode(reply))
         except Exception as exc:  # a bad request ends this link only, never the agent thread
             self._unregister(link)
@@ -338,180 +332,4 @@ class Agent:
                                        type(exc).__name__, exc)
             link.retire("peer closed the connection" if isinstance(exc, ConnectionError) else str(exc))
         finally:
-            self._pending_plan = None
-            self._request_scope = None
-
-    _pending_plan: Optional[Plan] = None
-    _request_scope: Optional[contextlib.ExitStack] = None
-
-    def _handle(self, link: Link, msg: wire.Message, sock: socket.socket) -> Optional[wire.Message]:
-        reg: Registry = self.engine.registry
-        if isinstance(msg, wire.Resolve):
-            try:
-                rec, row = reg.resolve(msg.kind, cluster_id=msg.cluster_id, cache_id=msg.cache_id,
-                                       batch_index=msg.batch_index, req_id=msg.req_id, model_id=msg.model_id,
-                                       prefix_id=msg.prefix_id)
-            except EngineError as exc:
-                return wire.Resolved(status=int(exc.fault), message=str(exc))
-            return wire.Resolved(cache_id=rec.cache_id, row=row, num_tensors=rec.num_tensors,
-                                 tensor_size=rec.tensor_size, batch_size=rec.batch_size, is_blocks=rec.is_blocks,
-                                 dtype=rec.dtype, epoch=reg.epoch, watched=reg.watched(rec.cache_id) is not None,
-                                 device=rec.device, ipc=[r.to_wire() for r in rec.ipc], arrays=[rec.addrs])
-        if isinstance(msg, wire.ReleaseKey):
-            # Only keys of pool-allocated caches are consumed by a pull (as in CANN);
-            # keys of registered memory stay until the owner removes them.
-            try:
-                rec, _ = reg.resolve("key", cluster_id=msg.cluster_id, req_id=msg.req_id,
-                                     model_id=msg.model_id, prefix_id=msg.prefix_id)
-            except EngineError:
-                return wire.Reply()
-            if rec.release is not None:
-                reg.remove_key(msg)
-            return wire.Reply()
-        if isinstance(msg, (wire.Push, wire.Pull)):
-            rec = reg.get(msg.cache_id)
-            status, why = self._check_request(reg, rec, msg)
-            bases, offs, lens = msg.arrays
-            device = "cpu" if status else _device_of(reg, rec, bases, offs)
-            if msg.via == VIA_COLLECTIVE:
-                return self._serve_collective(link, msg, sock, status, why, device)
-            if isinstance(msg, wire.Pull):
-                if status:
-                    return wire.Reply(status=status, message=why)
-                # Sent after this returns, from a host copy if the cache is device memory.
-                self._pending_plan = self._request_scope.enter_context(
-                    host_side(Plan(bases, bases, offs, offs, lens, device, device), local_is_src=True))
-                return wire.Reply()
-            if status:
-                _drain(sock, msg.nbytes, self.engine.timeout_ms)
-                return wire.Reply(status=status, message=why)
-            with host_side(Plan(bases, bases, offs, offs, lens, device, device), local_is_src=False) as plan:
-                native.sock_recv(sock.fileno(), plan, self.engine.timeout_ms)
-            self._arrived(link, rec, msg)
-            return wire.Reply()
-        if isinstance(msg, wire.Unlink):
-            link.closing = True  # the peer ends both streams next: expected, not a failure
-            return wire.Reply()
-        if isinstance(msg, wire.Notify):
-            reg.record_arrival(Notice(cluster_id=msg.cluster_id, cache_id=msg.cache_id, tensors=range(msg.t_lo, msg.t_hi),
-                                       nbytes=msg.nbytes, status=Fault.of(msg.status), message=msg.message))
-            return None
-        if isinstance(msg, wire.Note):
-            self.engine.notes.record(link.remote_cluster_id, msg.text)
-            return None
-        raise wire.WireError(f"unexpected request {type(msg).__name__}")
-
-    def _serve_collective(self, link: Link, msg: wire.Push, sock: socket.socket, status: int,
-                          why: str, device: str) -> Optional[wire.Reply]:
-        """A validated transfer whose bytes go through the link's process group: answer
-        "ready" first, so the initiator never posts an operation that has no partner."""
-        transport = link.transport
-        if not status and not isinstance(transport, CollectiveTransport):
-            status, why = int(Fault.PARAM_INVALID), "this link has no process group"
-        sock.sendall(wire.encode(wire.Reply(status=status, message=why)))
-        if status:
-            return None
-        bases, offs, lens = msg.arrays
-        if isinstance(msg, wire.Pull):
-            transport.serve_pull(bases, offs, lens, msg.nbytes, self.engine.timeout_ms, device)
-            return None
-        try:
-            transport.serve_push(bases, offs, lens, msg.nbytes, self.engine.timeout_ms, device)
-        except RuntimeError as exc:  # torch.distributed: the initiator gave up or died
-            return wire.Reply(status=int(Fault.LINK_FAILED), message=f"collective receive failed: {exc}")
-        self._arrived(link, self.engine.registry.get(msg.cache_id), msg)
-        return wire.Reply()
-
-    def _arrived(self, link: Link, rec: Optional[CacheRecord], msg: wire.Push) -> None:
-        """A push this agent received went through: record it if the cache is watched
-        (socket and collective pushes need no notice message)."""
-        if rec is None or self.engine.registry.watched(rec.cache_id) is None:
-            return
-        lo, hi = tensor_span(rec.addrs, *msg.arrays)
-        self.engine.registry.record_arrival(Notice(cluster_id=link.remote_cluster_id, cache_id=rec.cache_id,
-                                                    tensors=range(lo, hi), nbytes=msg.nbytes,
-                                                    status=Fault.OK))
-
-    @staticmethod
-    def _check_request(reg: Registry, rec: Optional[CacheRecord], msg: wire.Push) -> tuple[int, str]:
-        if len(msg.arrays) != 3:
-            return int(Fault.PARAM_INVALID), "malformed plan"
-        if msg.cache_id == ANY_CACHE:
-            # Raw addresses (TransferConfig.dst_addrs): no lookup that could be stale; the
-            # plan must lie inside the caches registered right now.
-            bases, offs, lens = msg.arrays
-            if int(lens.sum()) * bases.shape[0] != msg.nbytes or not runs_inside_any(reg.all(), bases, offs, lens):
-                return int(Fault.PARAM_INVALID), f"plan reaches outside every cache of cluster {reg.cluster_id}"
-            return 0, ""
-        if msg.epoch != reg.epoch:  # first: a freed cache id may simply mean a stale lookup
-            return STALE, "caches changed since the lookup"
-        if rec is None:
-            return int(Fault.CACHE_NOT_FOUND), f"cache {msg.cache_id} does not exist (freed?)"
-        bases, offs, lens = msg.arrays
-        if int(lens.sum()) * bases.shape[0] != msg.nbytes or not runs_inside(rec, bases, offs, lens):
-            return int(Fault.PARAM_INVALID), f"plan reaches outside cache {rec.cache_id}"
-        return 0, ""
-
-
-def runs_inside(rec: CacheRecord, bases: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> bool:
-    """True if every run of the plan half lies inside the cache's tensors (tensors that
-    sit back to back count as one span, since coalesced runs may cross them)."""
-    if lens.shape[0] == 0:
-        return True
-    if bases.shape[0] <= 256 and bases.any():
-        # Factored plan over tensor bases: the common case, checked without numpy setup.
-        known = rec.addr_set
-        return all(b in known for b in bases.tolist()) and int((offs + lens).max()) <= rec.tensor_size
-    return _inside_spans([rec], bases, offs, lens)
-
-
-def runs_inside_any(recs: list[CacheRecord], bases: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> bool:
-    """True if every run of the plan half lies inside the tensors of the caches ``recs``
-    (raw addresses, which no lookup tied to one cache)."""
-    if lens.shape[0] == 0:
-        return True
-    return bool(recs) and _inside_spans(recs, bases, offs, lens)
-
-
-def _inside_spans(recs: list[CacheRecord], bases: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> bool:
-    """Whether every run lies inside one span of memory covered by the tensors of ``recs``;
-    tensors that touch or overlap merge into one span."""
-    starts = np.add.outer(bases, offs).ravel()
-    ends = starts + np.tile(lens, bases.shape[0])
-    lo = np.concatenate([r.addrs for r in recs])
-    hi = np.concatenate([r.addrs + np.uint64(r.tensor_size) for r in recs])
-    order = np.argsort(lo, kind="stable")
-    lo, reach = lo[order], np.maximum.accumulate(hi[order])
-    seg_first = np.ones(lo.shape[0], dtype=bool)
-    seg_first[1:] = lo[1:] > reach[:-1]
-    seg_start = lo[seg_first]
-    seg_end = reach[np.append(np.flatnonzero(seg_first)[1:] - 1, lo.shape[0] - 1)]
-    seg = np.searchsorted(seg_start, starts, side="right") - 1
-    if (seg < 0).any():
-        return False
-    return bool((ends <= seg_end[seg]).all())
-
-
-def _device_of(reg: Registry, rec: Optional[CacheRecord], bases: np.ndarray, offs: np.ndarray) -> str:
-    """Where the (validated) runs of a request live: the cache's memory, or for raw
-    addresses (``ANY_CACHE``) that of the cache holding the first run (a plan never spans
-    host and device memory: they are different allocations)."""
-    if rec is not None:
-        return rec.device
-    if bases.shape[0] == 0 or offs.shape[0] == 0:
-        return "cpu"
-    first = np.uint64(int(bases[0]) + int(offs[0]))
-    for r in reg.all():
-        if ((r.addrs <= first) & (first < r.addrs + np.uint64(r.tensor_size))).any():
-            return r.device
-    return "cpu"
-
-
-def _drain(sock: socket.socket, nbytes: int, timeout_ms: int) -> None:
-    """Read and discard a payload that is not wanted, keeping the stream in step."""
-    scratch = memoryview(bytearray(min(nbytes, _DRAIN_CHUNK)))
-    left = nbytes
-    while left > 0:
-        n = min(left, len(scratch))
-        native.recv_exact(sock.fileno(), scratch[:n], timeout_ms)
-        left -= n
+            self._requests.payload = None

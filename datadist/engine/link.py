@@ -17,7 +17,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, NoReturn, Optional, Union
+from typing import Any, Callable, NoReturn, Optional, Union
 
 from .errors import EngineError, Fault, fail
 from .transports.base import RemoteCache, StaleLookup, Transport
@@ -36,9 +36,18 @@ _RETRYABLE = (Fault.PARAM_INVALID, Fault.CACHE_NOT_FOUND)
 
 
 class Link:
+    """A link to one peer engine: this end's request stream (``req_sock``), the stream the
+    agent serves the peer's requests on (``serve_sock``), the transport its plans move by,
+    and the cache of the peer's lookups.  It is the :class:`~.transports.base.Channel`
+    its transport talks through.  Built complete by :mod:`.linking`; one transfer at a time
+    (``lock``)."""
+
     def __init__(self, *, remote_cluster_id: int, remote_role: int, peer_pid: int, timeout_ms: int,
                  is_client: bool, local_cluster_id: int = 0,
-                 on_broken: Optional[Callable[[int, str], None]] = None) -> None:
+                 on_broken: Optional[Callable[[int, str], None]] = None,
+                 transport: Optional[Transport] = None, peer_epoch_addr: Optional[int] = None,
+                 req_sock: Optional[socket.socket] = None, serve_sock: Optional[socket.socket] = None,
+                 attach_token: str = "") -> None:
         self.local_cluster_id = local_cluster_id
         self.on_broken = on_broken   # told once when the link breaks (arrival waits fail)
         self.remote_cluster_id = remote_cluster_id
@@ -46,12 +55,12 @@ class Link:
         self.peer_pid = peer_pid
         self.timeout_ms = timeout_ms
         self.is_client = is_client
-        self.req_sock: Optional[socket.socket] = None
-        self.serve_sock: Optional[socket.socket] = None
-        self.transport: Optional[Transport] = None
-        self.peer_epoch_addr: Optional[int] = None   # mapped epoch page of a same-host peer
-        self.store = None                            # collective links: the server's TCPStore
-        self.attach_token = ""                       # server side: what the peer's ATTACH must carry
+        self.req_sock = req_sock       # this end's requests (the client's: set once ATTACHed)
+        self.serve_sock = serve_sock   # the peer's requests, served by the agent
+        self.transport = transport     # collective links: set once the process group exists
+        self.peer_epoch_addr = peer_epoch_addr   # mapped epoch page of a same-host peer
+        self.store: Optional[Any] = None         # collective links: the server's TCPStore
+        self.attach_token = attach_token         # server side: what the peer's ATTACH must carry
         self.lock = threading.Lock()
         self.broken: Optional[str] = None
         self.ready = threading.Event()
@@ -92,7 +101,7 @@ class Link:
             self.mark_broken("peer process exited")
         self.check_alive()
 
-    def protocol_error(self, msg: wire.Message) -> None:
+    def protocol_error(self, msg: wire.Message) -> NoReturn:
         self.mark_broken(f"unexpected {type(msg).__name__} frame")
         fail(Fault.LINK_FAILED, f"protocol error on link to cluster {self.remote_cluster_id}")
 

@@ -12,14 +12,10 @@ contract says: ``EMS_INVALID_ARGUMENT``, caught by the sample, which exits with 
 """
 from __future__ import annotations
 
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ems_helpers import check, daemon_factory, ems_daemon, run_client  # noqa: E402,F401
+from ems_helpers import check, daemon_factory, ems_daemon, run_client  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,17 +3,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from ems_helpers import ENV, check, daemon_factory, ems_cc, ems_daemon, init_cc, kvcache  # noqa: F401
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ems_helpers import ENV, check, daemon_factory, ems_cc, ems_daemon, init_cc, kvcache  # noqa: E402,F401
-
-from ems import (CcConfig, CcConfig_v1, CcKvOption, Ems, EmsConfig, EmsException, KvBufferWrapper,  # noqa: E402
+from ems import (CcConfig, CcConfig_v1, CcKvOption, Ems, EmsConfig, EmsException, KvBufferWrapper,
                  PrimaryKey)
-from ems.common.exception import EmsErrorCode  # noqa: E402
+from ems.common.exception import EmsErrorCode
 
 pytestmark = pytest.mark.timeout(120)
 

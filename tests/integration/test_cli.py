@@ -6,12 +6,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ems_helpers import ENV, EmsDaemon  # noqa: E402
+from ems_helpers import ENV, EmsDaemon
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 import socket
 import struct
-import sys
 import time
 from pathlib import Path
 from typing import List
@@ -17,12 +16,11 @@ from typing import List
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ems_helpers import daemon_factory, init_cc, kvcache  # noqa: E402,F401
-from harness import rss_bytes, wait_until  # noqa: E402
+from ems_helpers import daemon_factory, init_cc, kvcache  # noqa: F401
+from harness import rss_bytes, wait_until
 
-from ems import Ems, EmsErrorCode, EmsException  # noqa: E402
-from ems.pool import wire  # noqa: E402
+from ems import Ems, EmsErrorCode, EmsException
+from ems.pool import wire
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -16,20 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ems_helpers import (ENV, check, daemon_factory, ems_cc, ems_daemon, init_cc, kvcache,  # noqa: E402,F401
+from ems_helpers import (ENV, check, daemon_factory, ems_cc, ems_daemon, init_cc, kvcache,  # noqa: F401
                          run_client)
 
-from ems import CcKvOption, Ems, EmsException, KvBufferWrapper, PrimaryKey  # noqa: E402
-from ems.common.exception import EmsErrorCode  # noqa: E402
-from ems.pool import wire  # noqa: E402
-from ems.pool.keyset import KeySet  # noqa: E402
+from ems import CcKvOption, Ems, EmsException, KvBufferWrapper, PrimaryKey
+from ems.common.exception import EmsErrorCode
+from ems.pool import wire
+from ems.pool.keyset import KeySet
 
 pytestmark = pytest.mark.timeout(120)
 
+# Client scripts, run by run_client with ems_helpers.ENV (PYTHONPATH: the tree and tests/).
 SAVER = """
-import sys, torch
-sys.path.insert(0, {tests!r})
+import torch
 from ems_helpers import init_cc, kvcache
 cc = init_cc({server!r})
 kv = kvcache(seed=5)
@@ -39,8 +38,7 @@ print(r.success, r.total)
 """
 
 LOADER = """
-import sys, torch
-sys.path.insert(0, {tests!r})
+import torch
 from ems_helpers import init_cc, kvcache
 cc = init_cc({server!r})
 kv = kvcache(seed=9)
@@ -51,13 +49,11 @@ ok = all(torch.equal(kv[l][k][4:6], ref[l][k][0:2]) for l in range(2) for k in r
 print(r.success, r.total, ok)
 """
 
-TESTS = str(Path(__file__).resolve().parents[1])
-
 
 def test_two_processes_round_trip(ems_daemon):
-    out = check(run_client(SAVER.format(tests=TESTS, server=ems_daemon.dir)))
+    out = check(run_client(SAVER.format(server=ems_daemon.dir)))
     assert out.split() == ["2", "2"]
-    out = check(run_client(LOADER.format(tests=TESTS, server=ems_daemon.dir)))
+    out = check(run_client(LOADER.format(server=ems_daemon.dir)))
     assert out.split() == ["2", "2", "True"]
 
 

@@ -6,22 +6,19 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ems_helpers import check, daemon_factory, init_cc, run_client  # noqa: E402,F401
+from ems_helpers import check, daemon_factory, init_cc, run_client  # noqa: F401
 
-from ems import CcKvOption, Ems, EmsException, KvBufferWrapper  # noqa: E402
-from ems.common.exception import EmsErrorCode  # noqa: E402
+from ems import CcKvOption, Ems, EmsException, KvBufferWrapper
+from ems.common.exception import EmsErrorCode
 
 pytestmark = pytest.mark.timeout(180)
-TESTS = str(Path(__file__).resolve().parents[1])
 
+# Run with ems_helpers.ENV: its PYTHONPATH makes ems_helpers importable.
 WORKER = """
-import sys, os, numpy as np, torch
-sys.path.insert(0, {tests!r})
+import numpy as np, torch
 from ems_helpers import init_cc
 from ems import CcKvOption, KvBufferWrapper
 cc = init_cc({server!r})
@@ -52,7 +49,7 @@ def test_eviction_with_four_processes_never_tears(daemon_factory):
     from ems_helpers import ENV
 
     d = daemon_factory(capacity="2M")
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER.format(tests=TESTS, server=d.dir, me=i)],
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER.format(server=d.dir, me=i)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
              for i in range(4)]
     results = []

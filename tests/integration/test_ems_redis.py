@@ -3,16 +3,12 @@ Two daemons stand for two nodes; a value saved through one is loaded through the
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from ems_helpers import RedisServer, daemon_factory, free_port, init_cc, kvcache, need_redis  # noqa: F401
+from harness import wait_until
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness import wait_until  # noqa: E402
-from ems_helpers import RedisServer, daemon_factory, free_port, init_cc, kvcache, need_redis  # noqa: E402,F401
-
-from ems import CcKvOption, Ems, KvBufferWrapper, PrimaryKey  # noqa: E402
+from ems import CcKvOption, Ems, KvBufferWrapper, PrimaryKey
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.redis]
 

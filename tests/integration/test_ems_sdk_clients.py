@@ -5,23 +5,20 @@ credentials as the SDK takes them, and the error codes its retry sample depends 
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 from typing import Dict, List, Tuple
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ems_helpers import daemon_factory, init_cc, kvcache  # noqa: E402,F401
+from ems_helpers import daemon_factory, init_cc, kvcache  # noqa: F401
 
 # The V1 adapter's own import lines ...
-from ems import (CcConfig_v1, CcKvOption, ContextCache_v1, Ems, EmsConfig, EmsErrorCode,  # noqa: E402
+from ems import (CcConfig_v1, CcKvOption, ContextCache_v1, Ems, EmsConfig, EmsErrorCode,
                  EmsException)
-from ems.cc_v1.cc_config import KVCacheType  # noqa: E402
+from ems.cc_v1.cc_config import KVCacheType
 # ... and the V0 adapter's.
-from ems import CcConfig, ContextCaching, KvBufferWrapper  # noqa: E402
+from ems import CcConfig, ContextCaching, KvBufferWrapper
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -3,18 +3,16 @@ credentials or memory are exchanged; without it (or with another) nothing is ser
 from __future__ import annotations
 
 import socket
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ems_helpers import daemon_factory, kvcache  # noqa: E402,F401
+from ems_helpers import daemon_factory, kvcache  # noqa: F401
 
-from datadist.engine import auth, handshake  # noqa: E402
-from ems import CcConfig_v1, Ems, EmsConfig, EmsErrorCode, EmsException  # noqa: E402
-from ems.pool import wire  # noqa: E402
+from datadist.engine import auth, handshake
+from ems import CcConfig_v1, Ems, EmsConfig, EmsErrorCode, EmsException
+from ems.pool import wire
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import List
 
 import pytest
+from _launch import Peer, run_sample  # samples/_launch.py: samples/ is on pytest's pythonpath
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples"
-sys.path.insert(0, str(SAMPLES))
-from _launch import Peer, run_sample  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

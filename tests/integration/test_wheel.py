@@ -34,7 +34,8 @@ def test_wheel_and_sdist_install_into_a_fresh_venv(tmp_path: Path) -> None:
     _ok([sys.executable, "setup.py", "-q", "sdist", "-d", str(dist)], cwd=ROOT)
     wheel = next(dist.glob("datadist-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for needed in ("datadist/py.typed", "ems/py.typed", "llm_datadist/__init__.py", "LICENSE"):
+    for needed in ("datadist/py.typed", "ems/py.typed", "llm_datadist/__init__.py", "LICENSE",
+                   "datadist/engine/_native.pyi", "ems/pool/_keyset.pyi"):  # the C extensions' stubs
         assert any(n.endswith(needed) for n in names), needed
     assert any(n.startswith("datadist/engine/_native") and n.endswith(".so") for n in names)
     sdist = next(dist.glob("datadist-*.tar.gz"))

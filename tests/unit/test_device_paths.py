@@ -14,7 +14,7 @@ import pytest
 
 from datadist import LLMException, LLMStatusCode, create_tensors
 from datadist.engine import _native, cuda, wire
-from datadist.engine.agent import _device_of
+from datadist.engine.requests import _device_of
 from datadist.engine.core import resolve_device
 from datadist.engine.errors import EngineError, Fault
 from datadist.engine.layout import Plan, plan_units

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from datadist._cluster import IpInfo, LLMClusterInfo, ip_to_int, ip_to_str
 from datadist._objects import (
     INVALID_ID,
     BlocksCacheKey,
@@ -16,12 +17,8 @@ from datadist._objects import (
     CacheDesc,
     CacheKey,
     CacheKeyByIdAndIndex,
-    IpInfo,
-    LLMClusterInfo,
     MemInfo,
     as_tensor_addrs,
-    ip_to_int,
-    ip_to_str,
 )
 from datadist._status import LLMException, LLMStatusCode, ParamInvalidError
 from datadist._types import DataType, LLMRole, Memtype, Placement

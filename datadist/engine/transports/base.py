@@ -10,14 +10,18 @@ link's lock:
    local -> peer, a pull's peer -> local.
 3. ``close()`` when the link goes away.
 
-Failures raise :class:`~datadist.engine.errors.EngineError`; a transport that can no longer
-trust its stream (deadline passed mid-transfer, peer gone) marks the link broken.
+A transport reaches its peer only through the link's control :class:`Channel` (requests,
+replies, the request stream a payload follows), so it can be driven by any object with that
+shape.  Failures raise :class:`~datadist.engine.errors.EngineError`; a transport that can
+no longer trust its stream (deadline passed mid-transfer, peer gone) marks the link broken.
 """
 from __future__ import annotations
 
 import abc
 import functools
+import socket
 from dataclasses import dataclass
+from typing import NoReturn, Optional, Protocol
 
 import numpy as np
 
@@ -33,7 +37,7 @@ class StaleLookup(Exception):
     """The peer's caches changed since the lookup the plan was built on."""
 
 
-def check_reply(link, reply: wire.Message) -> None:
+def check_reply(link: Channel, reply: wire.Message) -> None:
     """Raise for a failed ``REPLY``: :class:`StaleLookup` for ``STALE``, the contract's
     exception for a status code, a protocol error for any other frame."""
     if not isinstance(reply, wire.Reply):
@@ -43,7 +47,31 @@ def check_reply(link, reply: wire.Message) -> None:
     if reply.status:
         fail(Fault.of(reply.status), reply.message)
 
-__all__ = ["RemoteCache", "Transport", "StaleLookup", "STALE", "ANY_CACHE", "check_reply"]
+__all__ = ["Channel", "RemoteCache", "Transport", "StaleLookup", "STALE", "ANY_CACHE", "check_reply"]
+
+
+class Channel(Protocol):
+    """The control connection of a link, as transports use it (a :class:`~datadist.engine.link.Link`)."""
+
+    remote_cluster_id: int
+    timeout_ms: int
+    #: The stream this end's requests (and a pull's payload) travel on.
+    req_sock: Optional[socket.socket]
+
+    def rpc(self, msg: wire.Message, deadline: float, send_plan: Optional[Plan] = None) -> wire.Message:
+        """Send ``msg`` (then ``send_plan``'s bytes) and read the reply, before ``deadline``."""
+
+    def read_reply(self, deadline: float) -> wire.Message:
+        """Read one more reply to the request in flight."""
+
+    def mark_broken(self, reason: str) -> None:
+        """The stream can no longer be trusted: fail this and later calls."""
+
+    def check_peer(self) -> None:
+        """Raise if the peer's process has ended (one non-blocking poll)."""
+
+    def protocol_error(self, msg: wire.Message) -> NoReturn:
+        """The peer sent ``msg`` where it may not: break the link and raise."""
 
 #: ``RemoteCache.cache_id`` (and ``PUSH.cache_id``) of raw peer addresses that no lookup
 #: produced (``TransferConfig.dst_addrs``): the peer accepts such a plan only if every run
@@ -86,13 +114,13 @@ class Transport(abc.ABC):
     name: str = "?"
 
     @abc.abstractmethod
-    def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
+    def push(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
         """Copy ``plan`` from local memory into the peer's cache ``remote``.  Returns True
         if the peer's agent took part (it then knows of the arrival), False for a
         one-sided copy."""
 
     @abc.abstractmethod
-    def pull(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
+    def pull(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float) -> None:
         """Copy ``plan`` from the peer's cache ``remote`` into local memory."""
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import Fault, fail
 from .. import cuda, wire
 from ..layout import Plan
-from .base import RemoteCache, Transport, check_reply
+from .base import Channel, RemoteCache, Transport, check_reply
 from .local import LocalTransport, staging_buffer, staging_plan
 
 __all__ = ["CollectiveTransport", "COLLECTIVE_BACKENDS", "VIA_COLLECTIVE", "make_group"]
@@ -111,7 +111,7 @@ class CollectiveTransport(Transport):
         self._poll = backend in POLLED_BACKENDS
 
     # -- initiator side ---------------------------------------------------------------
-    def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
+    def push(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
         buf = self._gather(plan.src_bases, plan.src_offs, plan.lens, plan.src_dev, plan.nbytes)
         msg = wire.Push(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes, via=VIA_COLLECTIVE,
                         arrays=[plan.dst_bases, plan.dst_offs, plan.lens])
@@ -120,7 +120,7 @@ class CollectiveTransport(Transport):
         check_reply(link, link.read_reply(deadline))
         return True
 
-    def pull(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
+    def pull(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float) -> None:
         buf, addr = staging_buffer(plan.nbytes, self.staging_dev)
         msg = wire.Pull(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes, via=VIA_COLLECTIVE,
                         arrays=[plan.src_bases, plan.src_offs, plan.lens])
@@ -162,7 +162,7 @@ class CollectiveTransport(Transport):
     def _wire_view(self, buf):
         return buf if self.wire_dev is None else buf.to(self.wire_dev)
 
-    def _run(self, link, work, deadline: float, what: str) -> None:
+    def _run(self, link: Channel, work, deadline: float, what: str) -> None:
         try:
             wait_work(work, deadline, self.group, self._poll)
         except (RuntimeError, TimeoutError) as exc:  # torch reports collective timeouts and peer loss so

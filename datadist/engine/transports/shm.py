@@ -22,7 +22,7 @@ from ..errors import Fault, fail
 from .. import cuda, native
 from ..layout import Plan
 from ..memory import PeerArena
-from .base import ANY_CACHE, RemoteCache, Transport
+from .base import Channel, ANY_CACHE, RemoteCache, Transport
 from .local import LocalTransport, host_side
 
 __all__ = ["ShmTransport"]
@@ -76,7 +76,7 @@ class ShmTransport(Transport):
                 return local - lo, True
         return None, False
 
-    def _run(self, link, plan: Plan, remote: RemoteCache, deadline: float, write: bool) -> bool:
+    def _run(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float, write: bool) -> bool:
         """Move the plan; True if it went through the peer's agent (socket fallback)."""
         delta, on_device = self._delta(remote)
         if delta is not None:
@@ -108,10 +108,10 @@ class ShmTransport(Transport):
         link.check_peer()
         return False
 
-    def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
+    def push(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
         return self._run(link, plan, remote, deadline, True)
 
-    def pull(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
+    def pull(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float) -> None:
         self._run(link, plan, remote, deadline, False)
 
     def close(self) -> None:

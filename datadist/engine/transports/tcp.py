@@ -3,21 +3,29 @@
 A push is one ``PUSH`` frame carrying the peer's half of the plan, the payload right
 behind it (``writev`` of the local runs), and one ``REPLY``; a pull is a ``PULL`` frame, a
 ``REPLY`` and the payload (``readv`` into the local runs).  One round trip per call; no
-payload byte passes through a Python object.  Device memory cannot be read or written by
+payload byte passes through a Python object.
+
+The serve half (:func:`serve_push`, :func:`pull_payload`, :func:`drain`) is what the peer's
+agent runs for those requests once they are validated
+(:mod:`datadist.engine.requests`).  Device memory cannot be read or written by
 the socket calls: such a side is staged through one host buffer on either end
 (:func:`~datadist.engine.transports.local.host_side`).
 """
 from __future__ import annotations
 
+import contextlib
+import socket
 import time
 
 from ..errors import Fault, fail
 from .. import native, wire
 from ..layout import Plan
-from .base import RemoteCache, Transport, check_reply
+from .base import Channel, RemoteCache, Transport, check_reply
 from .local import host_side
 
-__all__ = ["TcpTransport"]
+__all__ = ["TcpTransport", "serve_push", "pull_payload", "drain"]
+
+_DRAIN_CHUNK = 1 << 20
 
 
 def _left_ms(deadline: float) -> int:
@@ -27,14 +35,14 @@ def _left_ms(deadline: float) -> int:
 class TcpTransport(Transport):
     name = "tcp"
 
-    def push(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
+    def push(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
         msg = wire.Push(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes,
                         arrays=[plan.dst_bases, plan.dst_offs, plan.lens])
         with host_side(plan, local_is_src=True) as host_plan:
             check_reply(link, link.rpc(msg, deadline, send_plan=host_plan))
         return True
 
-    def pull(self, link, plan: Plan, remote: RemoteCache, deadline: float) -> None:
+    def pull(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float) -> None:
         msg = wire.Pull(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes,
                         arrays=[plan.src_bases, plan.src_offs, plan.lens])
         check_reply(link, link.rpc(msg, deadline))
@@ -42,7 +50,7 @@ class TcpTransport(Transport):
             self._receive(link, host_plan, deadline)
 
     @staticmethod
-    def _receive(link, plan: Plan, deadline: float) -> None:
+    def _receive(link: Channel, plan: Plan, deadline: float) -> None:
         try:
             native.sock_recv(link.req_sock.fileno(), plan, _left_ms(deadline))
         except TimeoutError:
@@ -53,3 +61,27 @@ class TcpTransport(Transport):
         except OSError as exc:
             link.mark_broken(f"connection failed: {exc}")
             fail(Fault.LINK_FAILED, f"link to cluster {link.remote_cluster_id} is broken: {exc}")
+
+
+# -- the serve half (the peer's agent thread) ---------------------------------------------
+def serve_push(sock: socket.socket, plan: Plan, timeout_ms: int) -> None:
+    """Receive a pushed payload from ``sock`` into the local runs of ``plan`` (a device
+    cache through one host staging buffer)."""
+    with host_side(plan, local_is_src=False) as host_plan:
+        native.sock_recv(sock.fileno(), host_plan, timeout_ms)
+
+
+def pull_payload(plan: Plan, scope: contextlib.ExitStack) -> Plan:
+    """The host plan whose bytes answer a pull of ``plan`` (a device cache is copied to
+    a host staging buffer that lives as long as ``scope``)."""
+    return scope.enter_context(host_side(plan, local_is_src=True))
+
+
+def drain(sock: socket.socket, nbytes: int, timeout_ms: int) -> None:
+    """Read and discard a refused push's payload, keeping the stream in step."""
+    scratch = memoryview(bytearray(min(nbytes, _DRAIN_CHUNK)))
+    left = nbytes
+    while left > 0:
+        n = min(left, len(scratch))
+        native.recv_exact(sock.fileno(), scratch[:n], timeout_ms)
+        left -= n

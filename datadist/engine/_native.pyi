@@ -1,0 +1,73 @@
+"""Type stub of the C extension ``datadist.engine._native`` (``_native.c``).
+
+Every function is ``METH_FASTCALL`` without keywords: arguments are positional only.  A
+plan is five uint64 arrays (C-contiguous; only their byte length is checked, a multiple
+of 8): ``T`` base addresses per side and ``U`` runs (offsets per side, lengths); see
+:class:`datadist.engine.layout.Plan`.  The calls release the GIL while they run.  Errors
+of the system come back as ``OSError`` with the kernel's errno; ``ValueError`` for plan
+arrays that are not uint64 or disagree in length.  :mod:`datadist.engine.native` wraps
+these for the rest of the package.
+"""
+import sys
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+if sys.version_info >= (3, 12):
+    from collections.abc import Buffer
+else:
+    from typing_extensions import Buffer
+
+_U64Array = NDArray[np.uint64]
+#: Any object with the buffer protocol.  numpy declares ``ndarray.__buffer__`` for Python
+#: 3.12 on only, and mypy checks for 3.11 (pyproject.toml), so arrays are named as well.
+_Buffer = Buffer | NDArray[Any]
+
+def peer_closed(fd: int, /) -> bool:
+    """Whether the stream on ``fd`` has ended (peer closed or reset); never waits."""
+
+def index_array(seq: object, /) -> tuple[bytearray, int, int] | None:
+    """``(int64 bytes, min, max)`` of an exact ``list`` or ``tuple`` of ints (``min > max``
+    when empty); None for any other type.  ``TypeError`` for an entry that is not an int
+    (bools are not), ``OverflowError`` for one outside int64."""
+
+def recv_exact(fd: int, buffer: _Buffer, timeout_ms: int, /) -> int:
+    """Fill the whole writable, C-contiguous ``buffer`` from the non-blocking socket ``fd``;
+    returns the bytes read.  ``OSError`` ETIMEDOUT, or ECONNRESET at the end of the stream."""
+
+def wait_readable(fd: int, spin_us: int, timeout_ms: int, /) -> int:
+    """0 once ``fd`` is readable (or hung up), polling ``spin_us`` before sleeping;
+    ``OSError`` ETIMEDOUT after ``timeout_ms``."""
+
+def copy_plan(sbase: _U64Array, dbase: _U64Array, soff: _U64Array, doff: _U64Array, len: _U64Array,
+              threads: int, /) -> int:
+    """Copy every run inside this process (plans of 8 MiB or more over up to ``threads``
+    threads, at most 8); returns the bytes copied."""
+
+def sum_blocks(value: _Buffer, sums: _U64Array, /) -> None:
+    """Add the two sums of each whole 4 KiB block of ``value`` (C-contiguous) to ``sums``
+    (writable uint64, two per block; ``ValueError`` if too short)."""
+
+def copy_plan_sum(sbase: _U64Array, dbase: _U64Array, soff: _U64Array, doff: _U64Array, len: _U64Array,
+                  threads: int, sums: _U64Array, value_base: int, value_is_src: bool, /) -> int:
+    """``copy_plan`` that also adds the copied bytes into the 4 KiB block sums of the value
+    at ``value_base`` (on the source side if ``value_is_src``); ``sums``: writable uint64,
+    two per block.  ``OSError`` ERANGE (nothing copied) if a run leaves the value."""
+
+def call_plan(fn: int, stream: int, sbase: _U64Array, dbase: _U64Array, soff: _U64Array, doff: _U64Array,
+              len: _U64Array, /) -> tuple[int, int]:
+    """Call the C function at address ``fn``, ``int fn(dst, src, bytes, stream)``, once
+    per run until one returns non-zero; returns ``(bytes issued, status)``.  ``ValueError``
+    for a NULL ``fn``."""
+
+def cma_plan(pid: int, write: bool, lbase: _U64Array, rbase: _U64Array, loff: _U64Array, roff: _U64Array,
+             len: _U64Array, /) -> int:
+    """Cross-memory attach with process ``pid``: local runs to remote ones (``write``) or
+    back; returns the bytes moved.  ``OSError`` (ESRCH, EFAULT, EPERM...) on failure."""
+
+def sock_plan(fd: int, send: bool, timeout_ms: int, base: _U64Array, off: _U64Array, len: _U64Array,
+              head: _Buffer | None = None, /) -> int:
+    """Send (``head`` first, if given) or receive the runs, in order, over the non-blocking
+    socket ``fd`` within ``timeout_ms``; returns the payload bytes moved.  ``ValueError``
+    for a ``head`` when receiving; ``OSError`` ETIMEDOUT, ECONNRESET... on failure."""

@@ -1,0 +1,312 @@
+"""Opening links: the handshake on both ends, which builds each :class:`~.link.Link`
+complete (its transport, sockets and attach token) before the engine installs it.
+
+Client side (:meth:`Linker.link`): connect to the server's listen address, ``HELLO`` (this
+engine's pid, host, epoch page and pool arenas; with a link secret, an authenticated
+opening first: :mod:`.handshake`), read ``HELLO_ACK``, then open the second connection
+with ``ATTACH``.  Server side (the agent thread): :meth:`Linker.accept_hello` and
+:meth:`Linker.accept_attach`.  Each side picks its transport towards the other on its own:
+``shm`` if the peer is on this host and its arenas map here (the nonce in its epoch page
+proves it is the very process that answered), else ``tcp``; a forced ``shm`` that cannot
+map fails the link; collective backends (``gloo``/``nccl``/``hccl``) join a two-member
+process group once both connections are up.
+"""
+from __future__ import annotations
+
+import datetime
+import hmac
+import logging
+import secrets
+import socket
+import time
+from typing import TYPE_CHECKING, Optional, Union
+
+import numpy as np
+
+from . import cuda, native, wire
+from .errors import EngineError, Fault, fail
+from .handshake import ClientAuth
+from .layout import Plan
+from .link import Link
+from .memory import PeerArena
+from .registry import EPOCH_PAGE_SIZE, Registry
+from .transports.base import Transport
+from .transports.collective import COLLECTIVE_BACKENDS, CollectiveTransport, make_group
+from .transports.shm import ShmTransport
+from .transports.tcp import TcpTransport
+
+if TYPE_CHECKING:
+    from .core import Engine
+
+__all__ = ["Linker"]
+
+log = logging.getLogger("datadist")
+
+
+def _seconds(s: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=s)
+
+
+class _Opening:
+    """What a client's handshake has acquired so far, released if it fails."""
+
+    def __init__(self) -> None:
+        self.socks: list[socket.socket] = []
+        self.transport: Optional[Transport] = None
+        self.link: Optional[Link] = None
+
+    def keep(self, sock: socket.socket) -> socket.socket:
+        self.socks.append(sock)
+        return sock
+
+    def abandon(self) -> None:
+        if self.link is not None:
+            self.link.close()  # its sockets and transport too
+        elif self.transport is not None:
+            self.transport.close()
+        for sock in self.socks:
+            sock.close()
+
+
+class Linker:
+    """The handshakes of one engine (client and server side)."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+
+    # -- hello ---------------------------------------------------------------------------
+    def _hello_fields(self) -> dict:
+        page = self.engine.registry.page
+        return dict(cluster_id=self.engine.cluster_id, role=int(self.engine.role), host=self.engine.host, pid=self.engine.pid,
+                    ctrl={"fd": page.fd, "size": page.size, "base": page.base, "nonce": self.engine.registry.nonce},
+                    arenas=[{"fd": a.fd, "size": a.size, "base": a.base} for a in self.engine.arenas],
+                    device_regions=[r.to_wire() for r in self.engine.device_arena.regions] if self.engine.device_arena else [],
+                    backend=self.engine.backend)
+
+    def _transport_to(self, peer: wire.Hello) -> tuple[Optional[Transport], Optional[int]]:
+        """The transport towards ``peer`` (see the module docstring) and, for a same-host
+        peer, the local address of its mapped epoch page.  Collective links get theirs once
+        the process group exists (:meth:`_join_group`): None here."""
+        tcp = TcpTransport()
+        collective = {self.engine.backend, peer.backend} & set(COLLECTIVE_BACKENDS)
+        if collective:
+            if self.engine.backend != peer.backend:
+                fail(Fault.LINK_FAILED,
+                            f"transfer_backend {self.engine.backend!r} here, {peer.backend!r} on cluster {peer.cluster_id}: "
+                            "collective links need the same backend on both ends")
+            return None, None
+        if self.engine.backend == "tcp" or peer.backend == "tcp":
+            return tcp, None
+        mapped: list[PeerArena] = []
+        try:
+            if peer.host != self.engine.host:
+                raise OSError(f"peer is on another host ({peer.host})")
+            ctrl = PeerArena.open(peer.pid, peer.ctrl["fd"], EPOCH_PAGE_SIZE, peer.ctrl["base"])
+            mapped.append(ctrl)
+            if Registry.read_epoch(Registry.nonce_address(ctrl.local_base)) != peer.ctrl["nonce"]:
+                raise OSError("mapped epoch page belongs to another process (pid namespaces differ?)")
+            for a in peer.arenas:
+                mapped.append(PeerArena.open(peer.pid, a["fd"], a["size"], a["base"]))
+        except OSError as exc:
+            for m in mapped:
+                m.close()
+            if self.engine.backend == "shm":
+                fail(Fault.LINK_FAILED,
+                            f"transfer_backend='shm' but cluster {peer.cluster_id}'s memory cannot be mapped: {exc}")
+            log.info("link to cluster %d uses tcp: %s", peer.cluster_id, exc)
+            return tcp, None
+        shm = ShmTransport(peer.pid, mapped, self._probe_cma(peer), fallback=tcp,
+                           device_pool=[cuda.IpcRegion.from_wire(r) for r in peer.device_regions],
+                           cuda_here=self.engine.device.startswith("cuda"))
+        log.info("link to cluster %d uses shm (cross-memory attach %s)", peer.cluster_id,
+                 "on" if shm.cma_ok else "off")
+        return shm, mapped[0].local_base
+
+    @staticmethod
+    def _probe_cma(peer: wire.Hello) -> bool:
+        got = np.zeros(1, dtype=np.uint64)
+        plan = Plan(np.zeros(1, np.uint64), np.zeros(1, np.uint64),
+                    np.array([Registry.nonce_address(peer.ctrl["base"])], np.uint64),
+                    np.array([got.__array_interface__["data"][0]], np.uint64), np.array([8], np.uint64))
+        try:
+            native.cma_plan(peer.pid, plan, write=False)
+        except OSError as exc:
+            log.info("cross-memory attach to pid %d not permitted (%s); registered caches go over tcp", peer.pid, exc)
+            return False
+        return int(got[0]) == peer.ctrl["nonce"]
+
+    # -- server side (agent thread) ------------------------------------------------------
+    def accept_hello(self, msg: wire.Hello, sock: socket.socket) -> wire.HelloAck:
+        # A refusal names nothing of this engine (no cluster id, pid, host, memory or
+        # handles): only an accepted peer learns those.
+        if msg.remote_cluster_id != self.engine.cluster_id:
+            return wire.HelloAck(status=int(Fault.LINK_FAILED),
+                                 message=f"no cluster {msg.remote_cluster_id} at this address")
+        with self.engine.links_lock:
+            old = self.engine.links.get((msg.cluster_id, False))
+            if old is not None and old.broken is None:
+                return wire.HelloAck(status=int(Fault.ALREADY_LINKED),
+                                     message=f"cluster {msg.cluster_id} is already linked here")
+        fields = self._hello_fields()
+        try:
+            transport, epoch_addr = self._transport_to(msg)
+        except Exception as exc:  # reported to the peer, which raises it there
+            return wire.HelloAck(status=int(exc.fault if isinstance(exc, EngineError) else Fault.LINK_FAILED),
+                                 message=str(exc) if isinstance(exc, EngineError) else
+                                 f"the link could not be set up ({type(exc).__name__})")
+        link = Link(remote_cluster_id=msg.cluster_id, remote_role=msg.role, peer_pid=msg.pid,
+                    timeout_ms=self.engine.timeout_ms, is_client=False, local_cluster_id=self.engine.cluster_id,
+                    on_broken=self.engine.link_broken, transport=transport, peer_epoch_addr=epoch_addr,
+                    serve_sock=sock, attach_token=secrets.token_hex(16))
+        store_port = 0
+        if self.engine.backend in COLLECTIVE_BACKENDS:
+            import torch.distributed as dist
+
+            ip = self.engine.options.listen_ip or "127.0.0.1"
+            link.store = dist.TCPStore(ip, 0, 2, True, timeout=_seconds(self.engine.options.link_total_time_s),
+                                       wait_for_workers=False)
+            store_port = link.store.port
+        self.engine.install(link)
+        self.engine.agent.watch(link)
+        return wire.HelloAck(path=self.engine.backend if store_port else link.path, store_port=store_port,
+                             attach_token=link.attach_token, **fields)
+
+    def accept_attach(self, msg: wire.Attach, sock: socket.socket) -> wire.Reply:
+        with self.engine.links_lock:
+            link = self.engine.links.get((msg.cluster_id, False))
+        # Only the peer that just linked knows the token: nobody else can take over the
+        # request connection of a link that is opening.
+        if link is None or link.req_sock is not None or not hmac.compare_digest(link.attach_token, msg.token):
+            return wire.Reply(status=int(Fault.LINK_FAILED), message="no pending link to attach to")
+        link.req_sock = sock
+        if link.store is None:
+            link.ready.set()
+        return wire.Reply()
+
+    def after_attach(self, link: Link) -> None:
+        """Server side, after the ATTACH reply went out: join the link's process group
+        (the client joins as soon as it reads that reply)."""
+        if link.store is not None and link.transport is None:
+            try:
+                self._join_group(link, link.store, rank=0)
+            except Exception as exc:  # the client sees the failure as a link failure
+                log.warning("process group with cluster %d failed: %s", link.remote_cluster_id, exc)
+                link.retire(f"process group setup failed: {exc}")
+                return
+            link.ready.set()
+
+    def _join_group(self, link: Link, store, rank: int) -> None:
+        import torch.distributed as dist
+
+        prefix = dist.PrefixStore(f"datadist-link-{min(self.engine.cluster_id, link.remote_cluster_id)}-"
+                                  f"{max(self.engine.cluster_id, link.remote_cluster_id)}", store)
+        group = make_group(self.engine.backend, prefix, rank, self.engine.timeout_ms / 1000.0)
+        link.transport = CollectiveTransport(self.engine.backend, group, 1 - rank, store, device=self.engine.device)
+        log.info("link to cluster %d uses %s (rank %d)", link.remote_cluster_id, self.engine.backend, rank)
+
+    # -- client side ---------------------------------------------------------------------
+    def link(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> Fault:
+        """Link to the server at ``ip:port``; returns the per-cluster status."""
+        with self.engine.links_lock:
+            old = self.engine.links.get((remote_cluster_id, True))
+        if old is not None and old.broken is None:
+            return Fault.ALREADY_LINKED
+        opening = _Opening()
+        try:
+            result = self._dial(remote_cluster_id, ip, port, deadline, opening)
+        except (OSError, RuntimeError, wire.WireError) as exc:  # RuntimeError: torch.distributed
+            log.warning("link to cluster %d at %s:%d failed: %s", remote_cluster_id, ip, port, exc)
+            opening.abandon()
+            return Fault.LINK_FAILED
+        except BaseException:
+            opening.abandon()
+            raise
+        if isinstance(result, Fault):
+            opening.abandon()
+            return result
+        result.ready.set()
+        self.engine.install(result)
+        self.engine.agent.watch(result)
+        log.info("linked to cluster %d at %s:%d over %s", remote_cluster_id, ip, port, result.path)
+        return Fault.OK
+
+    def _dial(self, remote_cluster_id: int, ip: str, port: int, deadline: float,
+              opening: "_Opening") -> Union[Link, Fault]:
+        """The client's half of the handshake: HELLO (authenticated first where a secret
+        is set), HELLO_ACK, the transport towards the server, ATTACH on a second
+        connection, and for collective links the process group.  Returns the complete
+        link, or the server's refusal."""
+        hello_sock = opening.keep(self._connect_retrying(ip, port, deadline))
+        hello = wire.Hello(remote_cluster_id=remote_cluster_id, **self._hello_fields())
+        if self.engine.options.link_secret is not None and not self._authenticate(hello_sock, hello,
+                                                                                   remote_cluster_id):
+            log.warning("link to cluster %d at %s:%d refused: the peer did not prove it holds the link "
+                        "secret (or refused ours)", remote_cluster_id, ip, port)
+            return Fault.LINK_FAILED
+        hello_sock.sendall(wire.encode(hello))
+        ack = wire.read_message(hello_sock)
+        if not isinstance(ack, wire.HelloAck):
+            raise wire.WireError(f"expected HELLO_ACK, got {type(ack).__name__}")
+        if ack.status:
+            log.warning("link to cluster %d at %s:%d refused: %s", remote_cluster_id, ip, port, ack.message)
+            return Fault.of(ack.status)
+        transport, epoch_addr = self._transport_to(ack)
+        opening.transport = transport
+        attach_sock = opening.keep(self._connect(ip, port, deadline))
+        attach_sock.sendall(wire.encode(wire.Attach(cluster_id=self.engine.cluster_id, token=ack.attach_token)))
+        reply = wire.read_message(attach_sock)
+        if not isinstance(reply, wire.Reply) or reply.status:
+            raise wire.WireError(getattr(reply, "message", "attach refused"))
+        link = opening.link = Link(
+            remote_cluster_id=remote_cluster_id, remote_role=ack.role, peer_pid=ack.pid,
+            timeout_ms=self.engine.timeout_ms, is_client=True, local_cluster_id=self.engine.cluster_id,
+            on_broken=self.engine.link_broken, transport=transport, peer_epoch_addr=epoch_addr,
+            req_sock=hello_sock, serve_sock=attach_sock)
+        if ack.store_port:
+            import torch.distributed as dist
+
+            store = dist.TCPStore(ip, ack.store_port, 2, False,
+                                  timeout=_seconds(max(0.001, deadline - time.monotonic())))
+            self._join_group(link, store, rank=1)
+        return link
+
+    def _authenticate(self, sock: socket.socket, hello: wire.Hello, remote_cluster_id: int) -> bool:
+        """The client's half of an authenticated opening (:mod:`datadist.engine.handshake`):
+        on success ``hello`` carries the nonce and proof and may be sent; nothing of this
+        engine's memory has been sent before."""
+        state = ClientAuth(self.engine.options.link_secret, str(self.engine.cluster_id).encode(), str(remote_cluster_id).encode())
+        sock.sendall(wire.encode(wire.Hello(cluster_id=self.engine.cluster_id, remote_cluster_id=remote_cluster_id,
+                                            nonce=state.nonce_hex)))
+        challenge = wire.read_message(sock)
+        if not isinstance(challenge, wire.HelloAck) or not challenge.challenge or challenge.status:
+            return False
+        proof = state.answer(challenge.nonce, challenge.proof)
+        if proof is None:
+            return False
+        hello.nonce, hello.proof = state.nonce_hex, proof
+        return True
+
+    def _connect_retrying(self, ip: str, port: int, deadline: float) -> socket.socket:
+        """Connect, trying ``link_retry_count`` times in all while the deadline allows (a
+        server that is still starting refuses the first attempts)."""
+        attempts = self.engine.options.link_retry_count
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._connect(ip, port, deadline)
+            except ConnectionRefusedError:
+                if attempt == attempts or time.monotonic() >= deadline:
+                    raise
+                log.info("link to %s:%d refused (attempt %d of %d); retrying", ip, port, attempt, attempts)
+                time.sleep(min(0.05 * attempt, max(0.0, deadline - time.monotonic())))  # back off
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _connect(ip: str, port: int, deadline: float) -> socket.socket:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("link timeout passed")
+        sock = socket.create_connection((ip, port), timeout=left)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        return sock

@@ -1,0 +1,243 @@
+"""What a linked peer may ask of this engine, and how each request is answered.
+
+The agent reads one frame from a link's serve stream and hands it to
+:class:`RequestHandler`, which looks the message type up in a table: lookups
+(``RESOLVE``), key releases, transfers (``PUSH``/``PULL``: validated here against the
+registry, then served by the serve half of the transport that carries the bytes: the
+stream's (:mod:`.transports.tcp`) or the link's process group
+(:mod:`.transports.collective`)), ``UNLINK``, and the one-way ``NOTIFY``/``NOTE``.
+
+A handler returns the reply to send (None: nothing), and for a pull the host plan whose
+bytes follow the reply in the same ``writev`` (:attr:`RequestHandler.payload`).  Anything
+a hostile request provokes raises, and the agent retires that one link.
+"""
+from __future__ import annotations
+
+import contextlib
+import socket
+from typing import TYPE_CHECKING, Callable, Optional
+
+import numpy as np
+import numpy.typing as npt
+
+from . import wire
+from .arrivals import Notice
+from .errors import EngineError, Fault
+from .layout import Plan, tensor_span
+from .link import Link
+from .registry import CacheRecord, Registry
+from .transports import tcp
+from .transports.base import ANY_CACHE, STALE
+from .transports.collective import VIA_COLLECTIVE, CollectiveTransport
+
+if TYPE_CHECKING:
+    from .notes import NoteBox
+
+__all__ = ["RequestHandler", "SERVED", "runs_inside", "runs_inside_any"]
+
+#: What a linked peer may send on its request stream.
+SERVED = (wire.MsgType.RESOLVE, wire.MsgType.RELEASE_KEY, wire.MsgType.PUSH, wire.MsgType.PULL,
+          wire.MsgType.UNLINK, wire.MsgType.NOTIFY, wire.MsgType.NOTE)
+
+_U64 = npt.NDArray[np.uint64]
+_Handler = Callable[[Link, wire.Message, socket.socket], Optional[wire.Message]]
+
+
+class RequestHandler:
+    """Answers the requests of linked peers against one engine's registry (agent thread)."""
+
+    def __init__(self, registry: Registry, notes: "NoteBox", timeout_ms: int) -> None:
+        self.registry = registry
+        self.notes = notes
+        self.timeout_ms = timeout_ms
+        #: The host plan whose bytes follow the current reply (a pull), if any.
+        self.payload: Optional[Plan] = None
+        self._scope: Optional[contextlib.ExitStack] = None
+        self._table: dict[type[wire.Message], _Handler] = {
+            wire.Resolve: self._resolve, wire.ReleaseKey: self._release_key, wire.Push: self._transfer,
+            wire.Pull: self._transfer, wire.Unlink: self._unlink, wire.Notify: self._notify, wire.Note: self._note,
+        }
+
+    def handle(self, link: Link, msg: wire.Message, sock: socket.socket,
+               scope: contextlib.ExitStack) -> Optional[wire.Message]:
+        """The reply to ``msg`` (None: none is sent).  Staging buffers of the request live
+        in ``scope``, which the caller closes once the reply and its payload are sent."""
+        self.payload, self._scope = None, scope
+        handler = self._table.get(type(msg))
+        if handler is None:
+            raise wire.WireError(f"unexpected request {type(msg).__name__}")
+        return handler(link, msg, sock)
+
+    # -- lookups -------------------------------------------------------------------------
+    def _resolve(self, link: Link, msg: wire.Message, sock: socket.socket) -> wire.Message:
+        assert isinstance(msg, wire.Resolve)
+        reg = self.registry
+        try:
+            rec, row = reg.resolve(msg.kind, cluster_id=msg.cluster_id, cache_id=msg.cache_id,
+                                   batch_index=msg.batch_index, req_id=msg.req_id, model_id=msg.model_id,
+                                   prefix_id=msg.prefix_id)
+        except EngineError as exc:
+            return wire.Resolved(status=int(exc.fault), message=str(exc))
+        return wire.Resolved(cache_id=rec.cache_id, row=row, num_tensors=rec.num_tensors,
+                             tensor_size=rec.tensor_size, batch_size=rec.batch_size, is_blocks=rec.is_blocks,
+                             dtype=rec.dtype, epoch=reg.epoch, watched=reg.watched(rec.cache_id) is not None,
+                             device=rec.device, ipc=[r.to_wire() for r in rec.ipc], arrays=[rec.addrs])
+
+    def _release_key(self, link: Link, msg: wire.Message, sock: socket.socket) -> wire.Message:
+        assert isinstance(msg, wire.ReleaseKey)
+        # Only keys of pool-allocated caches are consumed by a pull (as in CANN);
+        # keys of registered memory stay until the owner removes them.
+        try:
+            rec, _ = self.registry.resolve("key", cluster_id=msg.cluster_id, req_id=msg.req_id,
+                                           model_id=msg.model_id, prefix_id=msg.prefix_id)
+        except EngineError:
+            return wire.Reply()
+        if rec.release is not None:
+            self.registry.remove_key(msg)
+        return wire.Reply()
+
+    # -- transfers -----------------------------------------------------------------------
+    def _transfer(self, link: Link, msg: wire.Message, sock: socket.socket) -> Optional[wire.Message]:
+        assert isinstance(msg, wire.Push)  # a Pull is a Push
+        rec = self.registry.get(msg.cache_id)
+        status, why = self._check(rec, msg)
+        device = "cpu" if status else _device_of(self.registry, rec, msg.arrays[0], msg.arrays[1])
+        if msg.via == VIA_COLLECTIVE:
+            return self._serve_collective(link, msg, sock, status, why, device)
+        if status:
+            if not isinstance(msg, wire.Pull):
+                tcp.drain(sock, msg.nbytes, self.timeout_ms)  # keep the stream in step
+            return wire.Reply(status=status, message=why)
+        bases, offs, lens = msg.arrays
+        plan = Plan(bases, bases, offs, offs, lens, device, device)
+        if isinstance(msg, wire.Pull):
+            assert self._scope is not None
+            self.payload = tcp.pull_payload(plan, self._scope)
+            return wire.Reply()
+        tcp.serve_push(sock, plan, self.timeout_ms)
+        self._arrived(link, rec, msg)
+        return wire.Reply()
+
+    def _serve_collective(self, link: Link, msg: wire.Push, sock: socket.socket, status: int,
+                          why: str, device: str) -> Optional[wire.Reply]:
+        """A validated transfer whose bytes go through the link's process group: answer
+        "ready" first, so the initiator never posts an operation that has no partner."""
+        transport = link.transport
+        if not status and not isinstance(transport, CollectiveTransport):
+            status, why = int(Fault.PARAM_INVALID), "this link has no process group"
+        sock.sendall(wire.encode(wire.Reply(status=status, message=why)))
+        if status:
+            return None
+        assert isinstance(transport, CollectiveTransport)
+        bases, offs, lens = msg.arrays
+        if isinstance(msg, wire.Pull):
+            transport.serve_pull(bases, offs, lens, msg.nbytes, self.timeout_ms, device)
+            return None
+        try:
+            transport.serve_push(bases, offs, lens, msg.nbytes, self.timeout_ms, device)
+        except RuntimeError as exc:  # torch.distributed: the initiator gave up or died
+            return wire.Reply(status=int(Fault.LINK_FAILED), message=f"collective receive failed: {exc}")
+        self._arrived(link, self.registry.get(msg.cache_id), msg)
+        return wire.Reply()
+
+    def _arrived(self, link: Link, rec: Optional[CacheRecord], msg: wire.Push) -> None:
+        """A push this engine received went through: record it if the cache is watched
+        (socket and collective pushes need no notice message)."""
+        if rec is None or self.registry.watched(rec.cache_id) is None:
+            return
+        lo, hi = tensor_span(rec.addrs, *msg.arrays)
+        self.registry.record_arrival(Notice(cluster_id=link.remote_cluster_id, cache_id=rec.cache_id,
+                                            tensors=range(lo, hi), nbytes=msg.nbytes, status=Fault.OK))
+
+    def _check(self, rec: Optional[CacheRecord], msg: wire.Push) -> tuple[int, str]:
+        """``(0, "")`` for a plan half that lies inside the cache it names (or, for raw
+        addresses, inside some cache), else the status and reason of the refusal."""
+        reg = self.registry
+        if len(msg.arrays) != 3:
+            return int(Fault.PARAM_INVALID), "malformed plan"
+        bases, offs, lens = msg.arrays
+        sized = int(lens.sum()) * bases.shape[0] == msg.nbytes
+        if msg.cache_id == ANY_CACHE:
+            # Raw addresses (TransferConfig.dst_addrs): no lookup that could be stale; the
+            # plan must lie inside the caches registered right now.
+            if not sized or not runs_inside_any(reg.all(), bases, offs, lens):
+                return int(Fault.PARAM_INVALID), f"plan reaches outside every cache of cluster {reg.cluster_id}"
+            return 0, ""
+        if msg.epoch != reg.epoch:  # first: a freed cache id may simply mean a stale lookup
+            return STALE, "caches changed since the lookup"
+        if rec is None:
+            return int(Fault.CACHE_NOT_FOUND), f"cache {msg.cache_id} does not exist (freed?)"
+        if not sized or not runs_inside(rec, bases, offs, lens):
+            return int(Fault.PARAM_INVALID), f"plan reaches outside cache {rec.cache_id}"
+        return 0, ""
+
+    # -- one-way and closing -------------------------------------------------------------
+    def _unlink(self, link: Link, msg: wire.Message, sock: socket.socket) -> wire.Message:
+        link.closing = True  # the peer ends both streams next: expected, not a failure
+        return wire.Reply()
+
+    def _notify(self, link: Link, msg: wire.Message, sock: socket.socket) -> None:
+        assert isinstance(msg, wire.Notify)
+        self.registry.record_arrival(Notice(cluster_id=msg.cluster_id, cache_id=msg.cache_id,
+                                            tensors=range(msg.t_lo, msg.t_hi), nbytes=msg.nbytes,
+                                            status=Fault.of(msg.status), message=msg.message))
+        return None
+
+    def _note(self, link: Link, msg: wire.Message, sock: socket.socket) -> None:
+        assert isinstance(msg, wire.Note)
+        self.notes.record(link.remote_cluster_id, msg.text)
+        return None
+
+
+def runs_inside(rec: CacheRecord, bases: _U64, offs: _U64, lens: _U64) -> bool:
+    """True if every run of the plan half lies inside the cache's tensors (tensors that
+    sit back to back count as one span, since coalesced runs may cross them)."""
+    if lens.shape[0] == 0:
+        return True
+    if bases.shape[0] <= 256 and bases.any():
+        # Factored plan over tensor bases: the common case, checked without numpy setup.
+        known = rec.addr_set
+        return all(b in known for b in bases.tolist()) and int((offs + lens).max()) <= rec.tensor_size
+    return _inside_spans([rec], bases, offs, lens)
+
+
+def runs_inside_any(recs: list[CacheRecord], bases: _U64, offs: _U64, lens: _U64) -> bool:
+    """True if every run of the plan half lies inside the tensors of the caches ``recs``
+    (raw addresses, which no lookup tied to one cache)."""
+    if lens.shape[0] == 0:
+        return True
+    return bool(recs) and _inside_spans(recs, bases, offs, lens)
+
+
+def _inside_spans(recs: list[CacheRecord], bases: _U64, offs: _U64, lens: _U64) -> bool:
+    """Whether every run lies inside one span of memory covered by the tensors of ``recs``;
+    tensors that touch or overlap merge into one span."""
+    starts = np.add.outer(bases, offs).ravel()
+    ends = starts + np.tile(lens, bases.shape[0])
+    lo = np.concatenate([r.addrs for r in recs])
+    hi = np.concatenate([r.addrs + np.uint64(r.tensor_size) for r in recs])
+    order = np.argsort(lo, kind="stable")
+    lo, reach = lo[order], np.maximum.accumulate(hi[order])
+    seg_first = np.ones(lo.shape[0], dtype=bool)
+    seg_first[1:] = lo[1:] > reach[:-1]
+    seg_start = lo[seg_first]
+    seg_end = reach[np.append(np.flatnonzero(seg_first)[1:] - 1, lo.shape[0] - 1)]
+    seg = np.searchsorted(seg_start, starts, side="right") - 1
+    if (seg < 0).any():
+        return False
+    return bool((ends <= seg_end[seg]).all())
+
+
+def _device_of(reg: Registry, rec: Optional[CacheRecord], bases: _U64, offs: _U64) -> str:
+    """Where the (validated) runs of a request live: the cache's memory, or for raw
+    addresses (``ANY_CACHE``) that of the cache holding the first run (a plan never spans
+    host and device memory: they are different allocations)."""
+    if rec is not None:
+        return rec.device
+    if bases.shape[0] == 0 or offs.shape[0] == 0:
+        return "cpu"
+    first = np.uint64(int(bases[0]) + int(offs[0]))
+    for r in reg.all():
+        if ((r.addrs <= first) & (first < r.addrs + np.uint64(r.tensor_size))).any():
+            return r.device
+    return "cpu"
