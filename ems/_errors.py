@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import socket
 
+from datadist.engine.codec import WireError
+
 from .common.exception import EmsErrorCode, EmsException
 
 __all__ = [
@@ -51,8 +53,10 @@ class PoolRejected(EmsError):
     code = EmsErrorCode.EMS_INVALID_ARGUMENT
 
 
-class ProtocolError(EmsError):
-    """The peer spoke another protocol version or sent a malformed message."""
+class ProtocolError(EmsError, WireError):
+    """The peer spoke another protocol version or sent a malformed message (the pool
+    protocol's :class:`~datadist.engine.codec.WireError`: every decoding failure of
+    :mod:`ems.pool.wire` raises it)."""
 
     code = EmsErrorCode.EMS_IO_ERROR
 

@@ -1,47 +1,35 @@
-"""The link protocol: typed, versioned control messages, one codec.
+"""The link protocol: typed, versioned control messages on the project's frame codec.
 
-A frame is a fixed header ``<4sBBHII`` (magic, version, message type, reserved, body
-length, array length), a binary body holding the message's fields, and an optional array
-section (``uint64`` plan halves; never payload).  The body layout is derived from each
-message's field annotations: ``int`` (int64), ``U64`` (uint64) and ``bool`` fields packed
-together in declaration order, then ``str`` (UTF-8) and ``dict``/``list`` (JSON) fields,
-each with a length prefix.  Hot messages are all-numeric, so they cost one ``struct``
-call per side.  Payload bytes follow a frame on the same
+A frame (:mod:`datadist.engine.codec`) is a fixed header ``<4sBBHII`` (magic, version,
+message type, reserved, body length, array length), a binary body holding the message's
+fields, and an optional array section (``uint64`` plan halves; never payload).  The body
+layout is derived from each message's field annotations: ``int`` (int64), ``U64`` (uint64)
+and ``bool`` fields packed together in declaration order, then ``str`` (UTF-8) and
+``Dict``/``List`` (JSON) fields, each with a length prefix.  Hot messages are all-numeric,
+so they cost one ``struct`` call per side.  Payload bytes follow a frame on the same
 stream only where a message says so (``PUSH``: the sender streams the plan's bytes right
 after the frame; ``PULL``: the server answers with a ``REPLY`` and then the bytes).
 The peer's version is checked before anything else is decoded.
 """
 from __future__ import annotations
 
-import json
 import socket
-import struct
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, ClassVar, Optional
-
-import numpy as np
+from typing import Any, ClassVar, Collection, Dict, List, Optional
 
 from . import native
+from .codec import HEADER_SIZE, U64, Buffer, FrameFormat, WireError
 
 __all__ = [
     "VERSION", "U64", "MsgType", "Message", "Hello", "HelloAck", "Attach", "Resolve", "Resolved",
     "ReleaseKey", "Push", "Pull", "Reply", "Unlink", "Notify", "Note", "encode", "read_message", "WireError",
-    "PRE_LINK", "HEADER_SIZE", "parse_header", "decode_frame",
+    "PRE_LINK", "HEADER_SIZE", "parse_header", "decode_frame", "FORMAT",
 ]
-
-#: Annotation of fields that hold unsigned 64-bit values (keys, cluster ids).
-U64 = int
 
 MAGIC = b"DDKV"
 VERSION = 3
-_HEADER = struct.Struct("<4sBBHII")
 _MAX_BODY = 16 << 20
-_JSON = json.JSONEncoder(separators=(",", ":"))
-
-
-class WireError(Exception):
-    """The stream does not carry a valid frame of our protocol and version."""
 
 
 class MsgType(IntEnum):
@@ -64,7 +52,7 @@ class Message:
     """Base of all control messages; ``arrays`` travel in the binary section."""
 
     TYPE: ClassVar[MsgType]
-    arrays: list = field(default_factory=list, repr=False)
+    arrays: List[Any] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -76,9 +64,9 @@ class Hello(Message):
     role: int = 0
     host: str = ""
     pid: int = 0
-    ctrl: dict = field(default_factory=dict)       # {"fd", "size", "base"} of the epoch page
-    arenas: list = field(default_factory=list)      # [{"fd", "size", "base"}]
-    device_regions: list = field(default_factory=list)  # CUDA IPC regions of the device pool
+    ctrl: Dict[str, Any] = field(default_factory=dict)             # {"fd", "size", "base"} of the epoch page
+    arenas: List[Dict[str, Any]] = field(default_factory=list)     # [{"fd", "size", "base"}]
+    device_regions: List[Dict[str, Any]] = field(default_factory=list)  # CUDA IPC regions of the device pool
     backend: str = "auto"
     remote_cluster_id: U64 = 0                      # whom the client expects to reach
     # With a link secret (datadist.engine.auth): the sender's fresh nonce and its proof,
@@ -139,7 +127,7 @@ class Resolved(Message):
     epoch: U64 = 0
     watched: bool = False     # the owner keeps arrival notices for this cache
     device: str = "cpu"       # where its tensors live: "cpu" or "cuda:N"
-    ipc: list = field(default_factory=list)   # CUDA IPC regions covering a device cache
+    ipc: List[Dict[str, Any]] = field(default_factory=list)   # CUDA IPC regions covering a device cache
 
 
 @dataclass
@@ -207,68 +195,31 @@ class Unlink(Message):
     cluster_id: U64 = 0
 
 
-_TYPES: dict[int, type[Message]] = {
-    cls.TYPE: cls for cls in (Hello, HelloAck, Attach, Resolve, Resolved, ReleaseKey, Push, Pull, Reply, Unlink, Notify,
-                                 Note)
+#: Frames a peer may send before it is linked (the first frame of a connection).
+PRE_LINK = (MsgType.HELLO, MsgType.ATTACH)
+#: Largest body and array section of each message type, checked before anything is
+#: allocated: the messages that open a link are small, only the plan halves of a request
+#: and a cache's tensor addresses carry arrays.
+_PRE_LINK_BODY = 64 << 10
+_MAX_ARRAYS = 1 << 30
+
+#: The link protocol on the frame codec: every message class, its type and its limits.  A
+#: frame carries at most 4 arrays (a plan half is 3); decoded arrays are views of one
+#: aligned copy of the frame's array section.
+FORMAT: FrameFormat[Message] = FrameFormat("datadist link", MAGIC, VERSION, MsgType, arrays="arrays",
+                                           max_array_count=4)
+_LIMITS: dict[type[Message], tuple[int, int]] = {
+    **{cls: (_PRE_LINK_BODY, 0) for cls in (Hello, Attach, Unlink, Reply, Notify, Note, Resolve, ReleaseKey)},
+    HelloAck: (_MAX_BODY, 0),
+    **{cls: (_MAX_BODY, _MAX_ARRAYS) for cls in (Resolved, Push, Pull)},
 }
+for _cls, (_body, _arrays) in _LIMITS.items():
+    FORMAT.register(_cls, _cls.TYPE, _body, _arrays)
+FORMAT.compile()
 
-
-class _Schema:
-    """How one message class is laid out in a body (see the module docstring)."""
-
-    _FIXED = {"int": "q", "U64": "Q", "bool": "?"}
-
-    def __init__(self, cls: type) -> None:
-        flds = [f for f in fields(cls) if f.name != "arrays"]
-        self.fixed = [f.name for f in flds if f.type in self._FIXED]
-        self.var = [(f.name, f.type) for f in flds if f.type not in self._FIXED]
-        for name, kind in self.var:
-            if kind not in ("str", "dict", "list"):
-                raise TypeError(f"{cls.__name__}.{name}: unsupported wire type {kind}")
-        self.struct = struct.Struct("<" + "".join(self._FIXED[f.type] for f in flds if f.type in self._FIXED))
-
-    def pack(self, msg: "Message") -> bytes:
-        parts = [self.struct.pack(*[getattr(msg, n) for n in self.fixed])]
-        for name, kind in self.var:
-            value = getattr(msg, name)
-            raw = value.encode() if kind == "str" else _JSON.encode(value).encode()
-            parts.append(_LEN.pack(len(raw)))
-            parts.append(raw)
-        return b"".join(parts)
-
-    def unpack(self, cls: type, data, blen: int) -> "Message":
-        if blen < self.struct.size:
-            raise WireError(f"{cls.__name__} body of {blen} bytes is shorter than its fixed fields")
-        values = dict(zip(self.fixed, self.struct.unpack_from(data, 0)))
-        pos = self.struct.size
-        for name, kind in self.var:
-            (n,) = _LEN.unpack_from(data, pos)
-            pos += _LEN.size
-            if pos + n > blen:
-                raise WireError(f"{cls.__name__}.{name} of {n} bytes overruns the body")
-            raw = bytes(data[pos:pos + n])
-            pos += n
-            value = raw.decode() if kind == "str" else json.loads(raw)
-            if kind != "str" and not isinstance(value, dict if kind == "dict" else list):
-                raise WireError(f"{cls.__name__}.{name} is not a JSON {kind}")
-            values[name] = value
-        if pos != blen:
-            raise WireError(f"{cls.__name__} body of {blen} bytes does not match its layout ({pos} bytes)")
-        return cls(**values)
-
-
-_LEN = struct.Struct("<I")
-
-
-def encode(msg: Message) -> bytes:
-    """Serialize ``msg`` into one frame."""
-    raw = _SCHEMAS[type(msg)].pack(msg)
-    if msg.arrays:
-        arrays = [np.ascontiguousarray(a, dtype=np.uint64) for a in msg.arrays]
-        arr_bytes = b"".join(struct.pack("<Q", a.shape[0]) + a.tobytes() for a in arrays)
-    else:
-        arr_bytes = b""
-    return _HEADER.pack(MAGIC, VERSION, int(msg.TYPE), 0, len(raw), len(arr_bytes)) + raw + arr_bytes
+#: One frame for a message (:class:`~datadist.engine.codec.EncodeError`, a ``ValueError``,
+#: if the message holds values the format cannot carry).
+encode = FORMAT.encode
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -281,72 +232,26 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-#: Frames a peer may send before it is linked (the first frame of a connection).
-PRE_LINK = (MsgType.HELLO, MsgType.ATTACH)
-#: Largest body and array section of each message type, checked before anything is
-#: allocated: the messages that open a link are small, only the plan halves of a request
-#: and a cache's tensor addresses carry arrays.
-_PRE_LINK_BODY = 64 << 10
-_MAX_ARRAYS = 1 << 30
-_LIMITS: dict[int, tuple[int, int]] = {
-    int(t): (_PRE_LINK_BODY, 0) for t in (MsgType.HELLO, MsgType.ATTACH, MsgType.UNLINK, MsgType.REPLY,
-                                         MsgType.NOTIFY, MsgType.NOTE, MsgType.RESOLVE,
-                                         MsgType.RELEASE_KEY)}
-_LIMITS.update({int(MsgType.HELLO_ACK): (_MAX_BODY, 0), int(MsgType.RESOLVED): (_MAX_BODY, _MAX_ARRAYS),
-                int(MsgType.PUSH): (_MAX_BODY, _MAX_ARRAYS), int(MsgType.PULL): (_MAX_BODY, _MAX_ARRAYS)})
-HEADER_SIZE = _HEADER.size
-
-
-def parse_header(head, allowed: Optional[tuple] = None) -> tuple[type, int, int]:
+def parse_header(head: Buffer, allowed: Optional[Collection[int]] = None) -> tuple[type[Message], int, int]:
     """Check a frame header: our magic and version, a known type (one of ``allowed`` if
     given) and sizes within that type's limits.  Returns ``(class, body bytes, array
     bytes)``; raises :class:`WireError` before the caller allocates anything."""
-    magic, version, mtype, _, blen, alen = _HEADER.unpack(head)
-    if magic != MAGIC:
-        raise WireError(f"not a datadist link frame (magic {magic!r})")
-    if version != VERSION:
-        raise WireError(f"peer speaks link protocol version {version}, this side {VERSION}")
-    cls = _TYPES.get(mtype)
-    if cls is None or (allowed is not None and mtype not in allowed):
-        raise WireError(f"unexpected message type {mtype}")
-    max_body, max_arrays = _LIMITS[mtype]
-    if blen > max_body or alen > max_arrays or alen % 8:
-        raise WireError(f"{cls.__name__} frame of {blen} + {alen} bytes is out of bounds")
-    return cls, blen, alen
+    return FORMAT.parse_header(head, allowed)
 
 
-def decode_frame(cls: type, data, blen: int) -> Message:
+def decode_frame(cls: type[Message], data: Buffer, blen: int) -> Message:
     """Decode a frame's body and array section (``data``, sized by :func:`parse_header`).
     Anything malformed, truncated or of the wrong type raises :class:`WireError`, so a
     hostile frame costs its sender the connection and nothing else."""
-    try:
-        msg = _SCHEMAS[cls].unpack(cls, data, blen)
-        arrays: list[Any] = []
-        pos, end = blen, len(data)
-        while pos < end:
-            (count,) = struct.unpack_from("<Q", data, pos)
-            pos += 8
-            if count > (end - pos) // 8:
-                raise WireError(f"{cls.__name__} array of {count} entries overruns its frame")
-            arrays.append(np.frombuffer(data, dtype=np.uint64, count=count, offset=pos).copy())
-            pos += 8 * count
-    except WireError:
-        raise
-    except (struct.error, UnicodeDecodeError, ValueError, TypeError, RecursionError) as exc:
-        raise WireError(f"malformed {cls.__name__} frame: {exc}") from None
-    msg.arrays = arrays
-    return msg
+    return FORMAT.decode_frame(cls, data, blen)
 
 
-def read_message(sock: socket.socket, allowed: Optional[tuple] = None) -> Message:
+def read_message(sock: socket.socket, allowed: Optional[Collection[int]] = None) -> Message:
     """Read one frame (blocking within the socket's timeout) and decode it.
 
     Raises ``ConnectionResetError`` at end of stream, ``socket.timeout`` at the socket's
     deadline and :class:`WireError` for a foreign, oversized or malformed frame, or one
     whose type is not in ``allowed``.
     """
-    cls, blen, alen = parse_header(_recv_exact(sock, _HEADER.size), allowed)
-    return decode_frame(cls, _recv_exact(sock, blen + alen), blen)
-
-
-_SCHEMAS: dict[type, _Schema] = {cls: _Schema(cls) for cls in _TYPES.values()}
+    cls, blen, alen = FORMAT.parse_header(_recv_exact(sock, HEADER_SIZE), allowed)
+    return FORMAT.decode_frame(cls, _recv_exact(sock, blen + alen), blen)

@@ -91,7 +91,7 @@ class Connection:
             for fd in fds:
                 os.close(fd)
             self.close()
-            if reply.kind == "auth":
+            if reply.kind == wire.ErrorKind.AUTH:
                 raise PoolRejected(f"the EMS pool at {address} rejected the credentials: {reply.message}")
             raise PoolUnreachable(f"the EMS pool at {address} refused the connection: {reply.message}")
         if not isinstance(reply, wire.HelloReply):
@@ -140,7 +140,7 @@ class Connection:
             self.broken = True
             raise
         if isinstance(reply, wire.Error):
-            if reply.kind == "invalid":
+            if reply.kind == wire.ErrorKind.INVALID:
                 raise PoolRejected(f"the pool rejected {type(msg).__name__}: {reply.message}")
             raise PoolDisconnected(f"the pool failed {type(msg).__name__}: {reply.message}")
         return reply

@@ -1,27 +1,32 @@
 """The control protocol between clients and ``ems-server``: typed, versioned, one codec.
 
-Frame: 4-byte big-endian length, then the body: 4-byte big-endian length of the JSON
-``[op, {fields}]`` that follows, then raw UTF-8 text.  A key list (a ``List[str]`` field)
-is ``[count, separator, nbytes]`` in the JSON and its keys, joined by the separator, in
-the text (fields in declaration order): no per-key JSON values and no escaping of the
-keys' NULs, so both sides handle a list in a few C calls.  Every message is a
-dataclass with an :class:`Op`; :func:`encode` / :func:`decode` are the only codec, and the
-HELLO exchange checks :data:`PROTOCOL_VERSION` before anything else is decoded.  Value
-bytes never go through the codec: on a unix socket they move through the shared arena
-(the HELLO reply carries the arena's memfd by SCM_RIGHTS); on TCP they follow a WRITE
-frame or a READ reply as raw bytes.
+Frames are those of :mod:`datadist.engine.codec` (the link protocol's codec): a 16-byte
+header (magic ``EMSP``, :data:`PROTOCOL_VERSION`, the :class:`Op`, body length) checked
+against the op's size limit before anything is allocated, then a binary body derived from
+the message's dataclass fields: numbers and flags in one struct, strings length-prefixed,
+``List[int]`` / ``List[U64]`` / ``List[bool]`` packed, and a key list (a ``List[str]``
+field) as its count, a separator no key holds and the keys joined by it: no per-key
+values and no escaping of the keys' NULs, so both sides handle a list in a few C calls.
+Every message is a dataclass with an :class:`Op`; :func:`encode` / :func:`decode` are the
+only codec, every malformed frame raises :class:`~ems._errors.ProtocolError` (a
+:class:`~datadist.engine.codec.WireError`), and the HELLO exchange checks
+:data:`PROTOCOL_VERSION` too (the header already carries it).  An :class:`Error` names its
+cause by :class:`ErrorKind`.  Value bytes never go through the codec: on a unix socket
+they move through the shared arena (the HELLO reply carries the arena's memfd by
+SCM_RIGHTS); on TCP they follow a WRITE frame or a READ reply as raw bytes.
 
 A key on the wire is ``distribute_part + "\\0" + attribute_part`` (see :mod:`ems.keys`).
 """
 from __future__ import annotations
 
-import json
+import os
 import socket
-import struct
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+
+from datadist.engine.codec import HEADER_SIZE, U64, Buffer, FrameFormat
 
 from .._errors import PoolDisconnected, PoolTimeout, ProtocolError
 
@@ -29,18 +34,19 @@ __all__ = [
     "PROTOCOL_VERSION", "Op", "Message", "encode", "decode", "send_msg", "recv_msg",
     "recv_exact", "Hello", "HelloReply", "Ping", "Pong", "Stats", "StatsReply", "Reserve",
     "ReserveReply", "Commit", "CommitReply", "Abort", "Get", "GetReply", "Release", "Drop",
-    "Exists", "ExistsReply", "Write", "Read", "ReadReply", "Error", "Shutdown", "Ack", "Challenge",
-    "SKIPPED", "NO_SPACE", "MAX_FRAME",
+    "Exists", "ExistsReply", "Write", "Read", "ReadReply", "Error", "ErrorKind", "Shutdown", "Ack", "Challenge",
+    "SKIPPED", "NO_SPACE", "MAX_FRAME", "SMALL_FRAME", "FORMAT",
 ]
 
-PROTOCOL_VERSION = 5
-#: Largest control frame either side accepts.
+PROTOCOL_VERSION = 6
+MAGIC = b"EMSP"
+#: Largest control frame either side accepts (header excluded).
 MAX_FRAME = 64 << 20
+#: Largest frame of a request that carries no list (HELLO, PING, READ, ...).
+SMALL_FRAME = 64 << 10
 #: Reserve reply offsets: the key already holds a value (nothing to write) / no room.
 SKIPPED = -2
 NO_SPACE = -1
-
-_LEN = struct.Struct("!I")
 
 
 class Op(IntEnum):
@@ -72,26 +78,31 @@ class Op(IntEnum):
     ERROR = 99
 
 
-_REGISTRY: Dict[int, Type["Message"]] = {}
-#: Per message class: its key-list fields (``List[str]``), which the codec joins.
-_KEY_LISTS: Dict[Type["Message"], Tuple[str, ...]] = {}
-#: Separators tried in order; the first that no key contains is used.
-_SEPARATORS = "\x1e\x1f\x1d\x1c\n"
+class ErrorKind(IntEnum):
+    """Why a request failed (:class:`Error`); the client maps ``AUTH`` at HELLO and
+    ``INVALID`` later to a rejection, anything else to a broken pool."""
+
+    INVALID = 1    # a malformed or out-of-place request
+    AUTH = 2       # credentials or pool secret refused, or an operator-only request
+    VERSION = 3    # another PROTOCOL_VERSION
+    INTERNAL = 4   # the daemon failed (or is shutting down)
+    BUSY = 5       # --max-connections reached
+
+
+#: The pool protocol on the frame codec; every :class:`Message` subclass registers itself.
+FORMAT: FrameFormat["Message"] = FrameFormat("ems pool", MAGIC, PROTOCOL_VERSION, Op, error=ProtocolError)
 
 
 class Message:
-    """Base of all messages; subclasses are dataclasses with a class-level ``OP``."""
+    """Base of all messages; subclasses are dataclasses with a class-level ``OP`` (and a
+    ``LIMIT``: the largest body a receiver accepts, before allocating it)."""
 
     OP: ClassVar[Op]
+    LIMIT: ClassVar[int] = MAX_FRAME
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        op = int(cls.__dict__["OP"])
-        if op in _REGISTRY:
-            raise TypeError(f"duplicate wire op {op} for {cls.__name__}")
-        _REGISTRY[op] = cls
-        _KEY_LISTS[cls] = tuple(name for name, hint in cls.__dict__.get("__annotations__", {}).items()
-                                if hint == "List[str]")
+        FORMAT.register(cls, cls.__dict__["OP"], cls.LIMIT)  # TypeError for an op registered twice
 
 
 @dataclass
@@ -99,6 +110,7 @@ class Hello(Message):
     """First message on a connection: protocol version and tenant credentials."""
 
     OP = Op.HELLO
+    LIMIT = SMALL_FRAME
     version: int = PROTOCOL_VERSION
     access_id: Optional[str] = None
     access_key: Optional[str] = None
@@ -130,6 +142,7 @@ class HelloReply(Message):
 @dataclass
 class Ping(Message):
     OP = Op.PING
+    LIMIT = SMALL_FRAME
 
 
 @dataclass
@@ -141,6 +154,7 @@ class Pong(Message):
 @dataclass
 class Stats(Message):
     OP = Op.STATS
+    LIMIT = SMALL_FRAME
 
 
 @dataclass
@@ -172,7 +186,7 @@ class Commit(Message):
     OP = Op.COMMIT
     keys: List[str] = field(default_factory=list)
     offsets: List[int] = field(default_factory=list)
-    checksums: List[int] = field(default_factory=list)
+    checksums: List[U64] = field(default_factory=list)
     keep_local: bool = True
 
 
@@ -205,7 +219,7 @@ class GetReply(Message):
     lease: int = 0
     offsets: List[int] = field(default_factory=list)
     sizes: List[int] = field(default_factory=list)
-    checksums: List[int] = field(default_factory=list)
+    checksums: List[U64] = field(default_factory=list)
 
 
 @dataclass
@@ -213,6 +227,7 @@ class Release(Message):
     """One-way: end a lease."""
 
     OP = Op.RELEASE
+    LIMIT = SMALL_FRAME
     lease: int = 0
 
 
@@ -244,6 +259,7 @@ class Write(Message):
     """TCP only: ``size`` raw bytes for a reservation at ``offset`` follow the frame."""
 
     OP = Op.WRITE
+    LIMIT = SMALL_FRAME
     offset: int = 0
     size: int = 0
 
@@ -253,6 +269,7 @@ class Read(Message):
     """TCP only: send ``size`` bytes of a leased value at ``offset``."""
 
     OP = Op.READ
+    LIMIT = SMALL_FRAME
     offset: int = 0
     size: int = 0
 
@@ -282,69 +299,29 @@ class Challenge(Message):
 @dataclass
 class Shutdown(Message):
     OP = Op.SHUTDOWN
+    LIMIT = SMALL_FRAME
 
 
 @dataclass
 class Error(Message):
-    """The request failed; ``kind`` is ``invalid``, ``auth``, ``version`` or ``internal``."""
+    """The request failed, for the reason ``kind`` names."""
 
     OP = Op.ERROR
-    kind: str = "internal"
+    kind: ErrorKind = ErrorKind.INTERNAL
     message: str = ""
 
 
-def _join(keys: List[str]) -> Tuple[str, str]:
-    """A separator no key contains, and the keys joined by it."""
-    for sep in _SEPARATORS:
-        joined = sep.join(keys)
-        if joined.count(sep) == len(keys) - 1 or not keys:
-            return sep, joined
-    # Keys holding every usual separator: take the first character none of them holds.
-    used = set("".join(keys))
-    sep = next(c for c in map(chr, range(1, 0x110000)) if c not in used)
-    return sep, sep.join(keys)
+FORMAT.compile()
+
+#: One frame (header included) for a message; :class:`~datadist.engine.codec.EncodeError`
+#: (a ``ValueError``) for one the format cannot carry.
+encode = FORMAT.encode
 
 
-def encode(msg: Message) -> bytes:
-    """One frame (length prefix included) for ``msg``."""
-    fields = msg.__dict__
-    texts = []
-    lists = _KEY_LISTS[type(msg)]
-    if lists:
-        fields = dict(fields)
-        for name in lists:
-            sep, joined = _join(fields[name])
-            text = joined.encode()
-            fields[name] = [len(fields[name]), sep, len(text)]
-            texts.append(text)
-    head = json.dumps([int(msg.OP), fields], separators=(",", ":")).encode()
-    body = b"".join([_LEN.pack(len(head)), head, *texts])
-    return _LEN.pack(len(body)) + body
-
-
-def decode(body: bytes) -> Message:
-    """The message in a frame body; raises :class:`ProtocolError` if it is malformed."""
-    try:
-        (n,) = _LEN.unpack_from(body)
-        at = _LEN.size + n
-        op, fields = json.loads(body[_LEN.size:at])
-        cls = _REGISTRY[int(op)]
-        for name in _KEY_LISTS[cls]:
-            if name not in fields:
-                continue
-            count, sep, nbytes = fields[name]
-            if not isinstance(sep, str) or len(sep) != 1 or not isinstance(nbytes, int) or nbytes < 0:
-                raise ValueError(f"{name}: a key list must be [count, separator, nbytes]")
-            keys = body[at:at + nbytes].decode().split(sep) if count else []
-            at += nbytes
-            if len(keys) != count:
-                raise ValueError(f"{name}: {len(keys)} keys where {count} were announced")
-            fields[name] = keys
-        if at != len(body):
-            raise ValueError("key text does not match the announced lengths")
-        return cls(**fields)
-    except (ValueError, TypeError, KeyError, struct.error, RecursionError) as exc:
-        raise ProtocolError(f"malformed control message: {exc}") from None
+def decode(frame: Buffer) -> Message:
+    """The message in one whole frame (header included); raises :class:`ProtocolError` if
+    it is malformed, truncated, oversized or not of this protocol and version."""
+    return FORMAT.decode(frame)
 
 
 def _timeout(sock: socket.socket, deadline: Optional[float]) -> None:
@@ -398,25 +375,28 @@ def recv_msg(sock: socket.socket, deadline: Optional[float] = None,
     """Receive one frame (and up to ``want_fds`` descriptors) before ``deadline``; a frame
     announced larger than ``max_frame`` is refused before anything is allocated."""
     fds: List[int] = []
-    head = bytearray(_LEN.size)
+    head = bytearray(HEADER_SIZE)
+    got = 0
     if want_fds:
         try:
             _timeout(sock, deadline)
-            data, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size, want_fds)
+            data, fds, _flags, _addr = socket.recv_fds(sock, HEADER_SIZE, want_fds)
         except socket.timeout:
             raise PoolTimeout("deadline passed while waiting for the pool") from None
         except OSError as exc:
             raise PoolDisconnected(f"connection to the pool broke: {exc}") from None
-        if not data:
+        got = len(data)
+        head[:got] = data
+    try:
+        if want_fds and not got:
             raise PoolDisconnected("the pool closed the connection")
-        head[: len(data)] = data
-        if len(data) < _LEN.size:
-            recv_exact(sock, memoryview(head)[len(data):], deadline)
-    else:
-        recv_exact(sock, memoryview(head), deadline)
-    (n,) = _LEN.unpack(head)
-    if n > max_frame:
-        raise ProtocolError(f"control frame of {n} bytes exceeds {max_frame}")
-    body = bytearray(n)
-    recv_exact(sock, memoryview(body), deadline)
-    return decode(bytes(body)), fds
+        if got < HEADER_SIZE:
+            recv_exact(sock, memoryview(head)[got:], deadline)
+        cls, blen, alen = FORMAT.parse_header(head, max_frame=max_frame)
+        body = bytearray(blen + alen)
+        recv_exact(sock, memoryview(body), deadline)
+        return FORMAT.decode_frame(cls, body, blen), fds
+    except BaseException:
+        for fd in fds:  # a frame refused or cut short: its descriptors are nobody's
+            os.close(fd)
+        raise

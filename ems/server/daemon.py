@@ -239,8 +239,8 @@ class Daemon:
         self.refusals.warning("refused a connection: %d connections are open (--max-connections)",
                               self.cfg.max_connections)
         try:
-            wire.send_msg(conn, Error("busy", f"ems-server has {self.cfg.max_connections} connections open, "
-                                              "its --max-connections; retry later or raise the limit"),
+            wire.send_msg(conn, Error(wire.ErrorKind.BUSY, f"ems-server has {self.cfg.max_connections} connections open, "
+                                                             "its --max-connections; retry later or raise the limit"),
                           time.monotonic() + 0.2)
         except EmsError:
             pass
@@ -297,17 +297,17 @@ class Session:
             return False
         except ProtocolError as exc:
             self.d.refusals.warning("closed a connection that sent a bad frame: %s", exc)
-            self._reply(Error("invalid", str(exc)))
+            self._reply(Error(wire.ErrorKind.INVALID, str(exc)))
             return False
         try:
             reply = self._handle(msg)
         except (OSError, PoolDisconnected, PoolTimeout):  # payload stopped flowing (peer gone, read_timeout)
             return False
         except (EmsError, ValueError, TypeError, KeyError) as exc:
-            reply = Error("invalid", f"{type(msg).__name__}: {exc}")
+            reply = Error(wire.ErrorKind.INVALID, f"{type(msg).__name__}: {exc}")
         except Exception as exc:  # a bug must not take the daemon down; it is logged
             log.exception("request %s failed", type(msg).__name__)
-            reply = Error("internal", f"{type(exc).__name__}: {exc}")
+            reply = Error(wire.ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")
         if reply is not None:
             fds, self._fds = self._fds, ()
             sent = self._reply(reply, fds)
@@ -358,22 +358,22 @@ class Session:
     def _handle(self, msg: wire.Message):
         store = self.d.store
         if store is None:
-            return Error("internal", "shutting down")
+            return Error(wire.ErrorKind.INTERNAL, "shutting down")
         if isinstance(msg, Hello):
             return self._hello(msg)
         if self.d.secret is not None and self.space is None and not self._operator():
-            return Error("auth", REFUSAL)  # with a secret, strangers get nothing, not even a ping
+            return Error(wire.ErrorKind.AUTH, REFUSAL)  # with a secret, strangers get nothing, not even a ping
         if isinstance(msg, Ping):
             return Pong(self.d.instance)
         if isinstance(msg, Stats):
             if not self.d.tenants.open and not self._operator():
-                return Error("auth", "with tenant credentials, statistics are for the daemon's own user "
-                                     "on its unix socket")
+                return Error(wire.ErrorKind.AUTH, "with tenant credentials, statistics are for the daemon's own user "
+                                                     "on its unix socket")
             return StatsReply(self.d.stats())
         if isinstance(msg, Shutdown):
             if not self._operator():
-                return Error("auth", "shutdown is accepted only from the daemon's own user (or root) "
-                                     "on its unix socket")
+                return Error(wire.ErrorKind.AUTH, "shutdown is accepted only from the daemon's own user (or root) "
+                                                     "on its unix socket")
             return Ack()  # the daemon stops once this answer is out (serve_one)
         ts = self._need_space()
         owner = self.owner
@@ -412,26 +412,26 @@ class Session:
 
     def _hello(self, msg: Hello):
         if msg.version != wire.PROTOCOL_VERSION:
-            return Error("version", f"protocol version {msg.version} is not {wire.PROTOCOL_VERSION}")
+            return Error(wire.ErrorKind.VERSION, f"protocol version {msg.version} is not {wire.PROTOCOL_VERSION}")
         if self.space is not None:
-            return Error("invalid", "HELLO twice")
+            return Error(wire.ErrorKind.INVALID, "HELLO twice")
         secret = self.d.secret
         opening = bool(msg.nonce) and not msg.proof
         if secret is None:
             if opening:  # the client asks for a secret this pool does not hold
-                return Error("auth", REFUSAL)
+                return Error(wire.ErrorKind.AUTH, REFUSAL)
         elif self._auth is None:
             self._auth = ServerAuth.start(secret, msg.nonce, _client_id(msg), b"ems-server") if opening else None
             if self._auth is None:
-                return Error("auth", REFUSAL)
+                return Error(wire.ErrorKind.AUTH, REFUSAL)
             nonce, proof = self._auth.challenge()
             return Challenge(nonce, proof)
         elif _client_id(msg) != self._auth.ids[0] or not self._auth.check(msg.nonce, msg.proof):
-            return Error("auth", REFUSAL)
+            return Error(wire.ErrorKind.AUTH, REFUSAL)
         try:
             tenant = self.d.tenants.authenticate(msg.access_id, msg.access_key)
         except AuthError as exc:
-            return Error("auth", str(exc))
+            return Error(wire.ErrorKind.AUTH, str(exc))
         store = self.d.store
         assert store is not None
         self.space = store.space(tenant)
@@ -446,14 +446,14 @@ class Session:
     def _write(self, store: Store, owner: Owner, ts: TenantSpace, off: int, size: int):
         res = store.reservation(owner, ts, off)
         if res is None or size != res.size:
-            return Error("invalid", "WRITE outside this connection's reservations")
+            return Error(wire.ErrorKind.INVALID, "WRITE outside this connection's reservations")
         view = ts.arena.view(off, size)
         wire.recv_exact(self.sock, view, time.monotonic() + self.d.cfg.read_timeout)
         return None
 
     def _read(self, store: Store, owner: Owner, ts: TenantSpace, off: int, size: int):
         if not store.leased(owner, ts, off, size):
-            return Error("invalid", "READ outside this connection's leases")
+            return Error(wire.ErrorKind.INVALID, "READ outside this connection's leases")
         self.sock.settimeout(self.d.cfg.read_timeout)  # a reader that stops reading is cut off
         self.sock.sendall(wire.encode(ReadReply(size)))
         self.sock.sendall(ts.arena.view(off, size))

@@ -82,24 +82,39 @@ def served(daemon_factory):
     Ems._shutdown()
 
 
+def _head(op: int, blen: int, alen: int = 0, magic: bytes = wire.MAGIC,
+          version: int = wire.PROTOCOL_VERSION) -> bytes:
+    """A frame header of the pool protocol (datadist.engine.codec.HEADER)."""
+    return struct.pack("<4sBBHII", magic, version, op, 0, blen, alen)
+
+
 def test_bad_frames_before_hello(served) -> None:
     daemon, client = served
     rss = rss_bytes(daemon.pid)
     hello = wire.encode(wire.Hello(access_id=None, access_key=None, pid=1))
+    named = wire.encode(wire.Hello(access_id="ab", access_key=None, pid=1))
+    nested = b"[" * 60000  # JSON nested past the recursion limit (the one JSON field: STATS_REPLY)
     attacks: List[bytes] = [
-        struct.pack("<I", (64 << 20) - 1),                 # a 64 MiB frame announced before HELLO
-        struct.pack("<I", 0xFFFFFFFF),
-        struct.pack("<I", 20) + b"\x00" * 20,
+        _head(wire.Op.HELLO, (64 << 20) - 1),              # a 64 MiB frame announced before HELLO
+        _head(wire.Op.HELLO, 0xFFFFFFFF),
+        _head(wire.Op.HELLO, 0, 0xFFFFFFF8),                # an array section the protocol has none of
+        _head(wire.Op.HELLO, 20) + b"\x00" * 20,           # a body too short for HELLO's fields
+        struct.pack(">I", 20) + b"\x00" * 20,             # the previous protocol's framing
+        _head(200, 4) + b"\x00" * 4,                       # an op no message has
+        _head(wire.Op.HELLO, len(hello) - 16, magic=b"XXXX") + hello[16:],
+        _head(wire.Op.HELLO, len(hello) - 16, version=wire.PROTOCOL_VERSION - 1) + hello[16:],
         hello[:-5],                                        # truncated
-        hello.replace(b'"access_id"', b'"access_xx"'),
-        struct.pack("<I", 12) + struct.pack("<I", 8) + b"[[[[[[[[",
+        named.replace(b"ab", b"\xff\xfe"),                # access_id that is not UTF-8
+        # after the header (16 bytes) and HELLO's fixed fields (17): access_id's length, overrunning
+        hello[:33] + struct.pack("<I", 0xFFFFFFF0) + hello[37:],
+        _head(wire.Op.STATS_REPLY, 4 + len(nested)) + struct.pack("<I", len(nested)) + nested,
     ]
     held = []
     for data in attacks * 5:
         _send(daemon, data)
     for _ in range(40):  # announce 64 MiB each and send nothing more
         s = _connect(daemon)
-        s.sendall(struct.pack("<I", (64 << 20) - 1))
+        s.sendall(_head(wire.Op.HELLO, (64 << 20) - 1))
         held.append(s)
     client.serves()
     assert rss_bytes(daemon.pid) - rss < RSS_GROWTH_LIMIT
@@ -156,7 +171,8 @@ def test_connection_cap_refuses_clearly(daemon_factory) -> None:
     try:
         extra = _connect(daemon)
         reply, _ = wire.recv_msg(extra, time.monotonic() + 5)
-        assert isinstance(reply, wire.Error) and reply.kind == "busy" and "--max-connections" in reply.message
+        assert isinstance(reply, wire.Error) and reply.kind == wire.ErrorKind.BUSY
+        assert "--max-connections" in reply.message
         extra.close()
         Ems._shutdown()
         with pytest.raises(EmsException) as err:

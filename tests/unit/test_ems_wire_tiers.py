@@ -1,9 +1,12 @@
 """Wire codec, checksum and the disk tier on its own."""
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 
+from datadist.engine.codec import HEADER_SIZE
 from ems._errors import ProtocolError
 from ems.pool import wire
 from ems.pool.checksum import checksum
@@ -14,21 +17,26 @@ from ems.server.tiers.disk import DiskTier, parse_size
 def test_codec_round_trip_and_errors():
     msg = wire.Reserve(["a\x00b"], [10], True)
     frame = wire.encode(msg)
-    assert wire.decode(frame[4:]) == msg
+    assert wire.decode(frame) == msg
+    head = bytearray(frame[:HEADER_SIZE])
+    head[5] = 200  # an op no message has (header: magic, version, op, ...)
     with pytest.raises(ProtocolError):
-        wire.decode(b"[999, {}]")
+        wire.decode(bytes(head) + frame[HEADER_SIZE:])
+    with pytest.raises(ProtocolError):  # a body one byte longer than its layout
+        wire.decode(struct.pack("<4sBBHII", wire.MAGIC, wire.PROTOCOL_VERSION, wire.Op.RESERVE, 0,
+                                len(frame) - HEADER_SIZE + 1, 0) + frame[HEADER_SIZE:] + b"\0")
     with pytest.raises(ProtocolError):
-        wire.decode(b"[7, {\"bogus\": 1}]")
-    with pytest.raises(ProtocolError):
-        wire.decode(b"not json")
+        wire.decode(b"not a frame at all")
     for keys in ([], [""], ["x\x1ey", "z\x1f"], ["\x1e\x1f\x1d\x1c\n", "é\x00日"]):
         msg = wire.Exists(keys, True)  # key lists travel joined, whatever they contain
-        assert wire.decode(wire.encode(msg)[4:]) == msg
-    frame = wire.encode(wire.Exists(["a", "b"]))[4:]
+        assert wire.decode(wire.encode(msg)) == msg
+    frame = wire.encode(wire.Exists(["a", "b"]))
     with pytest.raises(ProtocolError):
         wire.decode(frame[:-1])  # key text shorter than announced
+    recount = bytearray(frame)
+    struct.pack_into("<I", recount, HEADER_SIZE + 1, 3)  # after local_only: the key count
     with pytest.raises(ProtocolError):
-        wire.decode(frame.replace(b"[2,", b"[3,"))  # another key count than the text holds
+        wire.decode(bytes(recount))  # another key count than the text holds
     with pytest.raises(TypeError):
         class Dup(wire.Message):  # noqa: F841 - registering an op twice is refused
             OP = wire.Op.PING
