@@ -99,7 +99,7 @@ class _Option:
         self.name = name
         self.attr = "_" + name
 
-    def __get__(self, obj: Any, owner: type = None) -> Any:
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
         if obj is None:
             return self
         value = obj.__dict__.get(self.attr)
@@ -128,7 +128,7 @@ class _Option:
             options[self.key] = value if isinstance(value, str) else str(value)
 
 
-_warned_fields: set = set()
+_warned_fields: set[str] = set()
 
 
 def _warn_unknown_field(name: str) -> None:

@@ -16,10 +16,13 @@ import itertools
 import operator
 import sys
 import threading
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Type, Union
 
 from ._status import ParamInvalidError
 from ._types import DataType, Memtype, Placement
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CacheDesc",
@@ -79,12 +82,12 @@ class _Value:
     __slots__ = ()
     _fields: Tuple[str, ...] = ()
 
-    def _values(self) -> tuple:
+    def _values(self) -> Tuple[Any, ...]:
         return tuple(getattr(self, f) for f in self._fields)
 
     def __eq__(self, other: object) -> bool:
         if type(other) is type(self):
-            return self._values() == other._values()  # type: ignore[attr-defined]
+            return self._values() == other._values()
         return NotImplemented
 
     def __hash__(self) -> int:
@@ -164,7 +167,7 @@ class CacheDesc(_Value):
         self._seq_len_dim_index = seq_len_dim_index
         self._kv_tensor_format = kv_tensor_format
 
-    def _values(self) -> tuple:
+    def _values(self) -> Tuple[Any, ...]:
         return (self._num_tensors, self._shape, self._data_type, self._placement, self._batch_dim_index,
                 self._seq_len_dim_index, self._kv_tensor_format)
 
@@ -360,7 +363,7 @@ class MemInfo(_Value):
 # ---------------------------------------------------------------------------- caches
 
 
-def _torch_tensor_type() -> Optional[type]:
+def _torch_tensor_type() -> Optional[Type[torch.Tensor]]:
     # Only look at torch if the caller has loaded it: a tensor argument implies it is.
     torch = sys.modules.get("torch")
     return getattr(torch, "Tensor", None)

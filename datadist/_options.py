@@ -215,7 +215,8 @@ def _to_int(raw: Any) -> int:
             return int(raw)
         raise Bad("expected an integer")
     if hasattr(raw, "__index__"):
-        return raw.__index__()
+        index: int = raw.__index__()
+        return index
     raise Bad(f"expected an integer, got {type(raw).__name__}")
 
 
@@ -413,7 +414,7 @@ _PARSERS: Dict[str, Callable[[Any], Dict[str, Any]]] = {
 #: Option keys a warning never names: ours, and every key CANN's LLMConfig emits or its
 #: LLMDataDist adds.
 KNOWN_OPTION_KEYS = frozenset(_PARSERS) | CANN_INTERNAL_KEYS
-_warned_keys: set = set()
+_warned_keys: set[str] = set()
 
 
 def _warn_unknown_key(key: str) -> None:

@@ -3,4 +3,4 @@ registry (owned caches and keys), wire (link protocol), link, agent and core (th
 
 Users never import this package; ``ems`` uses ``layout`` and ``native`` for its copies.
 """
-__all__: list = []
+__all__: list[str] = []

@@ -16,17 +16,21 @@ import queue
 import selectors
 import socket
 import threading
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union, cast
 
 import numpy as np
 
 from . import native, npu, wire
 from .errors import Fault
+from .auth import Secret
 from .handshake import REFUSAL, ServerAuth
 from .incoming import Incoming, Pending, RateLimitedLog
 from .layout import Plan
 from .link import Link
 from .requests import SERVED, RequestHandler
+
+if TYPE_CHECKING:
+    from .core import Engine
 
 __all__ = ["Agent", "warn_if_unauthenticated"]
 
@@ -51,7 +55,7 @@ def _refusal() -> wire.HelloAck:
     return wire.HelloAck(status=int(Fault.LINK_FAILED), message=REFUSAL)
 
 
-def warn_if_unauthenticated(addr: tuple, secret: object) -> None:
+def warn_if_unauthenticated(addr: tuple[str, int], secret: object) -> None:
     """Once per process: listening beyond loopback without a link secret lets anyone who
     reaches the address link, read and write this engine's caches."""
     global _warned_open
@@ -68,7 +72,7 @@ class Agent:
     ``registry``, ``timeout_ms``, ``accept_hello(msg, sock)``, ``accept_attach(msg, sock)``
     and ``drop_link(link)``."""
 
-    def __init__(self, engine, listen: Optional[tuple[str, int]]) -> None:
+    def __init__(self, engine: Engine, listen: Optional[tuple[str, int]]) -> None:
         self.engine = engine
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -106,7 +110,7 @@ class Agent:
         except OSError:
             ls.close()
             raise
-        bound = ls.getsockname()[:2]
+        bound: tuple[str, int] = ls.getsockname()[:2]
         warn_if_unauthenticated(bound, self.engine.options.link_secret)
         self.listeners[bound] = ls
         self._sel.register(ls, selectors.EVENT_READ, "listen")
@@ -115,7 +119,7 @@ class Agent:
     def add_listener(self, addr: tuple[str, int], timeout: float = 5.0) -> tuple[str, int]:
         """Listen on ``addr`` as well (comm domains, switch_role); returns the bound address.
         Raises ``OSError`` if the address cannot be bound."""
-        done: "queue.Queue" = queue.Queue()
+        done: queue.Queue[Union[tuple[str, int], OSError]] = queue.Queue()
 
         def bind() -> None:
             try:
@@ -132,10 +136,11 @@ class Agent:
     def remove_listener(self, addr: tuple[str, int], timeout: float = 5.0) -> None:
         """Stop listening on ``addr`` (no-op if not listening there).  Returns once the
         socket is closed, so another process may bind the address right after."""
-        done: "queue.Queue" = queue.Queue()
+        done: queue.Queue[None] = queue.Queue()
 
         def close() -> None:
-            ls = self.listeners.pop(tuple(addr), None)
+            # tuple(): a caller's list names the same address
+            ls = self.listeners.pop(cast(tuple[str, int], tuple(addr)), None)
             if ls is not None:
                 self._sel.unregister(ls)
                 ls.close()
@@ -216,7 +221,7 @@ class Agent:
                 if key.data == "wake":
                     self._drain_wake()
                 elif key.data == "listen":
-                    self._accept(key.fileobj)
+                    self._accept(cast(socket.socket, key.fileobj))  # registered by _listen_now
                 elif isinstance(key.data, Pending):
                     if key.data.sock.fileno() >= 0:
                         self._first_frame(key.data)
@@ -268,31 +273,9 @@ class Agent:
         sock = pend.sock
         sock.settimeout(self.engine.timeout_ms / 1000.0)
         try:
-            secret = self.engine.options.link_secret
-            if isinstance(msg, wire.Attach):
-                reply = self.engine.linker.accept_attach(msg, sock)
-            elif secret is None:  # an opening asks for a secret this engine does not hold
-                reply = _refusal() if _opening(msg) else self.engine.linker.accept_hello(msg, sock)
-            elif pend.auth is None:  # the opening: answer with a challenge, then wait for the proof
-                state = (ServerAuth.start(secret, msg.nonce, str(msg.cluster_id).encode(),
-                                          str(self.engine.cluster_id).encode())
-                         if _opening(msg) and msg.remote_cluster_id == self.engine.cluster_id else None)
-                if state is None:
-                    sock.sendall(wire.encode(_refusal()))
-                    raise wire.WireError("an unauthenticated HELLO")
-                nonce, proof = state.challenge()
-                sock.sendall(wire.encode(wire.HelloAck(challenge=True, nonce=nonce, proof=proof)))
-                again, evicted = self._incoming.admit(sock)
-                again.auth = (state, msg.cluster_id)
-                if evicted is not None:
-                    self._close_pending(evicted, "too many connections opening a link")
-                self._sel.register(sock, selectors.EVENT_READ, again)
-                return
-            elif (msg.cluster_id, msg.remote_cluster_id) == (pend.auth[1], self.engine.cluster_id) \
-                    and pend.auth[0].check(msg.nonce, msg.proof):
-                reply = self.engine.linker.accept_hello(msg, sock)
-            else:
-                reply = _refusal()
+            reply = self._answer_first(pend, msg, sock)
+            if reply is None:
+                return  # a challenge went out; the connection waits for the proof
             sock.sendall(wire.encode(reply))
         except Exception as exc:  # whatever a hostile frame provokes costs its sender the connection only
             self._refusals.warning("rejected an incoming connection: %s: %s", type(exc).__name__, exc)
@@ -305,6 +288,41 @@ class Agent:
             if link is not None:
                 self.engine.linker.after_attach(link)
 
+    def _answer_first(self, pend: Pending, msg: wire.Message, sock: socket.socket) -> Optional[wire.Message]:
+        """The answer to a connection's first frame (an ATTACH, a HELLO, or with a link
+        secret the opening or the proven HELLO); None when a challenge was sent instead."""
+        secret = self.engine.options.link_secret
+        if isinstance(msg, wire.Attach):
+            return self.engine.linker.accept_attach(msg, sock)
+        assert isinstance(msg, wire.Hello)
+        if secret is None:  # an opening asks for a secret this engine does not hold
+            return _refusal() if _opening(msg) else self.engine.linker.accept_hello(msg, sock)
+        if pend.auth is None:  # the opening: answer with a challenge, then wait for the proof
+            self._challenge(msg, sock, secret)
+            return None
+        state, client = pend.auth
+        if (msg.cluster_id, msg.remote_cluster_id) == (client, self.engine.cluster_id) \
+                and state.check(msg.nonce, msg.proof):
+            return self.engine.linker.accept_hello(msg, sock)
+        return _refusal()
+
+    def _challenge(self, msg: wire.Hello, sock: socket.socket, secret: Secret) -> None:
+        """Answer an authenticated opening with this engine's nonce and proof, and wait
+        (without blocking) for the client's proven HELLO on the same connection."""
+        state = (ServerAuth.start(secret, msg.nonce, str(msg.cluster_id).encode(),
+                                  str(self.engine.cluster_id).encode())
+                 if _opening(msg) and msg.remote_cluster_id == self.engine.cluster_id else None)
+        if state is None:
+            sock.sendall(wire.encode(_refusal()))
+            raise wire.WireError("an unauthenticated HELLO")
+        nonce, proof = state.challenge()
+        sock.sendall(wire.encode(wire.HelloAck(challenge=True, nonce=nonce, proof=proof)))
+        again, evicted = self._incoming.admit(sock)
+        again.auth = (state, msg.cluster_id)
+        if evicted is not None:
+            self._close_pending(evicted, "too many connections opening a link")
+        self._sel.register(sock, selectors.EVENT_READ, again)
+
     def _expire_pending(self) -> None:
         for pend in self._incoming.expired():
             self._close_pending(pend, f"no complete first frame in {self._incoming.handshake_s:.1f} s")
@@ -313,6 +331,7 @@ class Agent:
     def _serve(self, link: Link) -> None:
         sock = link.serve_sock
         try:
+            assert sock is not None  # only a link with a serve_sock is registered (_register)
             with contextlib.ExitStack() as scope:  # staging buffers of this request
                 msg = wire.read_message(sock, SERVED)
                 reply = self._requests.handle(link, msg, sock, scope)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from typing import Optional
+from typing import NoReturn, Optional
 
 __all__ = ["NONCE_BYTES", "MAC_BYTES", "CLIENT", "SERVER", "Secret", "new_nonce", "mac",
            "verify", "load_secret"]
@@ -49,7 +49,7 @@ class Secret:
 
     __str__ = __repr__
 
-    def __reduce__(self):  # never pickled into a child's arguments or a log record
+    def __reduce__(self) -> NoReturn:  # never pickled into a child's arguments or a log record
         raise TypeError("a Secret cannot be pickled")
 
 

@@ -43,7 +43,8 @@ def npu_visible() -> bool:
         import torch
         import torch_npu  # noqa: F401  (registers torch.npu)
 
-        return bool(torch.npu.is_available() and torch.npu.device_count() > 0)
+        # torch.npu exists once torch_npu is imported; torch's stubs do not know it.
+        return bool(torch.npu.is_available() and torch.npu.device_count() > 0)  # type: ignore[attr-defined]
     except Exception:  # a broken install sees no device
         return False
 
@@ -132,6 +133,20 @@ class Engine:
             self.close()
             raise
 
+    def live_registry(self) -> Registry:
+        """The registry of this engine; ``close`` has dropped it from a closed one."""
+        registry = self.registry
+        if registry is None:
+            fail(Fault.FAILED, f"engine of cluster {self.cluster_id} is closed")
+        return registry
+
+    def live_agent(self) -> Agent:
+        """The agent of this engine; ``close`` has stopped and dropped it from a closed one."""
+        agent = self.agent
+        if agent is None:
+            fail(Fault.FAILED, f"engine of cluster {self.cluster_id} is closed")
+        return agent
+
     def find_link(self, cluster_id: int) -> Optional[Link]:
         """The link to ``cluster_id``: the one this end made if any, else the accepted one."""
         with self.links_lock:
@@ -151,14 +166,14 @@ class Engine:
             self.registry.source_lost(cluster_id, reason)
 
     def install(self, link: Link) -> None:
-        self.registry.source_linked(link.remote_cluster_id)
+        self.live_registry().source_linked(link.remote_cluster_id)
         key = (link.remote_cluster_id, link.is_client)
         with self.links_lock:
             old = self.links.pop(key, None)
             self.links[key] = link
             self._links_changed.notify_all()
         if old is not None:
-            self.agent.unwatch(old)
+            self.live_agent().unwatch(old)
             old.close()
 
     def link(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> Fault:
@@ -222,9 +237,10 @@ class Engine:
             others = (link.remote_cluster_id, not link.is_client) in self.links
         if not others:
             self.link_broken(link.remote_cluster_id, "the link was unlinked")  # no more pushes from there
-        self.agent.unwatch(link)
+        agent = self.live_agent()
+        agent.unwatch(link)
         # Closing must wait until the agent has unregistered the socket.
-        self.agent.call(link.close)
+        agent.call(link.close)
 
     # -- teardown ------------------------------------------------------------------------
     def close(self) -> None:

@@ -27,11 +27,21 @@ import ctypes
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Optional, SupportsInt
 
 from .errors import Fault, fail
 from . import _native
 from .memory import PeerSpan
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
+
+    import torch
+
+    from .layout import Plan
+
+    #: What a driver function's argument types are made of here.
+    _CArg = type[ctypes._SimpleCData[Any]] | type[ctypes._Pointer[Any]] | type[ctypes.Structure]
 
 __all__ = ["CudaDevice", "CudaError", "DeviceArena", "IpcRegion", "PeerDeviceRegion", "active", "available",
            "copy_plan", "cuda_tensor", "device", "driver_present", "export_regions", "is_device_memory", "pin", "unpin"]
@@ -96,14 +106,17 @@ class _Driver:
         self._error_string.argtypes = [c_int, ctypes.POINTER(ctypes.c_char_p)]
         self._error_string.restype = c_int
         #: Address of ``cuMemcpyAsync(dst, src, bytes, stream)`` for the C plan executor.
-        self.memcpy_async = ctypes.cast(lib.cuMemcpyAsync, vp).value
+        memcpy_async = ctypes.cast(lib.cuMemcpyAsync, vp).value
+        if memcpy_async is None:  # a symbol the library resolved always has an address
+            raise OSError("libcuda.so.1 gives no address for cuMemcpyAsync")
+        self.memcpy_async: int = memcpy_async
         self.check("cuInit", self.cuInit(0))
 
-    def _fn(self, names: tuple, *argtypes):
+    def _fn(self, names: tuple[str, ...], *argtypes: _CArg) -> CFuncPtr:
         # Exactly the names cuda.h maps the calls to: an older version of a call may take
         # other argument types (cuMemGetAddressRange v1 has 32-bit sizes).
         for name in names:
-            fn = getattr(self._lib, name, None)
+            fn: Optional[CFuncPtr] = getattr(self._lib, name, None)
             if fn is not None:
                 fn.argtypes = list(argtypes)
                 fn.restype = ctypes.c_int
@@ -168,7 +181,8 @@ class CudaDevice:
         if not 0 <= index < count.value:
             fail(Fault.PARAM_INVALID,
                         f"device_id = {index}, but this machine has {count.value} CUDA device(s)")
-        torch.cuda.init()  # torch's runtime on the same primary context
+        # torch's runtime on the same primary context (torch leaves ``init`` unannotated)
+        torch.cuda.init()  # type: ignore[no-untyped-call]
         dev = ctypes.c_int()
         drv.check("cuDeviceGet", drv.cuDeviceGet(ctypes.byref(dev), index))
         ctx = ctypes.c_void_p()
@@ -211,13 +225,13 @@ def _current() -> CudaDevice:
     return _active
 
 
-def copy_plan(plan) -> int:
+def copy_plan(plan: Plan) -> int:
     """Execute a plan with one side (or both) in CUDA memory: one ``cuMemcpyAsync`` per
     run from C, on the legacy default stream, then wait for it.  Returns the bytes."""
     with _current().entered() as drv:
         nbytes, status = _native.call_plan(drv.memcpy_async, 0, plan.src_bases, plan.dst_bases, plan.src_offs,
                                            plan.dst_offs, plan.lens)
-        sync = drv.cuStreamSynchronize(None)  # even after a failed run: earlier runs are in flight
+        sync: int = drv.cuStreamSynchronize(None)  # even after a failed run: earlier runs are in flight
     drv.check("cuMemcpyAsync", status)
     drv.check("cuStreamSynchronize", sync)
     return nbytes
@@ -239,15 +253,15 @@ class IpcRegion:
     base: int
     size: int
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, str | int]:
         return {"handle": self.handle.hex(), "base": self.base, "size": self.size}
 
     @classmethod
-    def from_wire(cls, d: dict) -> "IpcRegion":
+    def from_wire(cls, d: Mapping[str, Any]) -> "IpcRegion":
         return cls(bytes.fromhex(d["handle"]), int(d["base"]), int(d["size"]))
 
 
-def export_regions(addrs, nbytes: int) -> tuple[IpcRegion, ...]:
+def export_regions(addrs: Iterable[SupportsInt], nbytes: int) -> tuple[IpcRegion, ...]:
     """IPC regions covering ``[a, a + nbytes)`` for every address in ``addrs`` (one per
     distinct allocation).  Empty if the memory cannot be exported (an allocator that maps
     memory with the virtual memory API, say): peers then go through the socket path."""
@@ -300,7 +314,7 @@ class DeviceArena:
         import torch
 
         try:
-            self._tensor = torch.empty(int(size), dtype=torch.uint8, device=dev.name)
+            self._tensor: Optional[torch.Tensor] = torch.empty(int(size), dtype=torch.uint8, device=dev.name)
         except torch.cuda.OutOfMemoryError as exc:
             fail(Fault.DEVICE_OUT_OF_MEMORY,
                         f"mem_pool_cfg memory_size = {size} bytes does not fit on {dev.name}: {exc}")
@@ -317,7 +331,7 @@ def pin(addr: int, size: int) -> bool:
     """Page-lock host memory (a pool arena) for fast copies.  True if this call pinned it
     (the caller then unpins it); False if the driver refused or someone else pinned it."""
     with _current().entered() as drv:
-        code = drv.cuMemHostRegister(addr, size, _CU_MEMHOSTREGISTER_PORTABLE)
+        code: int = drv.cuMemHostRegister(addr, size, _CU_MEMHOSTREGISTER_PORTABLE)
     if code and code != _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
         log.info("cuMemHostRegister of %d bytes failed (CUDA error %d); host copies stay pageable", size, code)
     return code == 0
@@ -336,7 +350,7 @@ class _CudaBytes:
                                          "version": 3, "strides": None, "stream": None}
 
 
-def cuda_tensor(addr: int, nbytes: int, device_name: str):
+def cuda_tensor(addr: int, nbytes: int, device_name: str) -> torch.Tensor:
     """A ``uint8`` torch tensor over ``nbytes`` of device memory at ``addr`` (a view: the
     memory must outlive it)."""
     import torch

@@ -21,6 +21,7 @@ import time
 from typing import Optional
 
 from . import wire
+from .handshake import ServerAuth
 
 __all__ = ["Pending", "Incoming", "RateLimitedLog"]
 
@@ -58,10 +59,11 @@ class Pending:
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock = sock
         self.deadline = deadline
-        self.auth = None  # the server's half of an authenticated opening, once challenged
+        # The server's half of an authenticated opening and the client's cluster id, once challenged.
+        self.auth: Optional[tuple[ServerAuth, int]] = None
         self.buf = bytearray()
         self.need = wire.HEADER_SIZE      # bytes wanted before the next step
-        self.frame: Optional[tuple] = None  # (class, body bytes) once the header passed
+        self.frame: Optional[tuple[type[wire.Message], int]] = None  # (class, body bytes) once the header passed
 
     def feed(self) -> Optional[wire.Message]:
         """Take what the socket has; the decoded frame once complete, else None.  Raises

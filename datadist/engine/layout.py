@@ -13,13 +13,16 @@ tensor.  :func:`plan_units` crosses tensors with units.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 __all__ = ["Plan", "plan_units", "coalesce", "block_offsets", "layer_tensor_indices", "tensor_span"]
 
 _U64 = np.uint64
+#: An array of uint64 (addresses, offsets, lengths).
+U64Array = NDArray[np.uint64]
 
 
 @dataclass(frozen=True)
@@ -36,11 +39,11 @@ class Plan:
     other kind (:mod:`datadist.engine.transports.local`).
     """
 
-    src_bases: np.ndarray
-    dst_bases: np.ndarray
-    src_offs: np.ndarray
-    dst_offs: np.ndarray
-    lens: np.ndarray
+    src_bases: U64Array
+    dst_bases: U64Array
+    src_offs: U64Array
+    dst_offs: U64Array
+    lens: U64Array
     src_dev: str = "cpu"
     dst_dev: str = "cpu"
 
@@ -75,11 +78,11 @@ class Plan:
         db = self.dst_bases + _U64(dst_delta % (1 << 64)) if dst_delta else self.dst_bases
         return Plan(sb, db, self.src_offs, self.dst_offs, self.lens, self.src_dev, self.dst_dev)
 
-    def src_runs(self) -> tuple[np.ndarray, np.ndarray]:
+    def src_runs(self) -> tuple[U64Array, U64Array]:
         """Flat (address, length) arrays of the source side, in execution order."""
         return np.add.outer(self.src_bases, self.src_offs).ravel(), np.tile(self.lens, self.src_bases.shape[0])
 
-    def dst_runs(self) -> tuple[np.ndarray, np.ndarray]:
+    def dst_runs(self) -> tuple[U64Array, U64Array]:
         """Flat (address, length) arrays of the destination side, in execution order."""
         return np.add.outer(self.dst_bases, self.dst_offs).ravel(), np.tile(self.lens, self.dst_bases.shape[0])
 
@@ -87,14 +90,14 @@ class Plan:
 _ZERO = np.zeros(1, dtype=_U64)
 
 
-def _u64(values) -> np.ndarray:
+def _u64(values: ArrayLike) -> U64Array:
     arr = np.asarray(values)
     if arr.dtype != _U64:
         arr = arr.astype(np.int64, copy=False).astype(_U64)
     return np.ascontiguousarray(arr)
 
 
-def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Plan:
+def coalesce(src: ArrayLike, dst: ArrayLike, lens: ArrayLike) -> Plan:
     """A flat plan of the given runs with neighbours that continue each other merged.
 
     Runs keep their order; only neighbours merge, so callers list runs in the order that
@@ -104,7 +107,7 @@ def coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> Plan:
     return Plan(_ZERO, _ZERO, src, dst, lens)
 
 
-def _coalesce(src: np.ndarray, dst: np.ndarray, lens: np.ndarray):
+def _coalesce(src: U64Array, dst: U64Array, lens: U64Array) -> tuple[U64Array, U64Array, U64Array]:
     keep = lens != 0
     if not keep.all():
         src, dst, lens = src[keep], dst[keep], lens[keep]
@@ -149,27 +152,28 @@ def plan_units(
     return Plan(sb, db, so, do, lens)
 
 
-def block_offsets(blocks: Sequence[int] | np.ndarray, stride: int, base_offset: int = 0) -> np.ndarray:
+def block_offsets(blocks: Sequence[int] | NDArray[np.integer[Any]], stride: int, base_offset: int = 0) -> U64Array:
     """Byte offsets of ``blocks`` (indices of ``stride``-byte units) inside a tensor."""
     idx = np.asarray(blocks).astype(_U64)
     return idx * _U64(stride) + _U64(base_offset) if base_offset else idx * _U64(stride)
 
 
-def layer_tensor_indices(layers: range, tensor_num_per_layer: int) -> np.ndarray:
+def layer_tensor_indices(layers: range, tensor_num_per_layer: int) -> NDArray[np.int64]:
     """Tensor indices of a layer range in a KV..KV layout: layer i is tensors [i*N, (i+1)*N)."""
     n = int(tensor_num_per_layer)
     return np.arange(layers.start * n, layers.stop * n, dtype=np.int64)
 
 
-def tensor_span(addrs: np.ndarray, bases: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> tuple[int, int]:
+def tensor_span(addrs: U64Array, bases: U64Array, offs: U64Array, lens: U64Array) -> tuple[int, int]:
     """The range ``[lo, hi)`` of tensor indices (tensor i starts at ``addrs[i]``) that one
     side ``(bases, offs, lens)`` of a plan touches.  Bases that are tensor addresses name
     the tensors exactly; a flat plan (tensors merged back to back) is mapped through the
     sorted tensor addresses."""
     index = {a: i for i, a in enumerate(addrs.tolist())}
     hits = [index.get(b) for b in bases.tolist()]
-    if None not in hits:
-        return min(hits), max(hits) + 1
+    found = [h for h in hits if h is not None]
+    if len(found) == len(hits):  # every base is a tensor's address
+        return min(found), max(found) + 1
     order = np.argsort(addrs)
     first = int(bases.min() + offs.min())
     last = int(bases.max() + (offs + lens).max()) - 1

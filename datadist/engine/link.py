@@ -17,7 +17,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Callable, NoReturn, Optional, Union
+from typing import TYPE_CHECKING, Callable, NoReturn, Optional, Union
 
 from .errors import EngineError, Fault, fail
 from .transports.base import RemoteCache, StaleLookup, Transport
@@ -26,6 +26,9 @@ from .cuda import IpcRegion
 from .keys import CacheRef, RefKind
 from .layout import Plan, tensor_span
 from .registry import Registry
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import TCPStore
 
 __all__ = ["Link"]
 
@@ -59,7 +62,7 @@ class Link:
         self.serve_sock = serve_sock   # the peer's requests, served by the agent
         self.transport = transport     # collective links: set once the process group exists
         self.peer_epoch_addr = peer_epoch_addr   # mapped epoch page of a same-host peer
-        self.store: Optional[Any] = None         # collective links: the server's TCPStore
+        self.store: Optional[TCPStore] = None    # collective links: the server's TCPStore
         self.attach_token = attach_token         # server side: what the peer's ATTACH must carry
         self.lock = threading.Lock()
         self.broken: Optional[str] = None
@@ -110,9 +113,7 @@ class Link:
         """Send ``msg`` (and the source runs of ``send_plan`` right after it) on the request
         connection and read the answer, all before ``deadline``.  A timeout or socket error
         breaks the link (the stream can no longer be trusted)."""
-        sock = self.req_sock
-        if sock is None:
-            fail(Fault.NOT_LINKED, f"link to cluster {self.remote_cluster_id} is not ready yet")
+        sock = self._request_sock()
         try:
             frame = wire.encode(msg)
             if send_plan is not None:
@@ -126,13 +127,20 @@ class Link:
 
     def read_reply(self, deadline: float) -> wire.Message:
         """Read the next frame from the request connection before ``deadline``."""
-        sock = self.req_sock
+        sock = self._request_sock()
         try:
             native.wait_readable(sock.fileno(), max(1, int((deadline - time.monotonic()) * 1000)))
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             return wire.read_message(sock)
         except (OSError, wire.WireError) as exc:  # TimeoutError is an OSError
             self._fail(exc)
+
+    def _request_sock(self) -> socket.socket:
+        """The request connection; a link is not ready for requests before it has one."""
+        sock = self.req_sock
+        if sock is None:
+            fail(Fault.NOT_LINKED, f"link to cluster {self.remote_cluster_id} is not ready yet")
+        return sock
 
     def _fail(self, exc: BaseException) -> NoReturn:
         """Map a failure on the request connection to the contract's error; the link is
@@ -190,50 +198,62 @@ class Link:
                         f"for sync_kv_timeout ({self.timeout_ms} ms)")
         try:
             self.check_alive()
-            stale_retries = 2
-            cached = True
-            while True:
-                if isinstance(key, RemoteCache):
-                    remote, from_cache = key, False
-                else:
-                    remote, from_cache = self.lookup(key, deadline, cached=cached)
-                cached = True
-                try:
-                    plan = planner(remote)
-                except Exception:
-                    # The planner (the caller's validation) refused what a cached lookup
-                    # says: the peer may have replaced that cache since, so ask once more.
-                    if not from_cache:
-                        raise
-                    cached = False
-                    continue
-                try:
-                    if not push:
-                        self.transport.pull(self, plan, remote, deadline)
-                    elif not self.transport.push(self, plan, remote, deadline) and remote.watched:
-                        # One-sided: the receiver learns of it only from a notice.
-                        self._notify(remote, plan, Fault.OK, "")
-                    return remote
-                except StaleLookup:
-                    # The peer's caches changed between lookup and request: look again.
-                    stale_retries -= 1
-                    if not stale_retries:
-                        fail(Fault.CACHE_NOT_FOUND,
-                                    f"cache behind {key} on cluster {self.remote_cluster_id} kept changing")
-                    cached = False
-                except EngineError as exc:
-                    # A cached lookup may describe a cache the peer has since replaced
-                    # (socket peers share no epoch to check before planning): ask once
-                    # more before reporting the error.
-                    if not from_cache or exc.fault not in _RETRYABLE:
-                        if push and remote.watched:
-                            self._notify(remote, plan, exc.fault, str(exc))
-                        raise
-                    cached = False
+            return self._transfer_locked(key, planner, push, deadline)
         finally:
             self.lock.release()
             if self._close_when_idle:
                 self.retire(self.broken or "peer gone")
+
+    def _transfer_locked(self, key: Union[CacheRef, RemoteCache], planner: Callable[[RemoteCache], Plan],
+                         push: bool, deadline: float) -> RemoteCache:
+        """:meth:`transfer` with the link's lock held: look up, plan, move; a lookup found
+        stale is redone (the peer's caches changed), at most twice."""
+        stale_retries = 2
+        cached = True
+        while True:
+            if isinstance(key, RemoteCache):
+                remote, from_cache = key, False
+            else:
+                remote, from_cache = self.lookup(key, deadline, cached=cached)
+            cached = True
+            try:
+                plan = planner(remote)
+            except Exception:
+                # The planner (the caller's validation) refused what a cached lookup
+                # says: the peer may have replaced that cache since, so ask once more.
+                if not from_cache:
+                    raise
+                cached = False
+                continue
+            try:
+                self._move(plan, remote, push, deadline)
+                return remote
+            except StaleLookup:
+                # The peer's caches changed between lookup and request: look again.
+                stale_retries -= 1
+                if not stale_retries:
+                    fail(Fault.CACHE_NOT_FOUND, f"cache behind {key} on cluster {self.remote_cluster_id} kept changing")
+                cached = False
+            except EngineError as exc:
+                # A cached lookup may describe a cache the peer has since replaced
+                # (socket peers share no epoch to check before planning): ask once
+                # more before reporting the error.
+                if not from_cache or exc.fault not in _RETRYABLE:
+                    if push and remote.watched:
+                        self._notify(remote, plan, exc.fault, str(exc))
+                    raise
+                cached = False
+
+    def _move(self, plan: Plan, remote: RemoteCache, push: bool, deadline: float) -> None:
+        """Run ``plan`` on the link's transport; after a one-sided push into a watched
+        cache, tell the receiver (it learns of it only from that notice)."""
+        transport = self.transport
+        if transport is None:
+            fail(Fault.NOT_LINKED, f"link to cluster {self.remote_cluster_id} has no transport yet")
+        if not push:
+            transport.pull(self, plan, remote, deadline)
+        elif not transport.push(self, plan, remote, deadline) and remote.watched:
+            self._notify(remote, plan, Fault.OK, "")
 
     def _notify(self, remote: RemoteCache, plan: Plan, status: Fault, message: str) -> None:
         """Tell the receiver what a push wrote (one-way; see ``datadist._arrivals``).  A
@@ -260,9 +280,7 @@ class Link:
         deadline = time.monotonic() + self.timeout_ms / 1000.0
         with self.lock:
             self.check_alive()
-            sock = self.req_sock
-            if sock is None:
-                fail(Fault.NOT_LINKED, f"link to cluster {self.remote_cluster_id} is not ready yet")
+            sock = self._request_sock()
             try:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.sendall(wire.encode(wire.Note(text=text)))

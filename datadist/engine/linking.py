@@ -19,7 +19,7 @@ import logging
 import secrets
 import socket
 import time
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
@@ -36,6 +36,8 @@ from .transports.shm import ShmTransport
 from .transports.tcp import TcpTransport
 
 if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
     from .core import Engine
 
 __all__ = ["Linker"]
@@ -75,10 +77,11 @@ class Linker:
         self.engine = engine
 
     # -- hello ---------------------------------------------------------------------------
-    def _hello_fields(self) -> dict:
-        page = self.engine.registry.page
+    def _hello_fields(self) -> dict[str, Any]:
+        registry = self.engine.live_registry()
+        page = registry.page
         return dict(cluster_id=self.engine.cluster_id, role=int(self.engine.role), host=self.engine.host, pid=self.engine.pid,
-                    ctrl={"fd": page.fd, "size": page.size, "base": page.base, "nonce": self.engine.registry.nonce},
+                    ctrl={"fd": page.fd, "size": page.size, "base": page.base, "nonce": registry.nonce},
                     arenas=[{"fd": a.fd, "size": a.size, "base": a.base} for a in self.engine.arenas],
                     device_regions=[r.to_wire() for r in self.engine.device_arena.regions] if self.engine.device_arena else [],
                     backend=self.engine.backend)
@@ -133,7 +136,8 @@ class Linker:
         except OSError as exc:
             log.info("cross-memory attach to pid %d not permitted (%s); registered caches go over tcp", peer.pid, exc)
             return False
-        return int(got[0]) == peer.ctrl["nonce"]
+        nonce: int = peer.ctrl["nonce"]
+        return int(got[0]) == nonce
 
     # -- server side (agent thread) ------------------------------------------------------
     def accept_hello(self, msg: wire.Hello, sock: socket.socket) -> wire.HelloAck:
@@ -160,14 +164,14 @@ class Linker:
                     serve_sock=sock, attach_token=secrets.token_hex(16))
         store_port = 0
         if self.engine.backend in COLLECTIVE_BACKENDS:
-            import torch.distributed as dist
+            from torch._C._distributed_c10d import TCPStore  # torch.distributed's own, as its stubs export it
 
             ip = self.engine.options.listen_ip or "127.0.0.1"
-            link.store = dist.TCPStore(ip, 0, 2, True, timeout=_seconds(self.engine.options.link_total_time_s),
-                                       wait_for_workers=False)
+            link.store = TCPStore(ip, 0, 2, True, timeout=_seconds(self.engine.options.link_total_time_s),
+                                  wait_for_workers=False)
             store_port = link.store.port
         self.engine.install(link)
-        self.engine.agent.watch(link)
+        self.engine.live_agent().watch(link)
         return wire.HelloAck(path=self.engine.backend if store_port else link.path, store_port=store_port,
                              attach_token=link.attach_token, **fields)
 
@@ -195,10 +199,10 @@ class Linker:
                 return
             link.ready.set()
 
-    def _join_group(self, link: Link, store, rank: int) -> None:
-        import torch.distributed as dist
+    def _join_group(self, link: Link, store: Store, rank: int) -> None:
+        from torch._C._distributed_c10d import PrefixStore  # torch.distributed's own, as its stubs export it
 
-        prefix = dist.PrefixStore(f"datadist-link-{min(self.engine.cluster_id, link.remote_cluster_id)}-"
+        prefix = PrefixStore(f"datadist-link-{min(self.engine.cluster_id, link.remote_cluster_id)}-"
                                   f"{max(self.engine.cluster_id, link.remote_cluster_id)}", store)
         group = make_group(self.engine.backend, prefix, rank, self.engine.timeout_ms / 1000.0)
         link.transport = CollectiveTransport(self.engine.backend, group, 1 - rank, store, device=self.engine.device)
@@ -226,7 +230,7 @@ class Linker:
             return result
         result.ready.set()
         self.engine.install(result)
-        self.engine.agent.watch(result)
+        self.engine.live_agent().watch(result)
         log.info("linked to cluster %d at %s:%d over %s", remote_cluster_id, ip, port, result.path)
         return Fault.OK
 
@@ -263,10 +267,9 @@ class Linker:
             on_broken=self.engine.link_broken, transport=transport, peer_epoch_addr=epoch_addr,
             req_sock=hello_sock, serve_sock=attach_sock)
         if ack.store_port:
-            import torch.distributed as dist
+            from torch._C._distributed_c10d import TCPStore  # torch.distributed's own, as its stubs export it
 
-            store = dist.TCPStore(ip, ack.store_port, 2, False,
-                                  timeout=_seconds(max(0.001, deadline - time.monotonic())))
+            store = TCPStore(ip, ack.store_port, 2, False, timeout=_seconds(max(0.001, deadline - time.monotonic())))
             self._join_group(link, store, rank=1)
         return link
 
@@ -274,7 +277,9 @@ class Linker:
         """The client's half of an authenticated opening (:mod:`datadist.engine.handshake`):
         on success ``hello`` carries the nonce and proof and may be sent; nothing of this
         engine's memory has been sent before."""
-        state = ClientAuth(self.engine.options.link_secret, str(self.engine.cluster_id).encode(), str(remote_cluster_id).encode())
+        secret = self.engine.options.link_secret
+        assert secret is not None  # only called with a link secret (_dial)
+        state = ClientAuth(secret, str(self.engine.cluster_id).encode(), str(remote_cluster_id).encode())
         sock.sendall(wire.encode(wire.Hello(cluster_id=self.engine.cluster_id, remote_cluster_id=remote_cluster_id,
                                             nonce=state.nonce_hex)))
         challenge = wire.read_message(sock)

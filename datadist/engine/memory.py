@@ -16,9 +16,13 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Protocol
 
-__all__ = ["Arena", "InvalidFree", "PeerArena", "PeerSpan", "PoolAllocator", "PoolExhausted", "SharedMapping",
-           "bytes_view", "round_to_pages"]
+if TYPE_CHECKING:
+    from .cuda import IpcRegion
+
+__all__ = ["Arena", "InvalidFree", "PeerArena", "PeerSpan", "PoolAllocator", "PoolExhausted", "PoolMemory",
+           "SharedMapping", "bytes_view", "round_to_pages"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -31,7 +35,7 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def _map(fd: int, size: int) -> int:
-    addr = _libc.mmap(None, size, _PROT_RW, _MAP_SHARED, fd, 0)
+    addr: Optional[int] = _libc.mmap(None, size, _PROT_RW, _MAP_SHARED, fd, 0)  # c_void_p: None for NULL
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
@@ -96,7 +100,7 @@ class Arena(SharedMapping):
     #: What the pool's caches are (as :class:`~datadist.engine.cuda.DeviceArena` has them):
     #: host memory, which same-host peers map through the fd, not by CUDA IPC.
     device = "cpu"
-    regions: tuple = ()
+    regions: tuple["IpcRegion", ...] = ()
 
     def __init__(self, name: str, size: int) -> None:
         if size <= 0:
@@ -172,6 +176,25 @@ def round_to_pages(nbytes: int, page: int) -> int:
     return max(page, -(-int(nbytes) // page) * page)
 
 
+class PoolMemory(Protocol):
+    """What a :class:`PoolAllocator` hands out pages of: ``size`` bytes at ``base`` in
+    this process, of kind ``device`` (``"cpu"``, ``"cuda:N"``, ``"npu:N"``), with the CUDA
+    IPC regions same-host peers map (none for host or NPU memory).  :class:`Arena`,
+    :class:`~datadist.engine.cuda.DeviceArena` and :class:`~datadist.engine.npu.NpuArena`."""
+
+    @property
+    def base(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def regions(self) -> tuple["IpcRegion", ...]: ...
+
+
 class PoolAllocator:
     """First-fit page allocator over an arena, thread-safe.
 
@@ -188,7 +211,7 @@ class PoolAllocator:
     :class:`InvalidFree` on a double free.
     """
 
-    def __init__(self, arena: Arena, page_shift: int = 16) -> None:
+    def __init__(self, arena: PoolMemory, page_shift: int = 16) -> None:
         self.arena = arena
         self.page = 1 << page_shift
         usable = arena.size - arena.size % self.page

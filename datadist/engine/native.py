@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import numpy as np
+from numpy.typing import NDArray
 
-from .layout import Plan
+from .layout import Plan, U64Array
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12 on
+
+    #: Any object with the buffer protocol (numpy declares ``ndarray.__buffer__`` for
+    #: Python 3.12 on only, so arrays are named as well).
+    _Buffer = Buffer | NDArray[Any]
 
 try:
     from . import _native
@@ -39,7 +47,7 @@ def peer_closed(fd: int) -> bool:
     return _native.peer_closed(fd)
 
 
-def index_array(seq) -> Optional[Tuple[np.ndarray, int, int]]:
+def index_array(seq: object) -> Optional[Tuple[NDArray[np.int64], int, int]]:
     """A list or tuple of ints as an int64 array with its min and max, in one C pass;
     None for any other type (use numpy then).  Raises ``TypeError`` naming the first entry
     that is not an int (bools are not), ``OverflowError`` for one outside int64."""
@@ -55,13 +63,13 @@ def copy_plan(plan: Plan, threads: int = COPY_THREADS) -> int:
     return _native.copy_plan(plan.src_bases, plan.dst_bases, plan.src_offs, plan.dst_offs, plan.lens, threads)
 
 
-def sum_blocks(value, sums) -> None:
+def sum_blocks(value: _Buffer, sums: U64Array) -> None:
     """Add the two sums (as :func:`copy_plan_sum` computes them) of each whole 4 KiB block
     of ``value`` (a C-contiguous buffer) to ``sums`` (writable uint64, two per block)."""
     _native.sum_blocks(value, sums)
 
 
-def copy_plan_sum(plan: Plan, sums, value_addr: int, *, value_is_src: bool,
+def copy_plan_sum(plan: Plan, sums: U64Array, value_addr: int, *, value_is_src: bool,
                   threads: int = COPY_THREADS) -> int:
     """``copy_plan`` that also adds the copied bytes into the two sums of each 4 KiB block
     of one value (``sums[2k]``: the sum of the 64-bit little-endian words of block k;
@@ -86,7 +94,8 @@ def cma_plan(pid: int, plan: Plan, *, write: bool) -> int:
     return _native.cma_plan(pid, False, plan.dst_bases, plan.src_bases, plan.dst_offs, plan.src_offs, plan.lens)
 
 
-def _sock(fd: int, send: bool, timeout_ms: int, bases, offs, lens, head=None) -> int:
+def _sock(fd: int, send: bool, timeout_ms: int, bases: U64Array, offs: U64Array, lens: U64Array,
+          head: Optional[_Buffer] = None) -> int:
     try:
         return _native.sock_plan(fd, send, int(timeout_ms), bases, offs, lens, head)
     except OSError as exc:
@@ -95,7 +104,7 @@ def _sock(fd: int, send: bool, timeout_ms: int, bases, offs, lens, head=None) ->
         raise
 
 
-def sock_send(fd: int, plan: Plan, timeout_ms: int, head: bytes | None = None) -> int:
+def sock_send(fd: int, plan: Plan, timeout_ms: int, head: _Buffer | None = None) -> int:
     """Write ``head`` (a frame) and then the plan's source runs, in order, to a
     non-blocking socket ``fd``, in as few ``writev`` calls as possible."""
     return _sock(fd, True, timeout_ms, plan.src_bases, plan.src_offs, plan.lens, head)
@@ -118,7 +127,7 @@ def wait_readable(fd: int, timeout_ms: int, spin_us: int = SPIN_US) -> None:
         raise
 
 
-def recv_exact(fd: int, buf: bytearray, timeout_ms: int) -> None:
+def recv_exact(fd: int, buf: _Buffer, timeout_ms: int) -> None:
     """Fill ``buf`` from socket ``fd`` (non-blocking) within ``timeout_ms``; raises
     ``TimeoutError`` or ``ConnectionResetError`` (end of stream)."""
     _native.recv_exact(fd, buf, timeout_ms)

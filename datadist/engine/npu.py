@@ -17,9 +17,14 @@ from __future__ import annotations
 import bisect
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from .errors import Fault, fail
+
+if TYPE_CHECKING:
+    import torch
+
+    from .cuda import IpcRegion
 
 __all__ = ["NpuArena", "track", "covers", "view", "set_device", "synchronize"]
 
@@ -77,11 +82,12 @@ def view(addr: int, nbytes: int, device: str) -> Any:
     return _flat(tensor).narrow(0, addr - base, nbytes)
 
 
-def _npu():
+def _npu() -> Any:
+    """``torch.npu``, registered by importing torch_npu."""
     import torch
     import torch_npu  # noqa: F401  (registers torch.npu)
 
-    return torch.npu
+    return torch.npu  # type: ignore[attr-defined]  # torch_npu adds it at import; torch declares no such module
 
 
 def set_device(device: str) -> None:
@@ -96,14 +102,14 @@ def synchronize(device: str) -> None:
 class NpuArena:
     """``size`` bytes of NPU memory for the ``mem_pool_cfg`` pool: one tensor, tracked."""
 
-    regions: tuple = ()  # no IPC regions: same-host peers reach it through the agent
+    regions: tuple[IpcRegion, ...] = ()  # no IPC regions: same-host peers reach it through the agent
 
     def __init__(self, device: str, size: int) -> None:
         import torch
 
         _npu()
         try:
-            self._tensor = torch.empty(int(size), dtype=torch.uint8, device=device)
+            self._tensor: Optional[torch.Tensor] = torch.empty(int(size), dtype=torch.uint8, device=device)
         except RuntimeError as exc:
             fail(Fault.DEVICE_OUT_OF_MEMORY,
                         f"mem_pool_cfg memory_size = {size} bytes does not fit on {device}: {exc}")

@@ -12,13 +12,17 @@ import ctypes
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Optional, Protocol
 
 import numpy as np
+from numpy.typing import NDArray
 
 from .arrivals import ArrivalBoard, Notice
 from .errors import Fault, fail
 from .memory import Arena
+
+if TYPE_CHECKING:
+    from .cuda import IpcRegion
 
 __all__ = ["CacheRecord", "Registry", "EPOCH_PAGE_SIZE"]
 
@@ -28,6 +32,36 @@ EPOCH_PAGE_SIZE = 4096
 # Offset 8 of the page holds a random nonce that a peer reads back to prove the mapping
 # (or cross-memory attach) reaches this very process.
 _NONCE_OFFSET = 8
+
+#: A row key as the registry holds it: ``(req_id, model_id, prefix_id)``.
+_RowKey = tuple[int, int, int]
+#: A blocks cache key as the registry holds it: ``(cluster_id, model_id)``.
+_BlocksKey = tuple[int, int]
+#: What a record remembers it is named by, to forget the names with it.
+_Name = tuple[Literal["key"], int, int, int] | tuple[Literal["blocks"], int, int]
+
+
+class RowKeyLike(Protocol):
+    """A key naming one row (``CacheKey``, or a peer's ``ReleaseKey``)."""
+
+    @property
+    def req_id(self) -> int: ...
+
+    @property
+    def model_id(self) -> int: ...
+
+    @property
+    def prefix_id(self) -> int: ...
+
+
+class BlocksKeyLike(Protocol):
+    """A key naming a whole blocks cache (``BlocksCacheKey``)."""
+
+    @property
+    def prompt_cluster_id(self) -> int: ...
+
+    @property
+    def model_id(self) -> int: ...
 
 
 @dataclass
@@ -40,11 +74,11 @@ class CacheRecord:
     batch_size: int           # rows (blocks in a blocks cache)
     is_blocks: bool
     dtype: str
-    addrs: np.ndarray         # uint64, one per tensor, in this process
-    release: Optional[callable] = None   # frees pool memory; None for registered memory
+    addrs: NDArray[np.uint64]  # one per tensor, in this process
+    release: Optional[Callable[[], None]] = None   # frees pool memory; None for registered memory
     device: str = "cpu"       # "cpu" (host memory) or "cuda:N"
-    ipc: tuple = ()           # CUDA IPC regions (cuda.IpcRegion) covering the tensors
-    keys: set = field(default_factory=set)
+    ipc: tuple[IpcRegion, ...] = ()  # CUDA IPC regions covering the tensors
+    keys: set[_Name] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.addr_set = frozenset(self.addrs.tolist())
@@ -62,8 +96,8 @@ class Registry:
         self.cluster_id = cluster_id
         self._lock = threading.Lock()
         self._caches: dict[int, CacheRecord] = {}
-        self._keys: dict[tuple, tuple[int, int]] = {}       # (req_id, model_id, prefix_id) -> (cache_id, row)
-        self._blocks_keys: dict[tuple, int] = {}           # (cluster_id, model_id) -> cache_id
+        self._keys: dict[_RowKey, tuple[int, int]] = {}     # (req_id, model_id, prefix_id) -> (cache_id, row)
+        self._blocks_keys: dict[_BlocksKey, int] = {}      # (cluster_id, model_id) -> cache_id
         self._next_id = 1
         self._boards: dict[int, ArrivalBoard] = {}
         self.page = Arena(f"datadist-epoch-{cluster_id}", EPOCH_PAGE_SIZE)
@@ -89,7 +123,8 @@ class Registry:
         return page_addr + _NONCE_OFFSET
 
     # -- caches ------------------------------------------------------------------------
-    def add(self, record_fields: dict, keys=(), blocks_key=None) -> CacheRecord:
+    def add(self, record_fields: dict[str, Any], keys: Iterable[RowKeyLike] = (),
+            blocks_key: Optional[BlocksKeyLike] = None) -> CacheRecord:
         """Register a new cache; ``keys[i]`` names row i (``CacheKey``), ``blocks_key`` the
         whole blocks cache.  A key already in use is re-pointed (the last wins)."""
         with self._lock:
@@ -108,7 +143,7 @@ class Registry:
                 rec.keys.add(("blocks",) + bk)
             return rec
 
-    def _bind_key_locked(self, kt: tuple, rec: CacheRecord, row: int) -> None:
+    def _bind_key_locked(self, kt: _RowKey, rec: CacheRecord, row: int) -> None:
         if kt[0] == 2**64 - 1:
             return  # req_id 2**64-1 marks an empty row
         old = self._keys.get(kt)
@@ -137,7 +172,7 @@ class Registry:
             self._bump()
             return rec
 
-    def remove_key(self, key) -> bool:
+    def remove_key(self, key: RowKeyLike) -> bool:
         """Drop one ``CacheKey``; False if it was not registered."""
         kt = _key_tuple(key)
         with self._lock:
@@ -228,5 +263,5 @@ class Registry:
         self.page.close()
 
 
-def _key_tuple(key) -> tuple:
+def _key_tuple(key: RowKeyLike) -> _RowKey:
     return (int(key.req_id), int(key.model_id), int(key.prefix_id))

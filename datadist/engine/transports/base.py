@@ -21,13 +21,16 @@ import abc
 import functools
 import socket
 from dataclasses import dataclass
-from typing import NoReturn, Optional, Protocol
+from typing import TYPE_CHECKING, NoReturn, Optional, Protocol
 
 import numpy as np
 
 from ..errors import Fault, fail
 from .. import wire
 from ..layout import Plan
+
+if TYPE_CHECKING:
+    from ..cuda import IpcRegion
 
 #: Reply status of a request planned against an outdated lookup (resolve again, retry).
 STALE = -2
@@ -95,7 +98,7 @@ class RemoteCache:
     epoch: int
     watched: bool = False     # the owner wants arrival notices for this cache
     device: str = "cpu"       # "cpu" or the owner's "cuda:N"
-    ipc: tuple = ()           # CUDA IPC regions a same-host peer may map (cuda.IpcRegion)
+    ipc: tuple[IpcRegion, ...] = ()  # CUDA IPC regions a same-host peer may map
 
     @property
     def stride(self) -> int:

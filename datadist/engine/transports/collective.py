@@ -26,6 +26,8 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from typing import TYPE_CHECKING, Optional, Protocol, cast
+
 import numpy as np
 
 from ..errors import Fault, fail
@@ -33,6 +35,10 @@ from .. import cuda, wire
 from ..layout import Plan
 from .base import Channel, RemoteCache, Transport, check_reply
 from .local import LocalTransport, staging_buffer, staging_plan
+
+if TYPE_CHECKING:
+    import torch
+    from torch._C._distributed_c10d import Store, Work
 
 __all__ = ["CollectiveTransport", "COLLECTIVE_BACKENDS", "VIA_COLLECTIVE", "make_group"]
 
@@ -44,27 +50,37 @@ VIA_COLLECTIVE = 1
 _TAG = 7
 
 
-def make_group(backend: str, store, rank: int, timeout_s: float):
+class ProcessGroup(Protocol):
+    """The two-member process group as the transport uses it: a torch ``Backend``
+    (``ProcessGroupGloo``/``NCCL``/``HCCL``, which torch's stubs declare without the
+    ``send``/``recv`` they have at run time)."""
+
+    def send(self, tensors: list[torch.Tensor], rank: int, tag: int, /) -> Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], rank: int, tag: int, /) -> Work: ...
+
+
+def make_group(backend: str, store: Store, rank: int, timeout_s: float) -> ProcessGroup:
     """A two-member process group of ``backend`` over ``store`` (no global state)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+        return cast(ProcessGroup, dist.ProcessGroupGloo(store, rank, 2, timeout))
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+        return cast(ProcessGroup, dist.ProcessGroupNCCL(store, rank, 2, opts))
     import torch_npu  # noqa: F401  (registers ProcessGroupHCCL)
 
-    return torch_npu._C._distributed_c10d.ProcessGroupHCCL(store, rank, 2, timeout)
+    return cast(ProcessGroup, torch_npu._C._distributed_c10d.ProcessGroupHCCL(store, rank, 2, timeout))
 
 
 #: Backends whose ``Work.wait(timeout)`` does not honour the timeout: their work is polled.
 POLLED_BACKENDS = ("hccl",)
 
 
-def wait_work(work, deadline: float, group, poll: bool) -> None:
+def wait_work(work: Work, deadline: float, group: object, poll: bool) -> None:
     """Wait for a collective ``work`` item until ``deadline`` (monotonic seconds).
 
     Gloo and NCCL honour ``Work.wait(timeout)`` (gloo even moves the bytes inside ``wait``),
@@ -93,9 +109,10 @@ def wait_work(work, deadline: float, group, poll: bool) -> None:
 class CollectiveTransport(Transport):
     """Moves plan bytes through ``group`` (see the module docstring)."""
 
-    def __init__(self, backend: str, group, peer_rank: int, store=None, device: str = "cpu") -> None:
+    def __init__(self, backend: str, group: ProcessGroup, peer_rank: int, store: Optional[Store] = None,
+                 device: str = "cpu") -> None:
         self.name = backend
-        self.group = group
+        self.group: Optional[ProcessGroup] = group
         self.peer_rank = peer_rank
         gpu = cuda.active()
         #: Where staging tensors live, and where the backend wants them moved to (if anywhere):
@@ -116,7 +133,7 @@ class CollectiveTransport(Transport):
         msg = wire.Push(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes, via=VIA_COLLECTIVE,
                         arrays=[plan.dst_bases, plan.dst_offs, plan.lens])
         check_reply(link, link.rpc(msg, deadline))
-        self._run(link, self.group.send([self._wire_view(buf)], self.peer_rank, _TAG), deadline, "send")
+        self._run(link, self._group().send([self._wire_view(buf)], self.peer_rank, _TAG), deadline, "send")
         check_reply(link, link.read_reply(deadline))
         return True
 
@@ -126,7 +143,7 @@ class CollectiveTransport(Transport):
                         arrays=[plan.src_bases, plan.src_offs, plan.lens])
         check_reply(link, link.rpc(msg, deadline))
         dev = self._wire_view(buf)
-        self._run(link, self.group.recv([dev], self.peer_rank, _TAG), deadline, "recv")
+        self._run(link, self._group().recv([dev], self.peer_rank, _TAG), deadline, "recv")
         self._scatter(buf, dev, addr, plan.dst_bases, plan.dst_offs, plan.lens, plan.dst_dev)
 
     # -- server side (agent thread) -----------------------------------------------------
@@ -135,7 +152,8 @@ class CollectiveTransport(Transport):
         """Receive a validated push into the cache runs ``(bases, offs, lens)`` on ``device``."""
         buf, addr = staging_buffer(nbytes, self.staging_dev)
         dev = self._wire_view(buf)
-        wait_work(self.group.recv([dev], self.peer_rank, _TAG), time.monotonic() + timeout_ms / 1000.0, self.group,
+        group = self._group()
+        wait_work(group.recv([dev], self.peer_rank, _TAG), time.monotonic() + timeout_ms / 1000.0, group,
                   self._poll)
         self._scatter(buf, dev, addr, bases, offs, lens, device)
 
@@ -143,26 +161,36 @@ class CollectiveTransport(Transport):
                    device: str = "cpu") -> None:
         """Send the cache runs ``(bases, offs, lens)`` on ``device`` of a validated pull."""
         buf = self._gather(bases, offs, lens, device, nbytes)
-        wait_work(self.group.send([self._wire_view(buf)], self.peer_rank, _TAG),
-                  time.monotonic() + timeout_ms / 1000.0, self.group, self._poll)
+        group = self._group()
+        wait_work(group.send([self._wire_view(buf)], self.peer_rank, _TAG),
+                  time.monotonic() + timeout_ms / 1000.0, group, self._poll)
 
     # -- helpers ------------------------------------------------------------------------
-    def _gather(self, bases, offs, lens, device: str, nbytes: int):
+    def _group(self) -> ProcessGroup:
+        """The link's process group; a link closed under a transfer has none left."""
+        group = self.group
+        if group is None:
+            fail(Fault.LINK_FAILED, f"the {self.name} process group of this link is closed")
+        return group
+
+    def _gather(self, bases: np.ndarray, offs: np.ndarray, lens: np.ndarray, device: str,
+                nbytes: int) -> torch.Tensor:
         buf, addr = staging_buffer(nbytes, self.staging_dev)
         LocalTransport.copy(staging_plan(bases, offs, lens, addr, gather=True, half_dev=device,
                                          staging_dev=self.staging_dev))
         return buf
 
-    def _scatter(self, buf, received, addr: int, bases, offs, lens, device: str) -> None:
+    def _scatter(self, buf: torch.Tensor, received: torch.Tensor, addr: int, bases: np.ndarray, offs: np.ndarray,
+                 lens: np.ndarray, device: str) -> None:
         if received is not buf:
             buf.copy_(received)
         LocalTransport.copy(staging_plan(bases, offs, lens, addr, gather=False, half_dev=device,
                                          staging_dev=self.staging_dev))
 
-    def _wire_view(self, buf):
+    def _wire_view(self, buf: torch.Tensor) -> torch.Tensor:
         return buf if self.wire_dev is None else buf.to(self.wire_dev)
 
-    def _run(self, link: Channel, work, deadline: float, what: str) -> None:
+    def _run(self, link: Channel, work: Work, deadline: float, what: str) -> None:
         try:
             wait_work(work, deadline, self.group, self._poll)
         except (RuntimeError, TimeoutError) as exc:  # torch reports collective timeouts and peer loss so

@@ -12,12 +12,15 @@ received there and scattered afterwards (:func:`host_side`).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
 from .. import cuda, executor, npu
 from ..layout import Plan
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["LocalTransport", "host_side", "staging_buffer", "staging_plan"]
 
@@ -34,7 +37,7 @@ class LocalTransport:
         return executor.copy_plan(plan)
 
 
-def staging_buffer(nbytes: int, device: str = "cpu"):
+def staging_buffer(nbytes: int, device: str = "cpu") -> tuple[torch.Tensor, int]:
     """A contiguous buffer of ``nbytes`` on ``device`` and its address: a torch tensor,
     page-locked when it is host memory in a CUDA process (host <-> device copies then run
     at DMA speed; torch caches such blocks, so repeated transfers do not pin again)."""

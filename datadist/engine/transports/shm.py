@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import Optional
+from typing import Iterable, Optional
 
 from ..errors import Fault, fail
 from .. import cuda, native
@@ -30,11 +30,19 @@ __all__ = ["ShmTransport"]
 log = logging.getLogger("datadist")
 
 
+def _device_name() -> str:
+    """This process's CUDA device: a peer region is mapped here only through it
+    (:meth:`cuda.PeerDeviceRegion.open` needs it, and it stays set once set)."""
+    gpu = cuda.active()
+    assert gpu is not None, "a peer device region is mapped, but no CUDA device is active"
+    return gpu.name
+
+
 class ShmTransport(Transport):
     name = "shm"
 
     def __init__(self, pid: int, arenas: list[PeerArena], cma_ok: bool, fallback: Transport,
-                 device_pool: tuple = (), cuda_here: bool = False) -> None:
+                 device_pool: Iterable[cuda.IpcRegion] = (), cuda_here: bool = False) -> None:
         self.pid = pid
         self.arenas = arenas
         self.cma_ok = cma_ok
@@ -42,7 +50,7 @@ class ShmTransport(Transport):
         self._told_fallback = False
         self._cuda_here = cuda_here
         #: Peer device allocations opened here, by (peer base, IPC handle); None: refused.
-        self._device: dict[tuple, Optional[cuda.PeerDeviceRegion]] = {}
+        self._device: dict[tuple[int, bytes], Optional[cuda.PeerDeviceRegion]] = {}
         for region in device_pool:
             self._open(region)
 
@@ -80,7 +88,7 @@ class ShmTransport(Transport):
         """Move the plan; True if it went through the peer's agent (socket fallback)."""
         delta, on_device = self._delta(remote)
         if delta is not None:
-            peer_dev = cuda.active().name if on_device else "cpu"
+            peer_dev = _device_name() if on_device else "cpu"
             if write:
                 LocalTransport.copy(plan.rebase(dst_delta=delta).on(plan.src_dev, peer_dev))
             else:

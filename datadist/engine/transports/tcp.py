@@ -51,8 +51,11 @@ class TcpTransport(Transport):
 
     @staticmethod
     def _receive(link: Channel, plan: Plan, deadline: float) -> None:
+        sock = link.req_sock
+        if sock is None:
+            fail(Fault.NOT_LINKED, f"link to cluster {link.remote_cluster_id} is not ready yet")
         try:
-            native.sock_recv(link.req_sock.fileno(), plan, _left_ms(deadline))
+            native.sock_recv(sock.fileno(), plan, _left_ms(deadline))
         except TimeoutError:
             link.mark_broken("deadline passed mid-pull")
             fail(Fault.TIMEOUT,
