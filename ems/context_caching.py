@@ -233,7 +233,10 @@ class ContextCaching:
             raise
         stored = {}
         if keys:
-            commit = conn.call(wire.Commit(keys, offs, crcs, req.option.write_rcache), deadline)
+            # Over TCP the client has no checksums (the bytes went by the socket): an empty
+            # list asks the daemon to compute them.
+            sums = [] if None in crcs else crcs
+            commit = conn.call(wire.Commit(keys, offs, sums, req.option.write_rcache), deadline)
             stored = dict(zip(offs, commit.stored))
         return [off == wire.SKIPPED or bool(stored.get(off)) for off in offsets]
 

@@ -186,6 +186,7 @@ class Commit(Message):
     OP = Op.COMMIT
     keys: List[str] = field(default_factory=list)
     offsets: List[int] = field(default_factory=list)
+    #: One per key, or none: the daemon computes them (a TCP client's bytes came by the socket).
     checksums: List[U64] = field(default_factory=list)
     keep_local: bool = True
 

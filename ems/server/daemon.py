@@ -28,7 +28,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .._errors import EmsError, PoolDisconnected, PoolTimeout, ProtocolError
 from ..pool import wire
@@ -355,7 +355,9 @@ class Session:
             raise ProtocolError("HELLO first")
         return self.space
 
-    def _handle(self, msg: wire.Message):
+    def _handle(self, msg: wire.Message) -> Optional[wire.Message]:
+        """The answer to ``msg`` (None: none is sent): a session-level request, or one of
+        the tenant's requests once HELLO has admitted it (:data:`_TENANT_OPS`)."""
         store = self.d.store
         if store is None:
             return Error(wire.ErrorKind.INTERNAL, "shutting down")
@@ -366,49 +368,66 @@ class Session:
         if isinstance(msg, Ping):
             return Pong(self.d.instance)
         if isinstance(msg, Stats):
-            if not self.d.tenants.open and not self._operator():
-                return Error(wire.ErrorKind.AUTH, "with tenant credentials, statistics are for the daemon's own user "
-                                                     "on its unix socket")
-            return StatsReply(self.d.stats())
+            return self._stats()
         if isinstance(msg, Shutdown):
-            if not self._operator():
-                return Error(wire.ErrorKind.AUTH, "shutdown is accepted only from the daemon's own user (or root) "
-                                                     "on its unix socket")
-            return Ack()  # the daemon stops once this answer is out (serve_one)
+            return self._shutdown()
+        handler = _TENANT_OPS.get(type(msg))
+        if handler is None:
+            raise ProtocolError(f"unexpected {type(msg).__name__}")
         ts = self._need_space()
         owner = self.owner
-        assert owner is not None
-        if isinstance(msg, Exists):
-            return ExistsReply(store.exists(ts, _keys(msg.keys), bool(msg.local_only)))
-        if isinstance(msg, Get):
-            lease, entries = store.get(owner, ts, _keys(msg.keys), bool(msg.local_only))
-            return GetReply(lease, [e.off for e in entries], [e.size for e in entries],
-                            [e.checksum for e in entries])
-        if isinstance(msg, Release):
-            store.release(owner, int(msg.lease))
-            return None
-        if isinstance(msg, Reserve):
-            keys, sizes = _keys(msg.keys), [int(s) for s in msg.sizes]
-            if len(sizes) != len(keys) or any(s < 0 for s in sizes):
-                raise ValueError("sizes must be one int >= 0 per key")
-            return ReserveReply(store.reserve(owner, ts, keys, sizes, bool(msg.skip_existing)))
-        if isinstance(msg, Commit):
-            keys, offs = _keys(msg.keys), [int(o) for o in msg.offsets]
-            crcs = list(msg.checksums)
-            if not (len(keys) == len(offs) == len(crcs)):
-                raise ValueError("keys, offsets and checksums differ in length")
-            return CommitReply(store.commit(owner, ts, keys, offs, crcs, bool(msg.keep_local)))
-        if isinstance(msg, Abort):
-            store.abort(owner, ts, [int(o) for o in msg.offsets])
-            return None
-        if isinstance(msg, Drop):
-            store.drop(ts, _keys(msg.keys), [int(o) for o in msg.offsets])
-            return Ack()
-        if isinstance(msg, Write):
-            return self._write(store, owner, ts, int(msg.offset), int(msg.size))
-        if isinstance(msg, Read):
-            return self._read(store, owner, ts, int(msg.offset), int(msg.size))
-        raise ProtocolError(f"unexpected {type(msg).__name__}")
+        assert owner is not None  # set together with the space by HELLO
+        return handler(self, store, owner, ts, msg)
+
+    def _stats(self) -> wire.Message:
+        if not self.d.tenants.open and not self._operator():
+            return Error(wire.ErrorKind.AUTH, "with tenant credentials, statistics are for the daemon's own user "
+                                                 "on its unix socket")
+        return StatsReply(self.d.stats())
+
+    def _shutdown(self) -> wire.Message:
+        if not self._operator():
+            return Error(wire.ErrorKind.AUTH, "shutdown is accepted only from the daemon's own user (or root) "
+                                                 "on its unix socket")
+        return Ack()  # the daemon stops once this answer is out (serve_one)
+
+    # -- the tenant's requests (after HELLO), one method each ------------------------------
+    def _exists(self, store: Store, owner: Owner, ts: TenantSpace, msg: Exists) -> wire.Message:
+        return ExistsReply(store.exists(ts, _keys(msg.keys), bool(msg.local_only)))
+
+    def _get(self, store: Store, owner: Owner, ts: TenantSpace, msg: Get) -> wire.Message:
+        lease, entries = store.get(owner, ts, _keys(msg.keys), bool(msg.local_only))
+        return GetReply(lease, [e.off for e in entries], [e.size for e in entries], [e.checksum for e in entries])
+
+    def _release(self, store: Store, owner: Owner, ts: TenantSpace, msg: Release) -> None:
+        store.release(owner, int(msg.lease))
+
+    def _reserve(self, store: Store, owner: Owner, ts: TenantSpace, msg: Reserve) -> wire.Message:
+        keys, sizes = _keys(msg.keys), [int(s) for s in msg.sizes]
+        if len(sizes) != len(keys) or any(s < 0 for s in sizes):
+            raise ValueError("sizes must be one int >= 0 per key")
+        return ReserveReply(store.reserve(owner, ts, keys, sizes, bool(msg.skip_existing)))
+
+    def _commit(self, store: Store, owner: Owner, ts: TenantSpace, msg: Commit) -> wire.Message:
+        keys, offs = _keys(msg.keys), [int(o) for o in msg.offsets]
+        # No checksums (a TCP client, whose bytes came by the socket): the store computes them.
+        crcs: List[Optional[int]] = list(msg.checksums) if msg.checksums else [None] * len(keys)
+        if not (len(keys) == len(offs) == len(crcs)):
+            raise ValueError("keys, offsets and checksums differ in length")
+        return CommitReply(store.commit(owner, ts, keys, offs, crcs, bool(msg.keep_local)))
+
+    def _abort(self, store: Store, owner: Owner, ts: TenantSpace, msg: Abort) -> None:
+        store.abort(owner, ts, [int(o) for o in msg.offsets])
+
+    def _drop(self, store: Store, owner: Owner, ts: TenantSpace, msg: Drop) -> wire.Message:
+        store.drop(ts, _keys(msg.keys), [int(o) for o in msg.offsets])
+        return Ack()
+
+    def _write_msg(self, store: Store, owner: Owner, ts: TenantSpace, msg: Write) -> Optional[wire.Message]:
+        return self._write(store, owner, ts, int(msg.offset), int(msg.size))
+
+    def _read_msg(self, store: Store, owner: Owner, ts: TenantSpace, msg: Read) -> Optional[wire.Message]:
+        return self._read(store, owner, ts, int(msg.offset), int(msg.size))
 
     def _hello(self, msg: Hello):
         if msg.version != wire.PROTOCOL_VERSION:
@@ -469,3 +488,11 @@ def _keys(keys: Any) -> List[str]:
     if not isinstance(keys, list) or not set(map(type, keys)) <= {str}:
         raise ValueError("keys must be a list of str")
     return keys
+
+
+#: The tenant's requests: message type -> the session's handler (store, owner, space, message).
+_TENANT_OPS: Dict[type, Callable[..., Optional[wire.Message]]] = {
+    Exists: Session._exists, Get: Session._get, Release: Session._release, Reserve: Session._reserve,
+    Commit: Session._commit, Abort: Session._abort, Drop: Session._drop, Write: Session._write_msg,
+    Read: Session._read_msg,
+}
