@@ -10,7 +10,7 @@ import argparse
 import importlib.util
 import json
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 from . import __version__
 
@@ -51,7 +51,7 @@ def report() -> Dict[str, Any]:
     return out
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m datadist", description=__doc__.split("\n")[0])
     ap.add_argument("--version", action="version", version=f"datadist {__version__}")
     ap.add_argument("--json", action="store_true", help="one JSON object")

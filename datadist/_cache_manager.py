@@ -5,7 +5,7 @@ contract's exceptions, nothing changed on failure), builds one coalesced plan wi
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Type, Union
 
 import numpy as np
 
@@ -16,19 +16,63 @@ from ._status import LLMStatusCode, api_class, raise_error
 from ._tensors import tensor_at
 from ._types import Memtype, Placement
 from .engine import cuda, npu
-from .engine.arrivals import Notice
+from .engine.arrivals import ArrivalBoard, Notice
 from .engine.core import Engine
 from .engine.layout import Plan, plan_units
 from .engine.memory import PoolExhausted
+from .engine.registry import Registry
 from ._planning import (Side, cache_ref, block_list_arg, blocks_plan, check_nonempty, int_arg, layer_range_arg, row_blocks_plan,
                         row_plan, row_size_arg, tensors_per_layer)
-from ._transfer_async import CacheTask, LayerSynchronizer, start_task
+from ._transfer_async import CacheTask, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig, start_task
 from .engine.transports.base import RemoteCache
 from .engine.transports.local import LocalTransport
 
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
 __all__ = ["CacheManager"]
 
-def _registered_memory(addrs, desc: CacheDesc, engine_device: str):
+#: A key naming a peer cache (or one of its rows).
+_PeerKey = Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey]
+#: Registered memory: its int addresses, the tensors among ``addrs``, its device, its IPC regions.
+_Memory = Tuple[List[int], Tuple["torch.Tensor", ...], str, Tuple[cuda.IpcRegion, ...]]
+
+
+class _Owner(Protocol):
+    """What the cache manager needs of its ``LLMDataDist``."""
+
+    def _engine_or_raise(self) -> Engine: ...
+
+
+def _cuda_or_host(ints: List[int], engine_device: str) -> str:
+    """Where bare addresses on a CUDA engine are: all device memory or all host memory."""
+    on_gpu = [cuda.is_device_memory(a) for a in ints]
+    if any(on_gpu) and not all(on_gpu):
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                    f"addrs mixes CUDA device memory (addrs[{on_gpu.index(True)}]) and host memory "
+                    f"(addrs[{on_gpu.index(False)}])")
+    return engine_device if all(on_gpu) else "cpu"
+
+
+def _memory_device(ints: List[int], tensors: Tuple["torch.Tensor", ...], desc: CacheDesc,
+                   engine_device: str) -> str:
+    """The device registered memory is on: the tensors' one device, else what the engine
+    says of bare addresses (see :func:`_registered_memory`)."""
+    kinds = sorted({str(t.device) for t in tensors})
+    if len(kinds) > 1:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"addrs holds tensors on several devices: {kinds}")
+    if kinds:
+        return kinds[0]
+    if engine_device.startswith("npu") and desc.placement == Placement.DEVICE:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                    "addrs are bare addresses on an NPU engine with Placement.DEVICE: NPU memory can only be "
+                    "registered as its tensors (pass them), host memory with Placement.HOST")
+    if engine_device.startswith("cuda"):
+        return _cuda_or_host(ints, engine_device)
+    return "cpu"
+
+
+def _registered_memory(addrs: Sequence[Any], desc: CacheDesc, engine_device: str) -> _Memory:
     """``as_tensor_addrs`` plus where the memory is: ``(ints, tensors, device, ipc)``.
 
     Tensors say where they live.  Int addresses are asked of the CUDA driver on a CUDA
@@ -38,21 +82,7 @@ def _registered_memory(addrs, desc: CacheDesc, engine_device: str):
     are refused (register the tensors).  Device memory of another kind than the engine's
     is refused rather than misread as host memory."""
     ints, tensors = as_tensor_addrs(addrs, desc)
-    kinds = sorted({str(t.device) for t in tensors})
-    if len(kinds) > 1:
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"addrs holds tensors on several devices: {kinds}")
-    device = kinds[0] if kinds else "cpu"
-    if not kinds and engine_device.startswith("npu") and desc.placement == Placement.DEVICE:
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    "addrs are bare addresses on an NPU engine with Placement.DEVICE: NPU memory can only be "
-                    "registered as its tensors (pass them), host memory with Placement.HOST")
-    if not kinds and engine_device.startswith("cuda"):
-        on_gpu = [cuda.is_device_memory(a) for a in ints]
-        if any(on_gpu) and not all(on_gpu):
-            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                        f"addrs mixes CUDA device memory (addrs[{on_gpu.index(True)}]) and host memory "
-                        f"(addrs[{on_gpu.index(False)}])")
-        device = engine_device if all(on_gpu) else "cpu"
+    device = _memory_device(ints, tensors, desc, engine_device)
     if device == "cpu":
         return ints, tensors, device, ()
     kind = device.partition(":")[0]
@@ -72,7 +102,7 @@ def _registered_memory(addrs, desc: CacheDesc, engine_device: str):
 class CacheManager:
     """Allocates, registers and moves caches for one engine (``LLMDataDist.cache_manager``)."""
 
-    def __init__(self, owner) -> None:
+    def __init__(self, owner: _Owner) -> None:
         self._owner = owner  # the LLMDataDist, for its engine and role
         # What the engine's boards call for each user callback (to remove it again).
         self._callbacks: Dict[tuple[int, Callable[[Arrival], None]], Callable[[Notice], None]] = {}
@@ -81,19 +111,24 @@ class CacheManager:
     def _engine(self) -> Engine:
         return self._owner._engine_or_raise()
 
+    @property
+    def _registry(self) -> Registry:
+        return self._engine.live_registry()
+
     # -- allocation ----------------------------------------------------------------------
-    def _new_cache(self, desc: CacheDesc, addrs: List[int], *, blocks: bool, release, keys=(),
-                   blocks_key=None, registered: bool, handle=None, device: str = "cpu", ipc: tuple = ()) -> Cache:
-        eng = self._engine
-        rec = eng.registry.add(dict(num_tensors=desc.num_tensors, tensor_size=desc.size, batch_size=desc.batch_size,
-                                    is_blocks=blocks, dtype=desc.data_type.name,
-                                    addrs=np.asarray(addrs, dtype=np.uint64), release=release, device=device,
-                                    ipc=ipc),
-                               keys=keys, blocks_key=blocks_key)
+    def _new_cache(self, desc: CacheDesc, addrs: List[int], *, blocks: bool, release: Optional[Callable[[], None]],
+                   keys: Sequence[CacheKey] = (), blocks_key: Optional[BlocksCacheKey] = None, registered: bool,
+                   handle: Any = None, device: str = "cpu", ipc: Tuple[cuda.IpcRegion, ...] = ()) -> Cache:
+        rec = self._registry.add(dict(num_tensors=desc.num_tensors, tensor_size=desc.size, batch_size=desc.batch_size,
+                                      is_blocks=blocks, dtype=desc.data_type.name,
+                                      addrs=np.asarray(addrs, dtype=np.uint64), release=release, device=device,
+                                      ipc=ipc),
+                                 keys=keys, blocks_key=blocks_key)
         return Cache(cache_id=rec.cache_id, cache_desc=desc, tensor_addrs=addrs, is_blocks_cache=blocks,
                      is_registered=registered, handle=handle)
 
-    def _allocate(self, desc: CacheDesc, *, blocks: bool, keys=(), blocks_key=None) -> Cache:
+    def _allocate(self, desc: CacheDesc, *, blocks: bool, keys: Sequence[CacheKey] = (),
+                  blocks_key: Optional[BlocksCacheKey] = None) -> Cache:
         if not isinstance(desc, CacheDesc):
             raise TypeError(f"cache_desc must be a CacheDesc, got {type(desc).__name__}")
         eng = self._engine
@@ -127,7 +162,7 @@ class CacheManager:
         self._check_blocks_key(blocks_cache_key)
         return self._allocate(cache_desc, blocks=True, blocks_key=blocks_cache_key)
 
-    def register_cache(self, cache_desc: CacheDesc, addrs, cache_keys: Sequence[CacheKey] = (),
+    def register_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any], cache_keys: Sequence[CacheKey] = (),
                        remote_accessible: Optional[bool] = None) -> Cache:
         """Register caller-owned memory (int addresses or tensors) as a cache."""
         keys = self._check_keys(cache_keys, cache_desc)
@@ -135,7 +170,8 @@ class CacheManager:
         return self._new_cache(cache_desc, ints, blocks=False, release=None, keys=keys, registered=True,
                                handle=tensors or None, device=device, ipc=ipc)
 
-    def register_blocks_cache(self, cache_desc: CacheDesc, addrs, blocks_cache_key: Optional[BlocksCacheKey] = None,
+    def register_blocks_cache(self, cache_desc: CacheDesc, addrs: Sequence[Any],
+                              blocks_cache_key: Optional[BlocksCacheKey] = None,
                               remote_accessible: Optional[bool] = None) -> Cache:
         """Register caller-owned memory as a blocks cache."""
         self._check_blocks_key(blocks_cache_key)
@@ -144,7 +180,7 @@ class CacheManager:
                                registered=True, handle=tensors or None, device=device, ipc=ipc)
 
     @staticmethod
-    def _check_keys(keys, desc: CacheDesc) -> list:
+    def _check_keys(keys: Sequence[CacheKey], desc: CacheDesc) -> List[CacheKey]:
         if not isinstance(desc, CacheDesc):
             raise TypeError(f"cache_desc must be a CacheDesc, got {type(desc).__name__}")
         if not isinstance(keys, (list, tuple)):
@@ -158,14 +194,14 @@ class CacheManager:
         return list(keys)
 
     @staticmethod
-    def _check_blocks_key(key) -> None:
+    def _check_blocks_key(key: Optional[BlocksCacheKey]) -> None:
         if key is not None and not isinstance(key, BlocksCacheKey):
             raise TypeError(f"blocks_cache_key must be a BlocksCacheKey, got {type(key).__name__}")
 
     def _free(self, cache: Cache) -> None:
         if not isinstance(cache, Cache):
             raise TypeError(f"cache must be a Cache, got {type(cache).__name__}")
-        rec = self._engine.registry.remove(cache.cache_id)
+        rec = self._registry.remove(cache.cache_id)
         if rec is not None and rec.release is not None:
             rec.release()
         for key in [k for k in self._callbacks if k[0] == cache.cache_id]:
@@ -181,15 +217,15 @@ class CacheManager:
 
     def unregister_cache(self, cache_id: int) -> None:
         """Forget a registered cache (the memory stays the caller's)."""
-        self._engine.registry.remove(int_arg("cache_id", cache_id))
+        self._registry.remove(int_arg("cache_id", cache_id))
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
         """Drop a key (no-op if absent)."""
         if not isinstance(cache_key, CacheKey):
             raise TypeError(f"cache_key must be a CacheKey, got {type(cache_key).__name__}")
-        self._engine.registry.remove_key(cache_key)
+        self._registry.remove_key(cache_key)
 
-    def remap_registered_memory(self, mem_infos) -> None:
+    def remap_registered_memory(self, mem_infos: Union[MemInfo, List[MemInfo]]) -> None:
         """Tell the engine that registered device memory was remapped after a memory fault
         (CANN: after an HBM error the driver backs the same virtual range with new pages).
 
@@ -203,7 +239,7 @@ class CacheManager:
         if not isinstance(infos, list):
             raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                         f"mem_infos must be a MemInfo or a list of MemInfo, got {type(mem_infos).__name__}")
-        spans = [(int(a), int(a) + rec.tensor_size) for rec in self._engine.registry.all() if rec.release is None
+        spans = [(int(a), int(a) + rec.tensor_size) for rec in self._registry.all() if rec.release is None
                  for a in rec.addrs]
         for i, info in enumerate(infos):
             if not isinstance(info, MemInfo):
@@ -220,7 +256,7 @@ class CacheManager:
                 raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                             f"mem_infos[{i}] = {info!r} does not lie inside memory registered with this engine")
 
-    def get_cache_tensors(self, cache: Cache) -> list:
+    def get_cache_tensors(self, cache: Cache) -> List["torch.Tensor"]:
         """Torch tensors viewing the cache memory, one per tensor, on the device the
         memory is on (``cuda:N`` for device caches of a CUDA engine, else CPU)."""
         side = self._local(cache)
@@ -233,21 +269,21 @@ class CacheManager:
             raise TypeError(f"cache must be a Cache, got {type(cache).__name__}")
         if cache.cache_id < 0:  # Cache.create_cpu_cache: not registered with the engine
             return Side.of_cache(cache)
-        rec = self._engine.registry.get(cache.cache_id)
+        rec = self._registry.get(cache.cache_id)
         if rec is None:
             raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                         f"cache {cache.cache_id} is not (or no longer) known to this engine")
         return Side(rec.addrs, rec.num_tensors, rec.tensor_size, rec.batch_size, rec.device, rec.dtype)
 
     @staticmethod
-    def _key_cluster(key, what: str, kinds) -> int:
+    def _key_cluster(key: object, what: str, kinds: Tuple[Type[_PeerKey], ...]) -> int:
         if not isinstance(key, kinds):
             raise TypeError(f"{what} must be one of {', '.join(k.__name__ for k in kinds)}, got {type(key).__name__}")
-        return key.cluster_id if isinstance(key, CacheKeyByIdAndIndex) else key.prompt_cluster_id
+        return key.cluster_id  # the key's owner (prompt_cluster_id of a CacheKey or BlocksCacheKey)
 
     # -- pulls ---------------------------------------------------------------------------
-    def pull_cache(self, cache_key, cache: Cache, batch_index: int = 0, size: int = -1, *,
-                   src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
+    def pull_cache(self, cache_key: Union[CacheKey, CacheKeyByIdAndIndex], cache: Cache, batch_index: int = 0,
+                   size: int = -1, *, src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
                    tensor_num_per_layer: int = 2) -> None:
         """Pull one remote row (by ``CacheKey`` or ``CacheKeyByIdAndIndex``) into row
         ``batch_index`` of ``cache``; ``size`` bytes per tensor (-1: the whole row)."""
@@ -269,9 +305,10 @@ class CacheManager:
         if isinstance(cache_key, CacheKey):
             link.release_key(ref)
 
-    def pull_blocks(self, src_cache_key, dst_cache: Cache, src_blocks: Sequence[int] = (),
-                    dst_blocks: Sequence[int] = (), *, src_layer_range: Optional[range] = None,
-                    dst_layer_range: Optional[range] = None, tensor_num_per_layer: int = 2) -> None:
+    def pull_blocks(self, src_cache_key: Union[BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex], dst_cache: Cache,
+                    src_blocks: Sequence[int] = (), dst_blocks: Sequence[int] = (), *,
+                    src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
+                    tensor_num_per_layer: int = 2) -> None:
         """Pull remote blocks ``src_blocks[i] -> dst_blocks[i]``; with a row key and
         ``src_blocks=()`` chunk i of the remote row goes to ``dst_blocks[i]``."""
         cluster = self._key_cluster(src_cache_key, "src_cache_key", (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
@@ -296,9 +333,9 @@ class CacheManager:
         link.transfer(cache_ref(src_cache_key), planner, push=False)
 
     # -- pushes --------------------------------------------------------------------------
-    def push_cache(self, dst_cache_key, src_cache: Cache, src_batch_index: int = 0,
-                   src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
-                   size: int = -1, tensor_num_per_layer: int = 2) -> None:
+    def push_cache(self, dst_cache_key: Union[CacheKeyByIdAndIndex, CacheKey], src_cache: Cache,
+                   src_batch_index: int = 0, src_layer_range: Optional[range] = None,
+                   dst_layer_range: Optional[range] = None, size: int = -1, tensor_num_per_layer: int = 2) -> None:
         """Push row ``src_batch_index`` of ``src_cache`` into the remote row the key names."""
         cluster = self._key_cluster(dst_cache_key, "dst_cache_key", (CacheKeyByIdAndIndex, CacheKey))
         src = self._local(src_cache)
@@ -317,9 +354,10 @@ class CacheManager:
 
         link.transfer(cache_ref(dst_cache_key), planner, push=True)
 
-    def push_blocks(self, dst_cache_key, src_cache: Cache, src_blocks: Sequence[int] = (),
-                    dst_blocks: Sequence[int] = (), src_layer_range: Optional[range] = None,
-                    dst_layer_range: Optional[range] = None, tensor_num_per_layer: int = 2) -> None:
+    def push_blocks(self, dst_cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex], src_cache: Cache,
+                    src_blocks: Sequence[int] = (), dst_blocks: Sequence[int] = (),
+                    src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
+                    tensor_num_per_layer: int = 2) -> None:
         """Push local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
         cluster = self._key_cluster(dst_cache_key, "dst_cache_key", (BlocksCacheKey, CacheKeyByIdAndIndex))
         src = self._local(src_cache)
@@ -337,7 +375,8 @@ class CacheManager:
 
         link.transfer(cache_ref(dst_cache_key), planner, push=True)
 
-    def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer, transfer_configs,
+    def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
+                             transfer_configs: Sequence[Union[TransferConfig, TransferWithCacheKeyConfig]],
                              src_block_indices: Optional[Sequence[int]] = None,
                              dst_block_indices: Optional[Sequence[int]] = None,
                              dst_block_memory_size: Optional[int] = None) -> CacheTask:
@@ -365,9 +404,9 @@ class CacheManager:
         pushes into caches nobody watches cost no notice at all.  Idempotent."""
         self._board(cache)
 
-    def _board(self, cache: Cache):
+    def _board(self, cache: Cache) -> ArrivalBoard:
         self._local(cache)
-        board = self._engine.registry.watch(cache.cache_id)
+        board = self._registry.watch(cache.cache_id)
         if board is None:
             raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache {cache.cache_id} is not known to this engine")
         return board

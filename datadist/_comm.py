@@ -17,12 +17,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional
 
 from ._cluster import ip_to_str
 from ._status import LLMStatusCode, ParamInvalidError, raise_error
 from ._types import RegisterMemStatus
 from .engine.errors import Fault
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine.core import Engine
 
 __all__ = ["CommDomain", "parse_comm_args", "MAX_COMM_NAME", "HCCL_BASE_PORT"]
 
@@ -34,7 +37,7 @@ _RETRY_S = 0.05          # between connection attempts to a member not listening
 _ids = itertools.count(1)
 
 
-def parse_comm_args(comm_name, cluster_rank_info, rank_table, own_cluster: int
+def parse_comm_args(comm_name: object, cluster_rank_info: object, rank_table: object, own_cluster: int
                     ) -> tuple[str, Dict[int, int], Dict[int, tuple[str, int]]]:
     """Validate ``link`` arguments the way CANN does; returns (name, {cluster: rank},
     {rank: (ip, port)}).  ``TypeError`` for wrong types, ``LLM_PARAM_INVALID`` otherwise."""
@@ -97,19 +100,20 @@ class CommDomain:
     thread: Optional[threading.Thread] = None
     cancel: threading.Event = field(default_factory=threading.Event)
 
-    def start(self, engine, deadline: float) -> None:
+    def start(self, engine: "Engine", deadline: float) -> None:
         me = self.members[engine.cluster_id]
         addr = self.addresses[me]
-        if addr not in engine.agent.listeners:
+        agent = engine.live_agent()
+        if addr not in agent.listeners:
             try:
-                self.listener = engine.agent.add_listener(addr)
+                self.listener = agent.add_listener(addr)
             except OSError as exc:
                 raise_error(LLMStatusCode.LLM_LINK_FAILED, f"comm {self.name}: cannot listen on {addr}: {exc}")
         self.thread = threading.Thread(target=self._run, args=(engine, me, deadline),
                                        name=f"datadist-comm-{self.comm_id}", daemon=True)
         self.thread.start()
 
-    def _run(self, engine, me: int, deadline: float) -> None:
+    def _run(self, engine: "Engine", me: int, deadline: float) -> None:
         try:
             for cluster, rank in self.members.items():
                 if rank < me:
@@ -124,7 +128,7 @@ class CommDomain:
             return
         self.status = RegisterMemStatus.OK
 
-    def _connect(self, engine, cluster: int, addr: tuple[str, int], deadline: float) -> None:
+    def _connect(self, engine: "Engine", cluster: int, addr: tuple[str, int], deadline: float) -> None:
         while not self.cancel.is_set():
             code = engine.link(cluster, addr[0], addr[1], deadline)
             if code in (Fault.OK, Fault.ALREADY_LINKED):
@@ -134,7 +138,7 @@ class CommDomain:
             self.cancel.wait(_RETRY_S)  # the member may not listen yet
         raise TimeoutError("comm domain unlinked while linking")
 
-    def stop(self, engine, deadline: float) -> None:
+    def stop(self, engine: "Engine", deadline: float) -> None:
         """Unlink every member link of the domain and stop listening for it."""
         self.cancel.set()
         if self.thread is not None:
@@ -143,4 +147,4 @@ class CommDomain:
             if cluster != engine.cluster_id:
                 engine.unlink(cluster, deadline, force=False)
         if self.listener is not None:
-            engine.agent.remove_listener(self.listener)
+            engine.live_agent().remove_listener(self.listener)

@@ -48,7 +48,7 @@ class KvCache:
     __str__ = __repr__
 
     @classmethod
-    def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: list) -> "KvCache":
+    def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: List[Any]) -> "KvCache":
         """A host cache from int addresses: ``addrs`` holds one address per tensor, or one
         such list per device.  Checked as CANN checks it (HOST placement, one address per
         tensor, one kind of entry); ``cache_id`` is -1."""
@@ -60,14 +60,23 @@ class KvCache:
             raise ParamInvalidError("addrs is empty; give one address per tensor (or a list of them per device)")
         nested = isinstance(addrs[0], list)
         for i, entry in enumerate(addrs):
-            if isinstance(entry, bool) or not isinstance(entry, list if nested else int):
-                raise TypeError(f"addrs[{i}] must be {'a list of int' if nested else 'an int'} like addrs[0], "
-                                f"got {type(entry).__name__}")
-            if nested and (len(entry) != cache_desc.num_tensors
-                           or any(isinstance(a, bool) or not isinstance(a, int) for a in entry)):
-                raise ParamInvalidError(f"addrs[{i}] must hold {cache_desc.num_tensors} int addresses "
-                                        "(cache_desc.num_tensors)")
+            _check_cpu_entry(i, entry, nested, cache_desc.num_tensors)
         if not nested and len(addrs) != cache_desc.num_tensors:
             raise ParamInvalidError(f"addrs has {len(addrs)} addresses, cache_desc.num_tensors is "
                                     f"{cache_desc.num_tensors}")
         return cls(-1, cache_desc, addrs if nested else [addrs])
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_cpu_entry(i: int, entry: object, nested: bool, num_tensors: int) -> None:
+    """``addrs[i]`` of :meth:`KvCache.create_cpu_cache`: of the kind of ``addrs[0]`` (a list
+    of ``num_tensors`` int addresses when ``nested``, else an int)."""
+    if not (isinstance(entry, list) if nested else _is_int(entry)):
+        raise TypeError(f"addrs[{i}] must be {'a list of int' if nested else 'an int'} like addrs[0], "
+                        f"got {type(entry).__name__}")
+    if isinstance(entry, list) and (len(entry) != num_tensors or not all(_is_int(a) for a in entry)):
+        raise ParamInvalidError(f"addrs[{i}] must hold {num_tensors} int addresses "
+                                "(cache_desc.num_tensors)")

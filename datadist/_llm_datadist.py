@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from ._cache_manager import CacheManager
 from ._comm import CommDomain, parse_comm_args
@@ -16,6 +16,9 @@ from ._status import LLMStatusCode, api_class, raise_error, status_code_of_fault
 from ._types import LLMRole, RegisterMemStatus
 from .engine.core import MAX_LINK_CLUSTERS, Engine
 from .engine.notes import MAX_NOTE_BYTES
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine.agent import Agent
 
 __all__ = ["LLMDataDist"]
 
@@ -36,12 +39,7 @@ class LLMDataDist:
     """
 
     def __init__(self, role: LLMRole, cluster_id: int) -> None:
-        if isinstance(role, bool) or not isinstance(role, int):
-            raise TypeError(f"role must be an LLMRole, got {type(role).__name__}")
-        try:
-            self._role = LLMRole(role)
-        except ValueError:
-            raise ValueError(f"role = {role} is not an LLMRole") from None
+        self._role = _role_arg(role)
         if isinstance(cluster_id, bool) or not isinstance(cluster_id, int):
             raise TypeError(f"cluster_id must be an int, got {type(cluster_id).__name__}")
         if not 0 <= cluster_id < 2**64:
@@ -73,8 +71,15 @@ class LLMDataDist:
             raise_error(LLMStatusCode.LLM_FAILED, f"engine of cluster {self._cluster_id} is not initialized; call init()")
         return self._engine
 
+    def _running(self) -> Tuple[Engine, EngineOptions]:
+        """The running engine and the options it was started with (raises as
+        :meth:`_engine_or_raise` does)."""
+        engine = self._engine_or_raise()
+        assert self._options is not None  # init sets it with the engine
+        return engine, self._options
+
     # -- lifecycle -------------------------------------------------------------------------
-    def init(self, options: dict) -> None:
+    def init(self, options: Dict[str, str]) -> None:
         """Start the engine with the options dict from ``LLMConfig.generate_options()``.
 
         As in CANN, ``init`` on a running engine does nothing, and a finalized engine can be
@@ -121,7 +126,7 @@ class LLMDataDist:
 
     # -- links -----------------------------------------------------------------------------
     @staticmethod
-    def _check_clusters(clusters, timeout) -> Tuple[list, float]:
+    def _check_clusters(clusters: Sequence[LLMClusterInfo], timeout: int) -> Tuple[List[LLMClusterInfo], float]:
         if not isinstance(clusters, (list, tuple)):
             raise TypeError(f"clusters must be a list of LLMClusterInfo, got {type(clusters).__name__}")
         for i, c in enumerate(clusters):
@@ -159,7 +164,7 @@ class LLMDataDist:
         clusters, deadline = self._check_clusters(clusters, timeout)
         if len(clusters) > MAX_LINK_CLUSTERS:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, [LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT] * len(clusters)
-        results = [status_code_of_fault(engine.unlink(c.remote_cluster_id, deadline, bool(force))) for c in clusters]
+        results = [_unlink_one(engine, c.remote_cluster_id, deadline, bool(force)) for c in clusters]
         return _overall(results), results
 
     # -- comm domains (collective linking) ----------------------------------------------
@@ -167,17 +172,17 @@ class LLMDataDist:
         """Join comm domain ``comm_name`` (2 to 4 members, every member calls this with the
         same arguments); returns its comm id at once, the links come up in the background
         (``query_register_mem_status``).  Transfers before that: ``LLM_NOT_YET_LINK``."""
-        engine = self._engine_or_raise()
+        engine, options = self._running()
         name, members, addresses = parse_comm_args(comm_name, cluster_rank_info, rank_table, self._cluster_id)
         for other in self._comms.values():
             if other.name == name:
                 raise_error(LLMStatusCode.LLM_ALREADY_LINK, f"comm {name!r} is already linked (comm id {other.comm_id})")
         domain = CommDomain(name, members, addresses)
-        domain.start(engine, time.monotonic() + self._options.link_total_time_s)
+        domain.start(engine, time.monotonic() + options.link_total_time_s)
         self._comms[domain.comm_id] = domain
         return domain.comm_id
 
-    def _comm(self, comm_id) -> CommDomain:
+    def _comm(self, comm_id: int) -> CommDomain:
         if isinstance(comm_id, bool) or not isinstance(comm_id, int):
             raise TypeError(f"comm_id must be an int, got {type(comm_id).__name__}")
         domain = self._comms.get(comm_id)
@@ -193,13 +198,13 @@ class LLMDataDist:
 
     def unlink(self, comm_id: int) -> None:
         """Leave a comm domain: its links are unlinked on both ends."""
-        engine = self._engine_or_raise()
+        engine, options = self._running()
         domain = self._comm(comm_id)
-        domain.stop(engine, time.monotonic() + self._options.sync_kv_timeout_s + 3.0)
+        domain.stop(engine, time.monotonic() + options.sync_kv_timeout_s + 3.0)
         del self._comms[comm_id]
 
     # -- roles -----------------------------------------------------------------------------
-    def switch_role(self, role: LLMRole, switch_options: Optional[dict] = None) -> None:
+    def switch_role(self, role: LLMRole, switch_options: Optional[Dict[str, str]] = None) -> None:
         """Become ``role``.  Not while links exist (``LLM_EXIST_LINK``).
 
         Listening follows the role, as in CANN: with ``switch_options["llm.listenIpInfo"]``
@@ -208,12 +213,7 @@ class LLMDataDist:
         process as soon as this returns (CANN's switch_role sample hands one ip:port over).
         Listeners of comm domains (``link``) are left alone."""
         engine = self._engine_or_raise()
-        if isinstance(role, bool) or not isinstance(role, int):
-            raise TypeError(f"role must be an LLMRole, got {type(role).__name__}")
-        try:
-            new_role = LLMRole(role)
-        except ValueError:
-            raise ValueError(f"role = {role} is not an LLMRole") from None
+        new_role = _role_arg(role)
         if switch_options is not None and not isinstance(switch_options, dict):
             raise TypeError(f"switch_options must be a dict or None, got {type(switch_options).__name__}")
         listen = parse_options(switch_options).listen_address if switch_options else None
@@ -221,22 +221,21 @@ class LLMDataDist:
         if linked:
             raise_error(LLMStatusCode.LLM_EXIST_LINK,
                         f"cannot switch role while linked to cluster(s) {linked}; unlink them first")
-        agent = engine.agent
+        self._follow_role(engine.live_agent(), listen, new_role)
+        self._role = new_role
+        engine.role = int(new_role)
+
+    def _follow_role(self, agent: "Agent", listen: Optional[Tuple[str, int]], role: LLMRole) -> None:
+        """Listen where ``role`` does after ``switch_role``: at ``listen`` only if given,
+        else nowhere for a DECODER and where it listens now otherwise; comm domains keep
+        their listeners."""
         keep = {d.listener for d in self._comms.values() if d.listener is not None}
         if listen is not None:
-            if listen not in agent.listeners:
-                try:
-                    listen = agent.add_listener(listen)
-                except OSError as exc:
-                    raise_error(LLMStatusCode.LLM_FAILED,
-                                f"switch_role cannot listen on {listen[0]}:{listen[1]}: {exc}")
-            keep.add(listen)
-        elif new_role != LLMRole.DECODER:
+            keep.add(_listen_on(agent, listen))
+        elif role != LLMRole.DECODER:
             keep.update(agent.listeners)
         for addr in [a for a in agent.listeners if a not in keep]:
             agent.remove_listener(addr)
-        self._role = new_role
-        engine.role = int(new_role)
 
     @property
     def listen_port(self) -> Optional[int]:
@@ -278,6 +277,32 @@ class LLMDataDist:
         if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or not 0 <= timeout_ms <= 3_600_000:
             raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"timeout_ms = {timeout_ms!r} must be an int in [0, 3600000]")
         return self._engine_or_raise().notes.take(timeout_ms / 1000.0)
+
+
+def _role_arg(role: object) -> LLMRole:
+    """``role`` checked: an ``LLMRole`` (or its int value)."""
+    if isinstance(role, bool) or not isinstance(role, int):
+        raise TypeError(f"role must be an LLMRole, got {type(role).__name__}")
+    try:
+        return LLMRole(role)
+    except ValueError:
+        raise ValueError(f"role = {role} is not an LLMRole") from None
+
+
+def _listen_on(agent: "Agent", listen: Tuple[str, int]) -> Tuple[str, int]:
+    """The agent's listener at ``listen`` (opened if it has none there): its bound address."""
+    if listen in agent.listeners:
+        return listen
+    try:
+        return agent.add_listener(listen)
+    except OSError as exc:
+        raise_error(LLMStatusCode.LLM_FAILED, f"switch_role cannot listen on {listen[0]}:{listen[1]}: {exc}")
+
+
+def _unlink_one(engine: Engine, cluster_id: Optional[int], deadline: float, force: bool) -> LLMStatusCode:
+    if cluster_id is None:  # a cluster info without remote_cluster_id names no link
+        return LLMStatusCode.LLM_NOT_YET_LINK
+    return status_code_of_fault(engine.unlink(cluster_id, deadline, force))
 
 
 def _overall(results: List[LLMStatusCode]) -> LLMStatusCode:

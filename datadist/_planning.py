@@ -7,15 +7,22 @@ coalesced :class:`~datadist.engine.layout.Plan`.
 from __future__ import annotations
 
 import operator
+from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ._objects import _UINT32_MAX, BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex
 from ._status import LLMStatusCode, raise_error
 from .engine import native
 from .engine.keys import CacheRef, RefKind
-from .engine.layout import Plan, block_offsets, layer_tensor_indices, plan_units
+from .engine.layout import Plan, U64Array, block_offsets, layer_tensor_indices, plan_units
 from .engine.transports.base import RemoteCache
+
+#: Block indices as callers give them: a list, tuple or range of ints, or an int array.
+BlockList = Union[Sequence[int], NDArray[np.integer]]
+#: Tensor indices of one side of a transfer.
+TensorIndices = NDArray[np.int64]
 
 __all__ = ["cache_ref", "Side", "int_arg", "tensors_per_layer", "layer_range_arg", "block_list_arg", "check_nonempty", "selection", "same_dtype", "same_stride", "blocks_plan", "row_plan", "row_blocks_plan", "row_size_arg"]
 
@@ -27,7 +34,7 @@ class Side:
 
     __slots__ = ("addrs", "num_tensors", "tensor_size", "batch_size", "device", "dtype")
 
-    def __init__(self, addrs: np.ndarray, num_tensors: int, tensor_size: int, batch_size: int,
+    def __init__(self, addrs: U64Array, num_tensors: int, tensor_size: int, batch_size: int,
                  device: str = "cpu", dtype: str = "") -> None:
         self.addrs, self.num_tensors, self.tensor_size, self.batch_size = addrs, num_tensors, tensor_size, batch_size
         self.device, self.dtype = device, dtype
@@ -49,13 +56,13 @@ class Side:
 
 # ------------------------------------------------------------------------- validation
 
-def int_arg(name: str, value) -> int:
+def int_arg(name: str, value: object) -> int:
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     return operator.index(value)
 
 
-def tensors_per_layer(value, num_tensors: int, ranges: bool) -> int:
+def tensors_per_layer(value: object, num_tensors: int, ranges: bool) -> int:
     """``tensor_num_per_layer``, checked as CANN does: any N > 0 (a uint32); only with layer
     ranges does N matter, and then it must be at most, and divide, the cache's tensors."""
     n = int_arg("tensor_num_per_layer", value)
@@ -69,7 +76,7 @@ def tensors_per_layer(value, num_tensors: int, ranges: bool) -> int:
     return n
 
 
-def layer_range_arg(name: str, value, num_layers: int) -> range:
+def layer_range_arg(name: str, value: object, num_layers: int) -> range:
     if value is None:
         return range(0, num_layers)
     if not isinstance(value, range):
@@ -80,7 +87,7 @@ def layer_range_arg(name: str, value, num_layers: int) -> range:
     return value
 
 
-def block_list_arg(name: str, value, num_blocks: int) -> np.ndarray:
+def block_list_arg(name: str, value: object, num_blocks: int) -> NDArray[np.integer]:
     if not isinstance(value, (list, tuple, range, np.ndarray)):
         raise TypeError(f"{name} must be a list of block indices, got {type(value).__name__}")
     try:
@@ -102,14 +109,15 @@ def block_list_arg(name: str, value, num_blocks: int) -> np.ndarray:
     return arr
 
 
-def check_nonempty(name: str, value) -> None:
+def check_nonempty(name: str, value: object) -> None:
     """CANN refuses empty block lists on pull_blocks/push_blocks (an empty transfer is a bug
     in the caller's bookkeeping, not a no-op)."""
     if isinstance(value, (list, tuple, range, np.ndarray)) and len(value) == 0:
         raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"{name} = {value!r} is empty; give at least one block index")
 
 
-def selection(src: Side, dst: Side, tnpl, src_range, dst_range, same_range: bool = False):
+def selection(src: Side, dst: Side, tnpl: int, src_range: Optional[range], dst_range: Optional[range],
+              same_range: bool = False) -> Tuple[TensorIndices, TensorIndices]:
     """Tensor indices of both sides for the layer ranges (validated)."""
     ranges = src_range is not None or dst_range is not None
     n = tensors_per_layer(tnpl, src.num_tensors, ranges)
@@ -149,8 +157,8 @@ def same_stride(src: Side, dst: Side, what: str) -> int:
     return src.stride
 
 
-def blocks_plan(src: Side, dst: Side, src_blocks, dst_blocks, tnpl, src_range, dst_range,
-                 same_range: bool = False) -> Plan:
+def blocks_plan(src: Side, dst: Side, src_blocks: BlockList, dst_blocks: BlockList, tnpl: int,
+                src_range: Optional[range], dst_range: Optional[range], same_range: bool = False) -> Plan:
     sb = block_list_arg("src_blocks", src_blocks, src.batch_size)
     db = block_list_arg("dst_blocks", dst_blocks, dst.batch_size)
     if sb.shape != db.shape:
@@ -162,15 +170,16 @@ def blocks_plan(src: Side, dst: Side, src_blocks, dst_blocks, tnpl, src_range, d
                       stride).on(src.device, dst.device)
 
 
-def row_plan(src: Side, src_row: int, dst: Side, dst_row: int, size: int, offset: int, tnpl,
-              src_range, dst_range, same_range: bool = False) -> Plan:
+def row_plan(src: Side, src_row: int, dst: Side, dst_row: int, size: int, offset: int, tnpl: int,
+             src_range: Optional[range], dst_range: Optional[range], same_range: bool = False) -> Plan:
     same_dtype(src, dst)
     ts, td = selection(src, dst, tnpl, src_range, dst_range, same_range)
     return plan_units(src.addrs[ts], [src_row * src.stride + offset], dst.addrs[td],
                       [dst_row * dst.stride + offset], size).on(src.device, dst.device)
 
 
-def row_blocks_plan(src: Side, src_row: int, dst: Side, dst_blocks, tnpl, src_range, dst_range) -> Plan:
+def row_blocks_plan(src: Side, src_row: int, dst: Side, dst_blocks: BlockList, tnpl: int,
+                    src_range: Optional[range], dst_range: Optional[range]) -> Plan:
     """Chunk i of row ``src_row`` (chunks of one destination block) -> ``dst_blocks[i]``."""
     same_dtype(src, dst)
     db = block_list_arg("dst_blocks", dst_blocks, dst.batch_size)
@@ -184,17 +193,17 @@ def row_blocks_plan(src: Side, src_row: int, dst: Side, dst_blocks, tnpl, src_ra
                                                                                                      dst.device)
 
 
-def row_size_arg(size, src: Side, dst: Side, offset: int = 0) -> int:
-    size = int_arg("size", size)
+def row_size_arg(size: object, src: Side, dst: Side, offset: int = 0) -> int:
+    n = int_arg("size", size)
     limit = min(src.stride, dst.stride) - offset
-    if size == -1:
+    if n == -1:
         if src.stride != dst.stride:
             raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                         f"rows differ in size ({src.stride} vs {dst.stride} bytes per tensor); pass size")
         return limit
-    if not 0 < size <= limit:
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"size = {size} is invalid: must be -1 or in (0, {limit}] bytes")
-    return size
+    if not 0 < n <= limit:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"size = {n} is invalid: must be -1 or in (0, {limit}] bytes")
+    return n
 
 
 def cache_ref(key: CacheKeyByIdAndIndex | CacheKey | BlocksCacheKey) -> CacheRef:

@@ -108,7 +108,7 @@ class ParamInvalidError(LLMException, ValueError):
         super().__init__(*args, status_code=status_code)
 
 
-def _restore_exception(cls: type, args: tuple, code: int) -> LLMException:
+def _restore_exception(cls: type[LLMException], args: tuple[object, ...], code: int) -> LLMException:
     exc = cls.__new__(cls, *args)
     exc.args = args
     exc._status_code = to_status_code(code)
@@ -220,6 +220,13 @@ def api_class(cls: _C) -> _C:
     """Apply :func:`api_errors` to every public method ``cls`` defines: the boundary
     between the API layer and the engine, declared once per class."""
     for name, attr in list(vars(cls).items()):
-        if not name.startswith("_") and callable(attr) and not isinstance(attr, type):
+        if name.startswith("_") or isinstance(attr, type):
+            continue
+        if isinstance(attr, (staticmethod, classmethod)):
+            setattr(cls, name, type(attr)(api_errors(attr.__func__)))
+        elif isinstance(attr, property):
+            setattr(cls, name, property(attr.fget and api_errors(attr.fget), attr.fset and api_errors(attr.fset),
+                                        attr.fdel, attr.__doc__))
+        elif callable(attr):
             setattr(cls, name, api_errors(attr))
     return cls

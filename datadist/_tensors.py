@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Sequence, Union
+from typing import TYPE_CHECKING, List, Sequence, Union
 
 from ._status import LLMStatusCode, api_errors, raise_error
 from ._types import DataType
 
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
 __all__ = ["create_tensors", "tensor_at"]
 
 
-def _torch_dtype(dtype):
+def _torch_dtype(dtype: object) -> "torch.dtype":
     import torch
 
     if isinstance(dtype, DataType):
@@ -20,7 +23,8 @@ def _torch_dtype(dtype):
     raise TypeError(f"dtype must be a DataType or torch.dtype, got {type(dtype).__name__}")
 
 
-def tensor_at(addr: int, shape: Sequence[int], dtype, device: str = "cpu"):
+def tensor_at(addr: int, shape: Sequence[int], dtype: Union[DataType, "torch.dtype"],
+              device: str = "cpu") -> "torch.Tensor":
     """A tensor of ``shape``/``dtype`` viewing the memory at ``addr`` (no copy), host
     memory for ``device="cpu"``, CUDA device memory for ``"cuda"`` / ``"cuda:N"``, NPU
     memory of a tensor the engine knows (its pool, a registered cache) for ``"npu:N"``.
@@ -49,6 +53,7 @@ def tensor_at(addr: int, shape: Sequence[int], dtype, device: str = "cpu"):
                         f"create_tensors on device {device!r}, but torch_npu sees no NPU here")
     if nbytes == 0:
         return torch.empty(tuple(shape), dtype=tdtype, device=device)
+    raw_t: torch.Tensor
     if kind == "cuda":
         from .engine.cuda import cuda_tensor
 
@@ -63,8 +68,8 @@ def tensor_at(addr: int, shape: Sequence[int], dtype, device: str = "cpu"):
 
 
 @api_errors
-def create_tensors(shape: Sequence[int], dtype: Union["DataType", "object"], addrs: Sequence[int],
-                   device: str = "cpu") -> list:
+def create_tensors(shape: Sequence[int], dtype: Union[DataType, "torch.dtype"], addrs: Sequence[int],
+                   device: str = "cpu") -> List["torch.Tensor"]:
     """One tensor of ``shape``/``dtype`` over each address in ``addrs`` (module helper of
     the contract).  ``TypeError`` for a wrong argument type."""
     if not isinstance(addrs, (list, tuple)):

@@ -49,12 +49,13 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future, wait
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
+from numpy.typing import NDArray
 
-from ._planning import (Side, cache_ref, block_list_arg, blocks_plan, int_arg, layer_range_arg, row_blocks_plan, row_plan,
-                        row_size_arg)
+from ._planning import (BlockList, Side, cache_ref, block_list_arg, blocks_plan, int_arg, layer_range_arg,
+                        row_blocks_plan, row_plan, row_size_arg)
 from ._objects import _UINT32_MAX, _UINT64_MAX, BlocksCacheKey, CacheKeyByIdAndIndex, _check_type, _int_in, _Value
 from ._status import LLMStatusCode, ParamInvalidError, api_class, raise_error, status_of
 from .engine.keys import CacheRef
@@ -73,16 +74,22 @@ _TNPL = 2
 _ANY_BLOCK = 2**62
 #: The one destination layer of a raw-address description (it holds one layer's tensors).
 _FIRST_LAYER = range(0, 1)
+#: What the coordinator hands a link worker: a layer with its verdict, or None (no more).
+_Inbox = queue.SimpleQueue[Optional[Tuple[int, LLMStatusCode]]]
+#: Block indices, checked.
+_Blocks = NDArray[np.integer]
 
 
-def _range_arg(name: str, value, optional: bool) -> Optional[range]:
-    if value is None and optional:
-        return None
+def _range_arg(name: str, value: object, alternatives: str = "") -> range:
     if not isinstance(value, range):
-        raise TypeError(f"{name} must be a range{' or None' if optional else ''}, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a range{alternatives}, got {type(value).__name__}")
     if value.step != 1 or not 0 <= value.start < value.stop:
         raise ParamInvalidError(f"{name} = {value} is invalid: step must be 1 and 0 <= start < stop")
     return value
+
+
+def _optional_range_arg(name: str, value: object) -> Optional[range]:
+    return None if value is None else _range_arg(name, value, " or None")
 
 
 # ------------------------------------------------------------------------ public objects
@@ -128,10 +135,10 @@ class TransferConfig(_Value):
         if not dst_addrs:
             raise ParamInvalidError("dst_addrs is empty: give one address per destination tensor")
         self._dst_addrs = tuple(_int_in(f"dst_addrs[{i}]", a, 1, _UINT64_MAX) for i, a in enumerate(dst_addrs))
-        self._src_layer_range = _range_arg("src_layer_range", src_layer_range, optional=True)
+        self._src_layer_range = _optional_range_arg("src_layer_range", src_layer_range)
         self._src_batch_index = _int_in("src_batch_index", src_batch_index, 0, _UINT32_MAX)
 
-    def _values(self) -> tuple:
+    def _values(self) -> Tuple[Any, ...]:
         return (self._dst_cluster_id, self._dst_addrs, self._src_layer_range, self._src_batch_index)
 
     @property
@@ -171,8 +178,8 @@ class TransferWithCacheKeyConfig(_Value):
                  dst_layer_range: range, src_batch_index: int = 0):
         _check_type("cache_key", cache_key, (BlocksCacheKey, CacheKeyByIdAndIndex))
         self._cache_key = cache_key
-        self._src_layer_range = _range_arg("src_layer_range", src_layer_range, optional=False)
-        self._dst_layer_range = _range_arg("dst_layer_range", dst_layer_range, optional=False)
+        self._src_layer_range = _range_arg("src_layer_range", src_layer_range)
+        self._dst_layer_range = _range_arg("dst_layer_range", dst_layer_range)
         if src_layer_range != dst_layer_range:
             raise ParamInvalidError(f"a push needs the same layer range on both sides, got "
                                     f"src_layer_range={src_layer_range} and dst_layer_range={dst_layer_range}")
@@ -247,42 +254,20 @@ class _Source:
 
     __slots__ = ("side", "is_blocks", "src_blocks", "dst_blocks", "block_size", "num_layers")
 
-    def __init__(self, side: Side, is_blocks: bool, src_block_indices, dst_block_indices,
-                 dst_block_memory_size) -> None:
+    def __init__(self, side: Side, is_blocks: bool, src_block_indices: Optional[BlockList],
+                 dst_block_indices: Optional[BlockList], dst_block_memory_size: Optional[int]) -> None:
         if side.num_tensors % _TNPL:
             raise_error(_S.LLM_PARAM_INVALID,
                         f"src_cache has {side.num_tensors} tensors; transfer_cache_async sends layers of "
                         f"{_TNPL} tensors (K, V)")
-        size = None if dst_block_memory_size is None else int_arg("dst_block_memory_size", dst_block_memory_size)
-        if size is not None and size < 0:
-            raise_error(_S.LLM_PARAM_INVALID, f"dst_block_memory_size = {size} must be >= 0 (0: not given)")
-        size = size or None  # 0 means "not given", as in CANN
+        size = _block_memory_size_arg(dst_block_memory_size)
         sb = None if src_block_indices is None else block_list_arg("src_block_indices", src_block_indices, side.batch_size)
         db = None if dst_block_indices is None else block_list_arg("dst_block_indices", dst_block_indices, _ANY_BLOCK)
         if is_blocks:
-            if sb is None and db is None:  # CANN: the whole blocks cache, block i -> block i
-                sb = db = np.arange(side.batch_size, dtype=np.int64)
-            if sb is None or db is None:
-                raise_error(_S.LLM_PARAM_INVALID,
-                            "src_cache is a blocks cache: give both src_block_indices and dst_block_indices, "
-                            f"or neither (the whole cache); got {src_block_indices!r:.60} and "
-                            f"{dst_block_indices!r:.60}")
-            if sb.shape != db.shape:
-                raise_error(_S.LLM_PARAM_INVALID, f"src_block_indices has {sb.shape[0]} entries, "
-                                                  f"dst_block_indices {db.shape[0]}; they must be equal")
-            if size is not None and size != side.stride:
-                raise_error(_S.LLM_PARAM_INVALID,
-                            f"dst_block_memory_size = {size} differs from the source's {side.stride}-byte blocks; "
-                            "blocks are sent whole")
-            size = side.stride
+            sb, db = _block_mapping(side, sb, db, src_block_indices, dst_block_indices)
+            size = _whole_blocks(side, size)
         else:
-            if sb is not None:
-                raise_error(_S.LLM_PARAM_INVALID,
-                            f"src_block_indices = {src_block_indices!r:.60} given, but src_cache is not a blocks cache")
-            if db is not None and size is not None and db.shape[0] * size > side.stride:
-                raise_error(_S.LLM_PARAM_INVALID,
-                            f"{db.shape[0]} destination blocks of dst_block_memory_size = {size} bytes exceed "
-                            f"the source row of {side.stride} bytes")
+            _check_row_source(side, sb, db, size, src_block_indices)
         self.side, self.is_blocks, self.src_blocks, self.dst_blocks = side, is_blocks, sb, db
         self.block_size: Optional[int] = size  # of a destination block, where known before any lookup
         self.num_layers = side.num_tensors // _TNPL
@@ -303,15 +288,61 @@ class _Source:
         if self.block_size is not None and self.block_size != dst.stride:
             raise_error(_S.LLM_PARAM_INVALID,
                         f"cache {remote.cache_id} has {dst.stride}-byte blocks, the transfer {self.block_size}")
-        if self.is_blocks:
+        if self.src_blocks is not None:  # a blocks source (which always has its block list)
             return blocks_plan(self.side, dst, self.src_blocks, self.dst_blocks, _TNPL, src_layers, dst_layers)
         return row_blocks_plan(self.side, row, dst, self.dst_blocks, _TNPL, src_layers, dst_layers)
+
+
+def _block_memory_size_arg(value: Optional[int]) -> Optional[int]:
+    """``dst_block_memory_size`` checked; None where not given (None or 0, as in CANN)."""
+    size = None if value is None else int_arg("dst_block_memory_size", value)
+    if size is not None and size < 0:
+        raise_error(_S.LLM_PARAM_INVALID, f"dst_block_memory_size = {size} must be >= 0 (0: not given)")
+    return size or None
+
+
+def _block_mapping(side: Side, sb: Optional[_Blocks], db: Optional[_Blocks], src_block_indices: object,
+                   dst_block_indices: object) -> Tuple[_Blocks, _Blocks]:
+    """The blocks of a blocks source and where they go: both lists given, or neither (CANN:
+    the whole blocks cache, block i -> block i)."""
+    if sb is None and db is None:
+        sb = db = np.arange(side.batch_size, dtype=np.int64)
+    if sb is None or db is None:
+        raise_error(_S.LLM_PARAM_INVALID,
+                    "src_cache is a blocks cache: give both src_block_indices and dst_block_indices, "
+                    f"or neither (the whole cache); got {src_block_indices!r:.60} and "
+                    f"{dst_block_indices!r:.60}")
+    if sb.shape != db.shape:
+        raise_error(_S.LLM_PARAM_INVALID, f"src_block_indices has {sb.shape[0]} entries, "
+                                          f"dst_block_indices {db.shape[0]}; they must be equal")
+    return sb, db
+
+
+def _whole_blocks(side: Side, size: Optional[int]) -> int:
+    """The destination block size of a blocks source: its own (blocks are sent whole)."""
+    if size is not None and size != side.stride:
+        raise_error(_S.LLM_PARAM_INVALID,
+                    f"dst_block_memory_size = {size} differs from the source's {side.stride}-byte blocks; "
+                    "blocks are sent whole")
+    return side.stride
+
+
+def _check_row_source(side: Side, sb: Optional[_Blocks], db: Optional[_Blocks], size: Optional[int],
+                      src_block_indices: object) -> None:
+    """A contiguous source has no source blocks, and its row holds the destination blocks."""
+    if sb is not None:
+        raise_error(_S.LLM_PARAM_INVALID,
+                    f"src_block_indices = {src_block_indices!r:.60} given, but src_cache is not a blocks cache")
+    if db is not None and size is not None and db.shape[0] * size > side.stride:
+        raise_error(_S.LLM_PARAM_INVALID,
+                    f"{db.shape[0]} destination blocks of dst_block_memory_size = {size} bytes exceed "
+                    f"the source row of {side.stride} bytes")
 
 
 class _Route:
     """One transfer config, validated: its link, its source layers and how a layer is sent."""
 
-    def __init__(self, index: int, config, src: _Source, get_link: Callable[[int], Link]) -> None:
+    def __init__(self, index: int, config: object, src: _Source, get_link: Callable[[int], Link]) -> None:
         name = f"transfer_configs[{index}]"
         if not isinstance(config, (TransferConfig, TransferWithCacheKeyConfig)):
             raise TypeError(f"{name} must be a TransferConfig or TransferWithCacheKeyConfig, "
@@ -325,13 +356,13 @@ class _Route:
         if not src.is_blocks and self.row >= src.side.batch_size:
             raise_error(_S.LLM_PARAM_INVALID,
                         f"{name}.src_batch_index = {self.row} outside [0, {src.side.batch_size})")
-        self.key: Optional[CacheRef] = None
-        self.raw: Optional[RemoteCache] = None
+        #: The peer cache by key, or raw peer addresses described as a cache.
+        self.target: Union[CacheRef, RemoteCache]
         if isinstance(config, TransferWithCacheKeyConfig):
-            self.key = cache_ref(config.cache_key)
+            self.target = cache_ref(config.cache_key)
             cluster = config.cache_key.cluster_id
         else:
-            self.raw = self._describe_raw(name, config, src)
+            self.target = self._describe_raw(name, config, src)
             cluster = config.dst_cluster_id
         self.link = get_link(cluster)
         self.result: "Future[LLMStatusCode]" = Future()
@@ -359,13 +390,12 @@ class _Route:
     def send(self, src: _Source, layer: int) -> None:
         """Send source layer ``layer`` to this config's destination (raises on failure)."""
         src_layers = range(layer, layer + 1)
-        if self.raw is None:
-            target, dst_layers = self.key, src_layers
-        else:
+        target, dst_layers = self.target, src_layers
+        if isinstance(target, RemoteCache):
             # Describe only this layer's two tensors: the shm path then needs just them to
             # lie in one mapped arena.
             k = (layer - self.layers.start) * _TNPL
-            target = dataclasses.replace(self.raw, num_tensors=_TNPL, addrs=self.raw.addrs[k:k + _TNPL])
+            target = dataclasses.replace(target, num_tensors=_TNPL, addrs=target.addrs[k:k + _TNPL])
             dst_layers = _FIRST_LAYER
         self.link.transfer(target, lambda remote: src.plan(self.row, remote, src_layers, dst_layers), push=True)
 
@@ -387,7 +417,8 @@ class _Task:
         by_cluster: Dict[int, List[_Route]] = {}
         for r in routes:
             by_cluster.setdefault(r.link.remote_cluster_id, []).append(r)
-        self._inboxes = [(queue.SimpleQueue(), group) for group in by_cluster.values()]
+        self._inboxes: List[Tuple[_Inbox, List[_Route]]] = [(queue.SimpleQueue(), group)
+                                                             for group in by_cluster.values()]
         self._finished = threading.Event()
 
     def start(self) -> None:
@@ -441,7 +472,7 @@ class _Task:
             for inbox, _ in self._inboxes:
                 inbox.put(None)
 
-    def _send(self, inbox: "queue.SimpleQueue", routes: List[_Route]) -> None:
+    def _send(self, inbox: _Inbox, routes: List[_Route]) -> None:
         # The coordinator bounds this wait: it hands out a layer at least every
         # sync_kv_timeout and always ends with None.
         try:
@@ -471,8 +502,10 @@ class _Task:
 
 
 def start_task(get_link: Callable[[int], Link], timeout_ms: int, src_side: Side, src_is_blocks: bool,
-               check_src: Callable[[], object], layer_synchronizer: LayerSynchronizer, transfer_configs,
-               src_block_indices, dst_block_indices, dst_block_memory_size) -> CacheTask:
+               check_src: Callable[[], object], layer_synchronizer: LayerSynchronizer,
+               transfer_configs: Sequence[Union[TransferConfig, TransferWithCacheKeyConfig]],
+               src_block_indices: Optional[BlockList], dst_block_indices: Optional[BlockList],
+               dst_block_memory_size: Optional[int]) -> CacheTask:
     """Validate ``transfer_cache_async``'s arguments against the source cache and the links,
     then start the task.  Raises before anything starts: ``TypeError`` for wrong types,
     ``LLM_PARAM_INVALID`` for invalid values, ``LLM_NOT_YET_LINK`` for an unlinked cluster.

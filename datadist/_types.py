@@ -6,7 +6,7 @@ imported only inside the torch mappings, so importing this module never loads it
 from __future__ import annotations
 
 from enum import Enum, IntEnum
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 from ._status import ParamInvalidError
 
@@ -123,15 +123,19 @@ _TORCH_NAMES: Dict[DataType, str] = {
     DataType.DT_DOUBLE: "float64",
 }
 
-_torch_cache: Optional[tuple] = None
+_TorchMaps = Tuple[Dict[DataType, "torch.dtype"], Dict["torch.dtype", DataType]]
+
+_torch_cache: Optional[_TorchMaps] = None
 
 
-def _torch_maps() -> tuple:
+def _torch_maps() -> _TorchMaps:
     """(DataType -> torch.dtype, torch.dtype -> DataType), built on first use."""
     global _torch_cache
     if _torch_cache is None:
         import torch
 
-        to_torch = {dt: getattr(torch, name) for dt, name in _TORCH_NAMES.items() if hasattr(torch, name)}
+        to_torch: Dict[DataType, torch.dtype] = {
+            dt: getattr(torch, name) for dt, name in _TORCH_NAMES.items() if hasattr(torch, name)
+        }
         _torch_cache = (to_torch, {t: dt for dt, t in to_torch.items()})
     return _torch_cache

@@ -35,7 +35,8 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -43,7 +44,16 @@ from . import __version__
 from .benchrecord import record
 from .engine.executor import EXECUTORS, executor, set_executor
 
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from ._cache_manager import CacheManager
+    from ._objects import Cache, CacheDesc
+
 __all__ = ["main", "WORKLOADS", "run"]
+
+#: One result row (:func:`datadist.benchrecord.record`).
+Row = Dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -77,7 +87,7 @@ DEVICES = ("cpu", "cuda")
 PLAN_BLOCKS, PLAN_TENSORS = 4096, 64
 
 
-def _blocks(w: Workload) -> tuple[list, list]:
+def _blocks(w: Workload) -> Tuple[List[int], List[int]]:
     src = list(range(w.blocks))
     if w.scatter:
         dst = [int(b) for b in np.random.default_rng(7).permutation(w.cache_blocks)[: w.blocks]]
@@ -86,7 +96,7 @@ def _blocks(w: Workload) -> tuple[list, list]:
     return src, dst
 
 
-def _digest(tensors, blocks) -> str:
+def _digest(tensors: Iterable["torch.Tensor"], blocks: Sequence[int]) -> str:
     """Digest of the listed blocks of every tensor, in list order."""
     h = hashlib.blake2b(digest_size=16)
     idx = np.asarray(blocks)
@@ -95,7 +105,7 @@ def _digest(tensors, blocks) -> str:
     return h.hexdigest()
 
 
-def _config(transport: str, pool_bytes: int, listen: Optional[str] = None, device: str = "cpu") -> dict:
+def _config(transport: str, pool_bytes: int, listen: Optional[str] = None, device: str = "cpu") -> Dict[str, str]:
     from datadist import LLMConfig
 
     cfg = LLMConfig()
@@ -114,7 +124,7 @@ def _config(transport: str, pool_bytes: int, listen: Optional[str] = None, devic
     return cfg.generate_options()
 
 
-def _desc(w: Workload, device: str = "cpu"):
+def _desc(w: Workload, device: str = "cpu") -> "CacheDesc":
     from datadist import CacheDesc, DataType, Placement
 
     return CacheDesc(w.num_tensors, [w.cache_blocks, w.block_bytes // 2], DataType.DT_FLOAT16,
@@ -125,7 +135,7 @@ def _pool_bytes(w: Workload) -> int:
     return w.block_bytes * w.cache_blocks * w.num_tensors + (1 << 20)
 
 
-def _decoder(conn, workload: str, transport: str, port: int, device: str) -> None:
+def _decoder(conn: Connection, workload: str, transport: str, port: int, device: str) -> None:
     """Child: own the destination cache, link to the prompt, report digests on request."""
     from datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole
 
@@ -149,7 +159,7 @@ def _decoder(conn, workload: str, transport: str, port: int, device: str) -> Non
         engine.finalize()
 
 
-def _memcpy(w: Workload, src_blocks, dst_blocks, device: str = "cpu") -> float:
+def _memcpy(w: Workload, src_blocks: List[int], dst_blocks: List[int], device: str = "cpu") -> float:
     """Seconds per batch of a numpy copy of the same blocks in one process (median); on
     a GPU, of a torch copy of them on that GPU."""
     if device == "cuda":
@@ -170,7 +180,7 @@ def _memcpy(w: Workload, src_blocks, dst_blocks, device: str = "cpu") -> float:
     return statistics.median(times[1:])
 
 
-def _torch_copy(w: Workload, src_blocks, dst_blocks) -> float:
+def _torch_copy(w: Workload, src_blocks: List[int], dst_blocks: List[int]) -> float:
     import torch
 
     src = torch.ones((w.num_tensors * w.cache_blocks, w.block_bytes), dtype=torch.uint8, device="cuda")
@@ -192,76 +202,85 @@ def _torch_copy(w: Workload, src_blocks, dst_blocks) -> float:
     return statistics.median(times[1:])
 
 
-def run(workload: str, transport: str, device: str = "cpu") -> dict:
-    """Run one workload over one transport; returns the result row (raises on bad data)."""
+class _Decoder:
+    """The spawned DECODER process of a run (:func:`_decoder`) and the pipe to it."""
+
+    def __init__(self, workload: str, transport: str, port: Optional[int], device: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(target=_decoder, args=(child_conn, workload, transport, port, device))
+
+    def link(self) -> None:
+        """Start the process and wait until it has linked to this one."""
+        self.process.start()
+        if not self.conn.poll(60):
+            raise RuntimeError("decoder process did not link within 60 s")
+        msg = self.conn.recv()
+        if msg[0] != "linked" or msg[1] != 0:
+            raise RuntimeError(f"decoder failed to link: {msg}")
+
+    def digest(self) -> str:
+        """The digest of the destination blocks, then let the process end."""
+        self.conn.send("digest")
+        if not self.conn.poll(120):
+            raise RuntimeError("decoder did not report its digest")
+        reply = self.conn.recv()
+        if reply[0] != "digest":
+            raise RuntimeError(f"decoder failed: {reply}")
+        self.conn.send("bye")
+        return str(reply[1])
+
+    def join(self) -> None:
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def _filled_source(cm: "CacheManager", w: Workload, device: str) -> "Cache":
+    """The source blocks cache (``BlocksCacheKey(1, 0)``), filled with seeded random data."""
     import torch
-    from datadist import BlocksCacheKey, LLMDataDist, LLMRole
+    from datadist import BlocksCacheKey
 
-    w = WORKLOADS[workload]
-    src_blocks, dst_blocks = _blocks(w)
-    ctx = mp.get_context("spawn")
-    engine = LLMDataDist(LLMRole.PROMPT if transport != "local" else LLMRole.MIX, 1)
-    child = None
-    try:
-        engine.init(_config(transport, _pool_bytes(w) * (2 if transport == "local" else 1),
-                            listen=None if transport == "local" else "127.0.0.1:0", device=device))
-        cm = engine.cache_manager
-        src = cm.allocate_blocks_cache(_desc(w, device), BlocksCacheKey(1, 0))
-        gen = torch.Generator().manual_seed(1)
-        for t in cm.get_cache_tensors(src):
-            t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, dtype=torch.int16, generator=gen))
-        if transport == "local":
-            dst = cm.allocate_blocks_cache(_desc(w, device))
-            mapping = dict(zip(src_blocks, dst_blocks))
+    src = cm.allocate_blocks_cache(_desc(w, device), BlocksCacheKey(1, 0))
+    gen = torch.Generator().manual_seed(1)
+    for tensor in cm.get_cache_tensors(src):
+        tensor.view(torch.int16).copy_(torch.randint(-2**15, 2**15, tensor.shape, dtype=torch.int16, generator=gen))
+    return src
 
-            def one_batch() -> None:
-                cm.swap_blocks(src, dst, mapping)
+
+def _push_batch(cm: "CacheManager", src: "Cache", w: Workload, src_blocks: List[int],
+                dst_blocks: List[int]) -> Callable[[], None]:
+    """One batch to the decoder's cache: one push_blocks, or one per layer (``layerwise``)."""
+    from datadist import BlocksCacheKey
+
+    key = BlocksCacheKey(2, 0)
+    layers = w.num_tensors // 2
+
+    def one_batch() -> None:
+        if w.layerwise:
+            for layer in range(layers):
+                r = range(layer, layer + 1)
+                cm.push_blocks(key, src, src_blocks, dst_blocks, src_layer_range=r, dst_layer_range=r)
         else:
-            parent_conn, child_conn = ctx.Pipe()
-            child = ctx.Process(target=_decoder, args=(child_conn, workload, transport, engine.listen_port, device))
-            child.start()
-            if not parent_conn.poll(60):
-                raise RuntimeError("decoder process did not link within 60 s")
-            msg = parent_conn.recv()
-            if msg[0] != "linked" or msg[1] != 0:
-                raise RuntimeError(f"decoder failed to link: {msg}")
-            key = BlocksCacheKey(2, 0)
-            layers = w.num_tensors // 2
+            cm.push_blocks(key, src, src_blocks, dst_blocks, tensor_num_per_layer=1)
 
-            def one_batch() -> None:
-                if w.layerwise:
-                    for layer in range(layers):
-                        r = range(layer, layer + 1)
-                        cm.push_blocks(key, src, src_blocks, dst_blocks, src_layer_range=r, dst_layer_range=r)
-                else:
-                    cm.push_blocks(key, src, src_blocks, dst_blocks, tensor_num_per_layer=1)
+    return one_batch
 
-        one_batch()  # warm-up: lookups, page faults
-        times = []
-        for _ in range(w.rounds):
-            t = time.perf_counter()
-            one_batch()
-            times.append(time.perf_counter() - t)
-        expected = _digest(cm.get_cache_tensors(src), src_blocks)
-        if transport == "local":
-            got = _digest(cm.get_cache_tensors(dst), dst_blocks)
-        else:
-            parent_conn.send("digest")
-            if not parent_conn.poll(120):
-                raise RuntimeError("decoder did not report its digest")
-            reply = parent_conn.recv()
-            if reply[0] != "digest":
-                raise RuntimeError(f"decoder failed: {reply}")
-            got = reply[1]
-            parent_conn.send("bye")
-        if got != expected:
-            raise RuntimeError(f"data check failed for {workload} over {transport}: digest {got} != {expected}")
-    finally:
-        engine.finalize()
-        if child is not None:
-            child.join(30)
-            if child.is_alive():
-                child.kill()
+
+def _timed(one_batch: Callable[[], None], rounds: int) -> List[float]:
+    """Seconds of each of ``rounds`` batches, after one warm-up batch (lookups, page faults)."""
+    one_batch()
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        one_batch()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _result(w: Workload, workload: str, transport: str, device: str, times: List[float], src_blocks: List[int],
+            dst_blocks: List[int]) -> Row:
+    """The row of a verified run: its timings next to a raw copy of the same blocks."""
     med = statistics.median(times)
     memcpy_s = _memcpy(w, src_blocks, dst_blocks, device)
     us = sorted(t * 1e6 for t in times)
@@ -272,14 +291,50 @@ def run(workload: str, transport: str, device: str = "cpu") -> dict:
                   executor=executor(), device=device, transport=transport)
 
 
-def plan_rows(rounds: int = 200) -> list:
+def run(workload: str, transport: str, device: str = "cpu") -> Row:
+    """Run one workload over one transport; returns the result row (raises on bad data)."""
+    from datadist import LLMDataDist, LLMRole
+
+    w = WORKLOADS[workload]
+    src_blocks, dst_blocks = _blocks(w)
+    local = transport == "local"
+    engine = LLMDataDist(LLMRole.PROMPT if not local else LLMRole.MIX, 1)
+    decoder: Optional[_Decoder] = None
+    try:
+        engine.init(_config(transport, _pool_bytes(w) * (2 if local else 1),
+                            listen=None if local else "127.0.0.1:0", device=device))
+        cm = engine.cache_manager
+        src = _filled_source(cm, w, device)
+        if local:
+            dst = cm.allocate_blocks_cache(_desc(w, device))
+            mapping = dict(zip(src_blocks, dst_blocks))
+
+            def one_batch() -> None:
+                cm.swap_blocks(src, dst, mapping)
+        else:
+            decoder = _Decoder(workload, transport, engine.listen_port, device)
+            decoder.link()
+            one_batch = _push_batch(cm, src, w, src_blocks, dst_blocks)
+        times = _timed(one_batch, w.rounds)
+        expected = _digest(cm.get_cache_tensors(src), src_blocks)
+        got = _digest(cm.get_cache_tensors(dst), dst_blocks) if decoder is None else decoder.digest()
+        if got != expected:
+            raise RuntimeError(f"data check failed for {workload} over {transport}: digest {got} != {expected}")
+    finally:
+        engine.finalize()
+        if decoder is not None:
+            decoder.join()
+    return _result(w, workload, transport, device, times, src_blocks, dst_blocks)
+
+
+def plan_rows(rounds: int = 200) -> List[Row]:
     """Time ``push_blocks``-style validation and planning (no data moves): 4096 blocks over
     64 tensors with a layer range covering every layer, in-order and scattered lists."""
-    from ._cache_manager import _blocks_plan, _Side
+    from ._planning import Side, blocks_plan
 
     base = np.arange(PLAN_TENSORS, dtype=np.uint64) * np.uint64(1 << 30) + np.uint64(1 << 40)
-    src = _Side(base, PLAN_TENSORS, PLAN_BLOCKS * 4096, PLAN_BLOCKS)
-    dst = _Side(base + np.uint64(1 << 36), PLAN_TENSORS, PLAN_BLOCKS * 4096, PLAN_BLOCKS)
+    src = Side(base, PLAN_TENSORS, PLAN_BLOCKS * 4096, PLAN_BLOCKS)
+    dst = Side(base + np.uint64(1 << 36), PLAN_TENSORS, PLAN_BLOCKS * 4096, PLAN_BLOCKS)
     layers = range(0, PLAN_TENSORS // 2)
     rows = []
     for name, dst_blocks in (("in order", list(range(PLAN_BLOCKS))),
@@ -288,7 +343,7 @@ def plan_rows(rounds: int = 200) -> list:
         times = []
         for _ in range(rounds + 1):
             t = time.perf_counter()
-            plan = _blocks_plan(src, dst, src_blocks, dst_blocks, 2, layers, layers)
+            plan = blocks_plan(src, dst, src_blocks, dst_blocks, 2, layers, layers)
             times.append(time.perf_counter() - t)
         us = sorted(t * 1e6 for t in times[1:])
         rows.append({"workload": "plan", "transport": name, "system": "datadist-plan", "runs": plan.nruns,
@@ -297,7 +352,7 @@ def plan_rows(rounds: int = 200) -> list:
     return rows
 
 
-def main(argv: Optional[list] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m datadist.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS) + ["plan"],
@@ -311,7 +366,11 @@ def main(argv: Optional[list] = None) -> int:
                     help="where both caches live (cuda: GPU memory; the raw copy is a torch copy on the GPU)")
     ap.add_argument("--executor", choices=EXECUTORS, default=None,
                     help="copy executor of both processes (default: DATADIST_EXECUTOR, else host)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _apply(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Set the executor the arguments name and refuse combinations this machine cannot run."""
     if args.executor:
         os.environ["DATADIST_EXECUTOR"] = args.executor  # the spawned decoder reads it at import
         set_executor(args.executor)
@@ -324,37 +383,64 @@ def main(argv: Optional[list] = None) -> int:
         ap.error("--transport nccl needs --device cuda")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         ap.error("--plot needs matplotlib: pip install 'datadist[plot]'")
+
+
+def _print_plan_rows(as_json: bool) -> None:
+    for row in plan_rows():
+        print(json.dumps(row) if as_json else
+              f"{'plan':14s} {row['transport']:9s} {'':>8s} {'':>9s} {row['p50_us']:9.1f} {row['p99_us']:9.1f}"
+              f"   ({row['runs']} runs)", flush=True)
+
+
+def _run_workload(wl: str, transports: Sequence[str], device: str, as_json: bool) -> List[Row]:
+    """Run ``wl`` over each transport, printing each row as it comes."""
+    rows = []
+    for tr in transports:
+        row = run(wl, tr, device)
+        rows.append(row)
+        if as_json:
+            print(json.dumps(row), flush=True)
+        else:
+            print(f"{wl:14s} {tr:9s} {row['gbps']:8.2f} {row['batch_ms']:9.3f} {row['p50_us']:9.1f} "
+                  f"{row['p99_us']:9.1f} {row['raw_copy_gbps']:13.2f} {row['ratio']:6.2f}",
+                  flush=True)
+    return rows
+
+
+def _plot(rows: List[Row], out: str, sweep: bool) -> None:
+    from ._plot import plot_rows
+
+    title = ("datadist: 32 MiB pushed between two processes" if sweep
+             else "datadist: workloads between two processes")
+    for path in plot_rows(rows, out, title):
+        print(f"# plot written to {path}", file=sys.stderr)
+
+
+def _selection(args: argparse.Namespace) -> Tuple[List[str], List[str]]:
+    """The workloads and the transports to run (defaults: all that apply)."""
     standard = [w for w in WORKLOADS if not w.startswith("sweep-")] + ["plan"]
     sweep = [f"sweep-{k}k" for k in SWEEP_KIB]
-    workloads = sweep if args.sweep else (args.workload or standard)
-    transports = args.transport or [t for t in TRANSPORTS if t != "nccl" or args.device == "cuda"]
-    rows = []
+    workloads: List[str] = sweep if args.sweep else (args.workload or standard)
+    transports: List[str] = args.transport or [t for t in TRANSPORTS if t != "nccl" or args.device == "cuda"]
+    return workloads, transports
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    _apply(ap, args)
+    workloads, transports = _selection(args)
+    rows: List[Row] = []
     if not args.json:
         print(f"{'workload':14s} {'transport':9s} {'GB/s':>8s} {'batch ms':>9s} {'p50 us':>9s} {'p99 us':>9s} "
               f"{'raw copy GB/s':>13s} {'x raw':>6s}", flush=True)
     for wl in workloads:
         if wl == "plan":
-            for row in plan_rows():
-                print(json.dumps(row) if args.json else
-                      f"{'plan':14s} {row['transport']:9s} {'':>8s} {'':>9s} {row['p50_us']:9.1f} {row['p99_us']:9.1f}"
-                      f"   ({row['runs']} runs)", flush=True)
-            continue
-        for tr in transports:
-            row = run(wl, tr, args.device)
-            rows.append(row)
-            if args.json:
-                print(json.dumps(row), flush=True)
-            else:
-                print(f"{wl:14s} {tr:9s} {row['gbps']:8.2f} {row['batch_ms']:9.3f} {row['p50_us']:9.1f} "
-                      f"{row['p99_us']:9.1f} {row['raw_copy_gbps']:13.2f} {row['ratio']:6.2f}",
-                      flush=True)
+            _print_plan_rows(args.json)
+        else:
+            rows.extend(_run_workload(wl, transports, args.device, args.json))
     if args.plot:
-        from ._plot import plot_rows
-
-        title = ("datadist: 32 MiB pushed between two processes" if args.sweep
-                 else "datadist: workloads between two processes")
-        for path in plot_rows(rows, args.plot, title):
-            print(f"# plot written to {path}", file=sys.stderr)
+        _plot(rows, args.plot, args.sweep)
     return 0
 
 

@@ -7,6 +7,8 @@ Every name is the very object :mod:`datadist` exports.  The submodules client co
 environment sourced, CANN's own package comes first on ``sys.path``; docs/migration.md
 says how to tell which one was imported and how to choose.
 """
+from typing import Any
+
 from datadist import (BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, CacheTask, DataType, KvCache,
                       LayerSynchronizer, LLMClusterInfo, LLMConfig, LlmConfig, LLMDataDist, LLMException,
                       LLMRole, LLMStatusCode, MemInfo, Memtype, Placement, RegisterMemStatus, Status,
@@ -25,5 +27,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     return _v1_names(name)

@@ -11,12 +11,18 @@ refuses a tensor whose blocks are not dense (a block would then hold foreign byt
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import product
-from typing import Mapping
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .._status import LLMException
 from .._types import DataType, Placement
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .._objects import CacheDesc
 
 __all__ = ["PagedLayout", "paged_layout", "block_views"]
 
@@ -39,7 +45,7 @@ class PagedLayout:
     def num_layers(self) -> int:
         return len(self.layer_names)
 
-    def cache_desc(self):
+    def cache_desc(self) -> "CacheDesc":
         """The :class:`datadist.CacheDesc` of a blocks cache over these regions."""
         from .._objects import CacheDesc
 
@@ -47,27 +53,33 @@ class PagedLayout:
         return CacheDesc(len(self.addrs), [self.num_blocks, self.block_bytes // self.element_size], self.data_type,
                          placement)
 
-    def describe(self) -> dict:
+    def describe(self) -> Dict[str, Any]:
         """What must match between two engines for a block of one to be a block of the other."""
         return {"layers": self.num_layers, "tensors_per_layer": self.tensors_per_layer,
                 "block_bytes": self.block_bytes, "dtype": self.data_type.name}
 
 
-def _regions(name: str, tensor, num_blocks: int) -> tuple[list[int], int]:
+def _dense_blocks(shape: Sequence[int], strides: Sequence[int], dim: int) -> bool:
+    """Whether the blocks along ``dim`` are dense (one block holds no foreign bytes) and
+    touch (evenly spaced by exactly one block)."""
+    inner = [d for d in range(len(shape)) if d != dim and shape[d] > 1 and strides[d] < strides[dim]]
+    size = math.prod(shape[d] for d in inner)
+    extent = 1 + sum((shape[d] - 1) * strides[d] for d in inner)
+    return size == strides[dim] and extent == size
+
+
+def _block_dim(shape: Sequence[int], strides: Sequence[int], num_blocks: int) -> Optional[int]:
+    """The dim that holds ``num_blocks`` dense, evenly spaced blocks; None if no dim does."""
+    for dim in reversed(range(len(shape))):  # the standard (2, num_blocks, ...) wins a num_blocks == 2 tie
+        if shape[dim] == num_blocks and _dense_blocks(shape, strides, dim):
+            return dim
+    return None
+
+
+def _regions(name: str, tensor: "torch.Tensor", num_blocks: int) -> Tuple[List[int], int]:
     """Base addresses of ``tensor``'s block regions and the bytes of one block."""
     shape, strides, esize = tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size()
-    found = None
-    for dim in reversed(range(len(shape))):  # the standard (2, num_blocks, ...) wins a num_blocks == 2 tie
-        if shape[dim] != num_blocks:
-            continue
-        inner = [d for d in range(len(shape)) if d != dim and shape[d] > 1 and strides[d] < strides[dim]]
-        size = 1
-        for d in inner:
-            size *= shape[d]
-        extent = 1 + sum((shape[d] - 1) * strides[d] for d in inner)
-        if size == strides[dim] and extent == size:  # one block is dense and blocks touch
-            found = dim
-            break
+    found = _block_dim(shape, strides, num_blocks)
     if found is None:
         raise ValueError(f"KV cache tensor of layer {name!r} (shape {shape}, strides {strides}) has no dim of "
                          f"{num_blocks} dense, evenly spaced blocks; its layout is not supported")
@@ -79,7 +91,7 @@ def _regions(name: str, tensor, num_blocks: int) -> tuple[list[int], int]:
     return addrs, block * esize
 
 
-def paged_layout(kv_caches: Mapping[str, object], num_blocks: int) -> PagedLayout:
+def paged_layout(kv_caches: Mapping[str, "torch.Tensor"], num_blocks: int) -> PagedLayout:
     """The :class:`PagedLayout` of ``kv_caches`` (layer name -> tensor, in model order),
     every tensor holding ``num_blocks`` blocks.  ``ValueError`` when the layers differ in
     dtype, device, block size or split, or a layout is not blocks-contiguous."""
@@ -87,7 +99,7 @@ def paged_layout(kv_caches: Mapping[str, object], num_blocks: int) -> PagedLayou
         raise ValueError("no KV cache tensors to register")
     names: list[str] = []
     addrs: list[int] = []
-    first = None
+    first: Optional[Tuple[int, int, "torch.dtype", str]] = None
     for name, tensor in kv_caches.items():
         regions, block_bytes = _regions(name, tensor, num_blocks)
         shape = (len(regions), block_bytes, tensor.dtype, str(tensor.device))
@@ -111,18 +123,18 @@ def paged_layout(kv_caches: Mapping[str, object], num_blocks: int) -> PagedLayou
 
 
 
-def block_views(kv_caches: Mapping[str, object], layout: PagedLayout) -> list[list[object]]:
+def block_views(kv_caches: Mapping[str, "torch.Tensor"], layout: PagedLayout) -> List[List["torch.Tensor"]]:
     """Per layer, its regions as ``uint8`` tensors ``[num_blocks, block_bytes]`` over the
     same memory (for APIs that take tensors rather than addresses)."""
     import torch
 
-    views: list[list[object]] = []
+    views: List[List[torch.Tensor]] = []
     n = layout.tensors_per_layer
     for i, tensor in enumerate(kv_caches.values()):
-        storage = tensor.untyped_storage()  # type: ignore[attr-defined]
+        storage = tensor.untyped_storage()
         layer = []
         for addr in layout.addrs[i * n:(i + 1) * n]:
-            view = torch.empty(0, dtype=torch.uint8, device=tensor.device)  # type: ignore[attr-defined]
+            view = torch.empty(0, dtype=torch.uint8, device=tensor.device)
             view.set_(storage, addr - storage.data_ptr(), (layout.num_blocks, layout.block_bytes),
                       (layout.block_bytes, 1))
             layer.append(view)

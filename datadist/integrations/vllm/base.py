@@ -9,7 +9,7 @@ layer-wise wait, and saves (where a connector has them) run after the forward.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Generic, Mapping, Optional, Protocol, TypeVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
@@ -21,31 +21,72 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["SplitConnector"]
+__all__ = ["SplitConnector", "SchedulerHalf", "WorkerHalf"]
 
 
-class SplitConnector(KVConnectorBase_V1):
+class WorkerHalf(Protocol):
+    """What a worker-role connector forwards to."""
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None: ...
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(sent, received, failed) request ids since the last call."""
+        ...
+
+    def take_load_errors(self) -> set[int]: ...
+
+    def close(self) -> None: ...
+
+
+class SchedulerHalf(Protocol):
+    """What a scheduler-role connector forwards to."""
+
+    def matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]: ...
+
+    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None: ...
+
+
+_S = TypeVar("_S", bound=SchedulerHalf)
+_W = TypeVar("_W", bound=WorkerHalf)
+
+
+# vLLM is not installed where mypy runs (ignore_missing_imports), so its base class is Any.
+class SplitConnector(KVConnectorBase_V1, Generic[_S, _W]):  # type: ignore[misc]
     """Base of our connectors: ``_make_scheduler``/``_make_worker`` build the halves."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self._scheduler: Any = None
-        self._worker: Any = None
+        self._scheduler: Optional[_S] = None
+        self._worker: Optional[_W] = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = self._make_scheduler(vllm_config)
         else:
             self._worker = self._make_worker(vllm_config, kv_cache_config)
 
-    def _make_scheduler(self, vllm_config: "VllmConfig") -> Any:
+    def _make_scheduler(self, vllm_config: "VllmConfig") -> _S:
         raise NotImplementedError
 
-    def _make_worker(self, vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"]) -> Any:
+    def _make_worker(self, vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"]) -> _W:
         raise NotImplementedError
+
+    @property
+    def _scheduler_half(self) -> _S:
+        """The scheduler half (a connector of the scheduler role has one)."""
+        if self._scheduler is None:
+            raise RuntimeError(f"{type(self).__name__}: scheduler call on a connector of the worker role")
+        return self._scheduler
+
+    @property
+    def _worker_half(self) -> _W:
+        """The worker half (a connector of the worker role has one)."""
+        if self._worker is None:
+            raise RuntimeError(f"{type(self).__name__}: worker call on a connector of the scheduler role")
+        return self._worker
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register(kv_caches)
+        self._worker_half.register(kv_caches)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # a request's blocks are all loaded before it is scheduled
@@ -58,11 +99,11 @@ class SplitConnector(KVConnectorBase_V1):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sent, received, failed = self._worker.finished(finished_req_ids)
+        sent, received, failed = self._worker_half.finished(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=received, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_load_errors()
+        return self._worker_half.take_load_errors()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -70,7 +111,7 @@ class SplitConnector(KVConnectorBase_V1):
 
     # -- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        return self._scheduler.matched_tokens(request, num_computed_tokens)
+        return self._scheduler_half.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_half.after_alloc(request, blocks, num_external_tokens)

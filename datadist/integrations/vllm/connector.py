@@ -55,8 +55,9 @@ log = logging.getLogger("datadist.vllm")
 _REMOTE_KEYS = ("remote_block_ids", "remote_request_id", "remote_host", "remote_port", "remote_cluster_ids")
 
 
+# vLLM is not installed where mypy runs (ignore_missing_imports): its metadata bases are Any.
 @dataclass
-class DatadistHandshake(KVConnectorHandshakeMetadata):
+class DatadistHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
     """What a worker tells its scheduler: where its datadist engine listens."""
 
     host: str
@@ -65,7 +66,7 @@ class DatadistHandshake(KVConnectorHandshakeMetadata):
 
 
 @dataclass
-class DatadistConnectorMetadata(KVConnectorMetadata):
+class DatadistConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One scheduler step's work for the workers: pulls to start, blocks to hold."""
 
     reqs_to_recv: dict[str, RecvJob] = field(default_factory=dict)
@@ -94,7 +95,7 @@ def _settings(vllm_config: "VllmConfig") -> Settings:
                     engine_id=str(cfg.engine_id))
 
 
-class DatadistConnector(SplitConnector):
+class DatadistConnector(SplitConnector["_Scheduler", DatadistWorker]):
     """vLLM KV connector over datadist (see the module docstring)."""
 
     def _make_scheduler(self, vllm_config: "VllmConfig") -> "_Scheduler":
@@ -107,7 +108,7 @@ class DatadistConnector(SplitConnector):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, DatadistConnectorMetadata)
-        self._worker.start(meta.reqs_to_recv, meta.reqs_to_send, meta.idle)
+        self._worker_half.start(meta.reqs_to_recv, meta.reqs_to_send, meta.idle)
 
     def wait_for_save(self) -> None:
         return  # pull mode: the decode instance reads the prefill instance's cache
@@ -120,16 +121,16 @@ class DatadistConnector(SplitConnector):
 
     # -- scheduler side ------------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        self._scheduler.endpoints = [Endpoint(m.host, m.port, m.cluster_id)  # type: ignore[attr-defined]
-                                     for _, m in sorted(metadata.items())]
+        self._scheduler_half.endpoints = [Endpoint(m.host, m.port, m.cluster_id)
+                                          for _, m in sorted(metadata.items())]
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = self._scheduler.build_meta()
+        meta = self._scheduler_half.build_meta()
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
-        return self._scheduler.finished(request, block_ids)
+        return self._scheduler_half.finished(request, block_ids)
 
 
 class _Scheduler:
@@ -143,8 +144,10 @@ class _Scheduler:
         self._send: dict[str, float] = {}
 
     @staticmethod
-    def _remote(params: Optional[dict]) -> bool:
-        return bool(params) and all(params.get(k) is not None for k in _REMOTE_KEYS)
+    def _remote(params: Optional[dict[str, Any]]) -> bool:
+        if not params:
+            return False
+        return all(params.get(k) is not None for k in _REMOTE_KEYS)
 
     def matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -169,7 +172,7 @@ class _Scheduler:
         self._recv[request.request_id] = self._job(params, local, awaited=num_external_tokens > 0)
 
     @staticmethod
-    def _job(params: dict, local: list[int], awaited: bool) -> RecvJob:
+    def _job(params: dict[str, Any], local: list[int], awaited: bool) -> RecvJob:
         remote = list(params["remote_block_ids"])
         remote = remote[len(remote) - len(local):] if local else []
         if len(remote) < len(local):

@@ -15,12 +15,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
-from ... import BlocksCacheKey, LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
+from ... import BlocksCacheKey, Cache, LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
 from ..paged import PagedLayout, paged_layout
 
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -93,7 +94,7 @@ class DatadistWorker:
         self.endpoint: Optional[Endpoint] = None
         self.layout: Optional[PagedLayout] = None
         self._datadist: Optional[LLMDataDist] = None
-        self._cache: Any = None
+        self._cache: Optional[Cache] = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="datadist-vllm-pull")
         self._lock = threading.Lock()
         self._linked: set[int] = set()
@@ -105,7 +106,7 @@ class DatadistWorker:
         self._idle = False  # this step computes nothing
 
     # -- setup ---------------------------------------------------------------------------
-    def register(self, kv_caches: Mapping[str, Any]) -> None:
+    def register(self, kv_caches: Mapping[str, "torch.Tensor"]) -> None:
         cfg = self.kv_cache_config
         if cfg is None:
             raise ValueError("DatadistConnector needs vLLM's KVCacheConfig (vLLM >= 0.11)")
@@ -134,6 +135,12 @@ class DatadistWorker:
         log.info("datadist connector: %d layers x %d tensors of %d blocks x %d bytes on %s registered%s",
                  layout.num_layers, layout.tensors_per_layer, layout.num_blocks, layout.block_bytes, layout.device,
                  f"; listening on {self.endpoint.host}:{self.endpoint.port}" if self.endpoint else "")
+
+    def _engine(self) -> LLMDataDist:
+        """The datadist engine (``register`` starts it, ``close`` ends it)."""
+        if self._datadist is None:
+            raise RuntimeError("DatadistConnector worker: no datadist engine (register_kv_caches not run, or closed)")
+        return self._datadist
 
     # -- per step ------------------------------------------------------------------------
     def start(self, to_recv: Mapping[str, RecvJob], to_send: Mapping[str, float], idle: bool = False) -> None:
@@ -190,8 +197,7 @@ class DatadistWorker:
             peer = job.peers[self.tp_rank]
             if job.local_blocks:
                 self._link(peer)
-                self._datadist.cache_manager.pull_blocks(BlocksCacheKey(peer.cluster_id, 0), self._cache,
-                                                         src_blocks=job.remote_blocks, dst_blocks=job.local_blocks)
+                self._pull_blocks(peer, job)
         except (LLMException, OSError, ValueError) as exc:
             error = exc
             log.warning("request %s: pulling %d blocks from %s failed: %s", req_id, len(job.local_blocks),
@@ -207,12 +213,18 @@ class DatadistWorker:
                 self._failed.add(req_id)
                 self._errors.update(job.local_blocks)
 
+    def _pull_blocks(self, peer: Endpoint, job: RecvJob) -> None:
+        if self._cache is None:
+            raise RuntimeError("DatadistConnector worker: no registered KV cache (register_kv_caches not run)")
+        self._engine().cache_manager.pull_blocks(BlocksCacheKey(peer.cluster_id, 0), self._cache,
+                                                 src_blocks=job.remote_blocks, dst_blocks=job.local_blocks)
+
     def _link(self, peer: Endpoint) -> None:
         if peer.cluster_id in self._linked:
             return
         cluster = LLMClusterInfo(remote_cluster_id=peer.cluster_id)
         cluster.append_remote_ip_info(peer.host, peer.port)
-        ret, _ = self._datadist.link_clusters([cluster], timeout=self.settings.timeout_ms)
+        ret, _ = self._engine().link_clusters([cluster], timeout=self.settings.timeout_ms)
         if ret != LLMStatusCode.LLM_SUCCESS:
             raise LLMException(f"link to prefill worker {peer.host}:{peer.port} failed: {ret.name}",
                                status_code=ret)
@@ -233,7 +245,7 @@ class DatadistWorker:
         nobody will pull them again)."""
         try:
             self._link(peer)
-            self._datadist.send_notification(peer.cluster_id, pulled_note([remote_request_id]))
+            self._engine().send_notification(peer.cluster_id, pulled_note([remote_request_id]))
         except LLMException as exc:
             log.warning("could not tell %s:%d that request %s is pulled (%s); it frees the blocks after "
                         "abort_timeout_s", peer.host, peer.port, remote_request_id, exc)
