@@ -109,19 +109,29 @@ def _text(data: Buffer, pos: int, n: int) -> str:
     return str(memoryview(data)[pos:pos + n], "utf-8")
 
 
+def _put_sized(raw: bytes, parts: _Parts) -> None:
+    """A length-prefixed byte string."""
+    parts.append(_LEN.pack(len(raw)))
+    parts.append(raw)
+
+
+def _sized_at(data: Buffer, pos: int, end: int, name: str) -> Tuple[int, int]:
+    """Where a length-prefixed field's bytes start, and the length it announces (not yet
+    checked against ``end``: the caller may read a marker first)."""
+    _need(pos, 4, end, name)
+    (n,) = _LEN.unpack_from(data, pos)
+    return pos + 4, n
+
+
 def _str_codec(name: str, optional: bool) -> Tuple[_Enc, _Dec]:
     def enc(value: Any, parts: _Parts) -> None:
         if value is None and optional:
             parts.append(_LEN.pack(_NONE))
             return
-        raw = str.encode(value)
-        parts.append(_LEN.pack(len(raw)))
-        parts.append(raw)
+        _put_sized(str.encode(value), parts)
 
     def dec(data: Buffer, pos: int, end: int) -> Tuple[Any, int]:
-        _need(pos, 4, end, name)
-        (n,) = _LEN.unpack_from(data, pos)
-        pos += 4
+        pos, n = _sized_at(data, pos, end, name)
         if n == _NONE and optional:
             return None, pos
         _need(pos, n, end, name)
@@ -133,14 +143,10 @@ def _json_codec(name: str, kind: type) -> Tuple[_Enc, _Dec]:
     def enc(value: Any, parts: _Parts) -> None:
         if not isinstance(value, kind):
             raise TypeError(f"{name} must be a {kind.__name__}, not {type(value).__name__}")
-        raw = _JSON.encode(value).encode()
-        parts.append(_LEN.pack(len(raw)))
-        parts.append(raw)
+        _put_sized(_JSON.encode(value).encode(), parts)
 
     def dec(data: Buffer, pos: int, end: int) -> Tuple[Any, int]:
-        _need(pos, 4, end, name)
-        (n,) = _LEN.unpack_from(data, pos)
-        pos += 4
+        pos, n = _sized_at(data, pos, end, name)
         _need(pos, n, end, name)
         value = json.loads(_text(data, pos, n))
         if not isinstance(value, kind):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import NoReturn
 
-__all__ = ["Fault", "EngineError", "fail", "fault_of"]
+__all__ = ["Fault", "EngineError", "fail"]
 
 _BASE = 0x5010B000
 
@@ -57,17 +57,3 @@ def fail(fault: Fault, message: str) -> NoReturn:
     """Raise :class:`EngineError` for ``fault``."""
     raise EngineError(fault, message)
 
-
-def fault_of(exc: BaseException) -> Fault:
-    """The fault that reports ``exc``: its own for an :class:`EngineError`, ``TIMEOUT``
-    for a ``TimeoutError``, ``OUT_OF_MEMORY`` for a ``MemoryError``, ``PARAM_INVALID`` for a
-    ``TypeError``/``ValueError``, else ``FAILED``."""
-    if isinstance(exc, EngineError):
-        return exc.fault
-    if isinstance(exc, TimeoutError):
-        return Fault.TIMEOUT
-    if isinstance(exc, MemoryError):
-        return Fault.OUT_OF_MEMORY
-    if isinstance(exc, (TypeError, ValueError)):
-        return Fault.PARAM_INVALID
-    return Fault.FAILED
