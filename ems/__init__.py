@@ -9,7 +9,7 @@
 The pool is ``ems-server`` (``python -m ems.server``); the default ``auto`` address uses
 the node's daemon in ``/dev/shm/ems`` or starts one.  See ``ems/README.md`` for the files.
 """
-from datadist.engine.version import __version__
+from datadist.engine.version import __version__ as __version__
 
 from .common.exception import EmsErrorCode, EmsException
 from .config import CcConfig, CcConfig_v1, EmsConfig, KVCacheType

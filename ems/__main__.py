@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import List, Optional
 
 from . import __version__
 from ._errors import EmsError
@@ -18,7 +19,7 @@ from .config import ENV_SERVER
 from .server.daemon import DEFAULT_DIR
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ems", description=__doc__.split("\n")[0])
     ap.add_argument("--version", action="version", version=f"ems {__version__}")
     ap.add_argument("--server", default=None, help="pool address: DIR, unix://PATH or tcp://HOST:PORT")

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -33,10 +33,17 @@ from datadist.engine.executor import executor
 
 from . import __version__
 
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    import torch
+
+    from .context_caching import ContextCaching
+
 __all__ = ["main"]
 
 
-def _kvcache(args: argparse.Namespace, seed: int):
+def _kvcache(args: argparse.Namespace, seed: int) -> List[List[torch.Tensor]]:
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -45,19 +52,21 @@ def _kvcache(args: argparse.Namespace, seed: int):
              for _ in range(2)] for _ in range(args.layers)]
 
 
-def _init(server: str, rank: int):
+def _init(server: str, rank: int) -> ContextCaching:
     from ems import CcConfig_v1, Ems, EmsConfig
 
     Ems.init(EmsConfig(cc_config=CcConfig_v1(rank_id=rank, device_id=0, model_id="bench-7b"),
                        server=server))
-    return Ems.get_cc()
+    cc = Ems.get_cc()
+    assert cc is not None  # Ems.init succeeded
+    return cc
 
 
 def _slots(blocks: List[int], block_size: int) -> List[int]:
     return [b * block_size + i for b in blocks for i in range(block_size)]
 
 
-def _loader(server: str, args: argparse.Namespace, conn) -> None:
+def _loader(server: str, args: argparse.Namespace, conn: Connection) -> None:
     """Second process: loads what the parent saved, checks it, times it."""
     from ems import CcKvOption
 
@@ -108,7 +117,7 @@ class _Memcpy:
         return self.src.nbytes / float(np.median(self.times)) / 1e9
 
 
-def _timed(fn) -> float:
+def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
@@ -205,7 +214,7 @@ def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return rows
 
 
-def main(argv: List[str] = None) -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ems.bench", description=__doc__.split("\n")[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--json", action="store_true", help="JSON lines instead of a table")

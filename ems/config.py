@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional, Union
+from typing import Optional, Self, Union
 
 from datadist.engine.auth import Secret, load_secret
 
@@ -45,7 +45,8 @@ class KVCacheType(str, Enum):
     def __str__(self) -> str:
         return self.value
 
-    __format__ = str.__format__
+    def __format__(self, format_spec: str) -> str:  # as the text's, not Enum's (which names the member)
+        return str.__format__(self, format_spec)
 
 
 def _int(name: str, value: object, lo: int, hi: Optional[int] = None) -> None:
@@ -92,7 +93,7 @@ class _Checked:
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self):
+    def validate(self) -> Self:
         """Check every field; raises ``EmsException(EMS_INVALID_ARGUMENT)`` naming it."""
         try:
             self._check()
@@ -194,6 +195,12 @@ class EmsConfig(_Checked):
     secret: Optional[str] = field(default=None, repr=False)
 
     def _check(self) -> None:
+        self._check_cc()
+        self._check_credentials()
+        self._check_pool()
+
+    def _check_cc(self) -> None:
+        """``cc_config`` / ``cc_config_v1``: at most one, of a config class, itself valid."""
         for name in ("cc_config", "cc_config_v1"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (CcConfig, CcConfig_v1)):
@@ -202,6 +209,9 @@ class EmsConfig(_Checked):
                 value._check()
         if self.cc_config is not None and self.cc_config_v1 is not None:
             raise invalid("cc_config", "give cc_config or cc_config_v1, not both")
+
+    def _check_credentials(self) -> None:
+        """``access_id`` and ``access_key``: both or neither, each well formed."""
         if self.access_id is not None:
             _ident("access_id", self.access_id)
         if self.access_key is not None and (not isinstance(self.access_key, str)
@@ -210,6 +220,9 @@ class EmsConfig(_Checked):
         if (self.access_id is None) != (self.access_key is None):
             raise invalid("access_key" if self.access_key is None else "access_id",
                           "access_id and access_key go together")
+
+    def _check_pool(self) -> None:
+        """Our fields: how to reach the pool and use it."""
         if self.server is not None and (not isinstance(self.server, str) or not self.server):
             raise invalid("server", f"must be a non-empty str, got {self.server!r}")
         _int("connect_timeout", self.connect_timeout, 1)

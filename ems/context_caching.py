@@ -17,18 +17,16 @@ import threading
 import time
 from typing import Any, List, Optional
 
-from datadist.engine.native import sock_recv, sock_send
-
-from ._errors import EmsError, PoolDisconnected, PoolTimeout, invalid, to_ems
-from .client.conn import Connection, MappedArena
+from ._errors import EmsError, PoolDisconnected, to_ems
+from .client.conn import Connection
+from .client.mover import Mover, mover_for
 from .client.pool import PoolClient
 from .common.exception import EmsErrorCode, EmsException
 from .forms import V0, Request, parse_exists, parse_transfer
 from .future import CcFuture
 from .keys import Namespace
-from .kvcache import DeviceCopier, HostCopier, KvLayout, ValuePlan
+from .kvcache import Copier, DeviceCopier, HostCopier, KvLayout
 from .pool import wire
-from .pool.checksum import BLOCK, checksum, from_block_sums
 from .profiling import Profiler
 from .types import CcResult
 
@@ -177,21 +175,20 @@ class ContextCaching:
         self._profiler.record(op, mode, req.form, req.total, done, moved[0], started)
         return CcResult(done, req.total)
 
-    def _copier(self, req: Request, conn: Connection):
+    def _mover(self, req: Request, conn: Connection) -> Mover:
+        """What moves ``req``'s values on ``conn``'s transport."""
         if req.form == V0:
-            copier = _HOST if req.device == "cpu" else DeviceCopier(req.device)
+            copier: Copier = _HOST if req.device == "cpu" else DeviceCopier(req.device)
             what = "value_list"
         else:
             assert self._layout is not None
             copier, what = self._layout.copier, "kvcache"
-        if isinstance(copier, DeviceCopier) and copier.device != "cpu" and conn.arena is None:
-            raise invalid(what, "device tensors need the shared-memory pool (unix socket), not a tcp:// address")
-        return copier
+        return mover_for(conn, copier, self._verify, what)
 
     def _save(self, req: Request, deadline: Optional[float], moved: List[int]) -> int:
         ok: List[bool] = []
         with self._pool.connection(deadline) as conn:
-            copier = self._copier(req, conn)
+            mover = self._mover(req, conn)
             # Reservations cannot be evicted until committed, so a call larger than the pool
             # goes in batches of at most half its capacity: each batch's commits make room.
             budget = max(1, conn.info.capacity // 2)
@@ -201,30 +198,27 @@ class ContextCaching:
                 while end < req.total and (end == start or size + req.values[end].size <= budget):
                     size += req.values[end].size
                     end += 1
-                ok.extend(self._save_batch(req, start, end, conn, copier, deadline, moved))
+                ok.extend(self._save_batch(req, start, end, conn, mover, deadline, moved))
                 start = end
         return _leading(ok)
 
-    def _save_batch(self, req: Request, start: int, end: int, conn: Connection, copier: Any,
+    def _save_batch(self, req: Request, start: int, end: int, conn: Connection, mover: Mover,
                     deadline: Optional[float], moved: List[int]) -> List[bool]:
         sizes = [v.size for v in req.values[start:end]]
-        reply = conn.call(wire.Reserve(req.keys[start:end], sizes, skip_existing=req.form != V0), deadline)
+        reply = conn.call(wire.Reserve(req.keys[start:end], sizes, skip_existing=req.form != V0), deadline,
+                          wire.ReserveReply)
         offsets = list(reply.offsets)
         if len(offsets) != end - start:
             raise PoolDisconnected("the pool answered RESERVE for another number of keys")
-        keys, offs, crcs = [], [], []
+        keys: List[str] = []
+        offs: List[int] = []
+        crcs: List[Optional[int]] = []  # None: sent by the socket, the daemon sums it
         try:
             for i, off in enumerate(offsets, start):
                 if off < 0:
                     continue
                 vp = req.values[i]
-                if conn.arena is not None:
-                    crcs.append(_move_value(copier, vp, conn.arena, off, save=True))
-                else:
-                    conn.send(wire.Write(off, vp.size), deadline)
-                    for plan in vp.plans:
-                        sock_send(conn.sock.fileno(), plan, _ms_left(conn, deadline))
-                    crcs.append(None)
+                crcs.append(mover.save(vp, off, deadline))
                 keys.append(req.keys[i])
                 offs.append(off)
                 moved[0] += vp.size
@@ -235,15 +229,15 @@ class ContextCaching:
         if keys:
             # Over TCP the client has no checksums (the bytes went by the socket): an empty
             # list asks the daemon to compute them.
-            sums = [] if None in crcs else crcs
-            commit = conn.call(wire.Commit(keys, offs, sums, req.option.write_rcache), deadline)
+            sums = [] if None in crcs else [c for c in crcs if c is not None]
+            commit = conn.call(wire.Commit(keys, offs, sums, req.option.write_rcache), deadline, wire.CommitReply)
             stored = dict(zip(offs, commit.stored))
         return [off == wire.SKIPPED or bool(stored.get(off)) for off in offsets]
 
     def _load(self, req: Request, deadline: Optional[float], moved: List[int]) -> int:
         with self._pool.connection(deadline) as conn:
-            copier = self._copier(req, conn)
-            reply = conn.call(wire.Get(req.keys, req.option.read_local_only), deadline)
+            mover = self._mover(req, conn)
+            reply = conn.call(wire.Get(req.keys, req.option.read_local_only), deadline, wire.GetReply)
             n = 0
             bad = None
             try:
@@ -251,20 +245,9 @@ class ContextCaching:
                     vp = req.values[i]
                     if size != vp.size:
                         break  # stored under another layout: a miss, never a partial fill
-                    if conn.arena is not None:
-                        if self._verify:
-                            if _move_value(copier, vp, conn.arena, off, save=False) != crc:
-                                bad = (req.keys[i], off)
-                                break
-                        else:
-                            copier.load(vp, conn.arena.base + off)
-                    else:
-                        conn.send(wire.Read(off, size), deadline)
-                        head, _ = wire.recv_msg(conn.sock, deadline)
-                        if not isinstance(head, wire.ReadReply) or head.size != size:
-                            raise PoolDisconnected("the pool answered READ unexpectedly")
-                        for plan in vp.plans:
-                            sock_recv(conn.sock.fileno(), plan.swapped(), _ms_left(conn, deadline))
+                    if not mover.load(vp, off, crc, deadline):
+                        bad = (req.keys[i], off)
+                        break
                     moved[0] += size
                     n += 1
             finally:
@@ -279,29 +262,3 @@ class ContextCaching:
             executor, self._executor = self._executor, None
         if executor is not None and self._executor_pid == os.getpid():
             executor.shutdown(wait=True)
-
-
-def _move_value(copier: Any, vp: ValuePlan, arena: MappedArena, off: int, *, save: bool) -> int:
-    """Copy one value into (``save``) or out of the arena at ``off``; the checksum of the
-    bytes moved (summed during the copy when the cache is in host memory)."""
-    if isinstance(copier, HostCopier):
-        sums = (copier.save_summed if save else copier.load_summed)(vp, arena.base + off)
-        return from_block_sums(sums, arena.array[off + vp.size - vp.size % BLOCK:off + vp.size], vp.size)
-    (copier.save if save else copier.load)(vp, arena.base + off)
-    return checksum(arena.array[off:off + vp.size])
-
-
-def _ms_left(conn: Connection, deadline: Optional[float]) -> int:
-    """Milliseconds left for a raw transfer; also puts the socket in non-blocking mode,
-    which the engine's socket executor needs."""
-    if deadline is None:
-        conn.sock.settimeout(60.0)
-        return 60_000
-    left = deadline - time.monotonic()
-    if left <= 0:
-        conn.broken = True
-        raise PoolTimeout("deadline passed during a transfer")
-    conn.sock.settimeout(left)
-    return max(1, int(left * 1000))
-
-

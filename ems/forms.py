@@ -11,7 +11,7 @@ Forms (exclusive; mixing arguments of two is invalid):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Set, Tuple, TypeGuard
 
 import numpy as np
 
@@ -179,38 +179,46 @@ def _v0(key_list: Any, value_list: Any, ns: Namespace) -> Tuple[List[str], List[
     if len(value_list) != len(key_list):
         raise invalid("value_list", f"has {len(value_list)} entries for {len(key_list)} keys")
     keys: List[str] = []
-    seen: set = set()
+    seen: Set[Hashable] = set()
     for i, k in enumerate(key_list):
-        if isinstance(k, PrimaryKey):
-            ident: Any = (k.distribute_key, k.attribute_key)
-            wire = ns.primary_key(*ident)
-        elif isinstance(k, str):
-            check_key_text(f"key_list[{i}]", k)
-            ident = k
-            wire = ns.str_key(k)
-        else:
-            raise invalid(f"key_list[{i}]", f"must be a PrimaryKey or str, got {type(k).__name__}")
+        ident, wire = _v0_key(f"key_list[{i}]", k, ns)
         if ident in seen:
             raise invalid(f"key_list[{i}]", f"duplicate key {k!r}")
         seen.add(ident)
         keys.append(wire)
     values: List[ValuePlan] = []
-    devices = set()
+    devices: Set[str] = set()
     for i, bufs in enumerate(value_list):
-        if not isinstance(bufs, (list, tuple)) or not bufs:
-            raise invalid(f"value_list[{i}]", "must be a non-empty list of KvBufferWrapper")
-        addrs, lens = [], []
-        for j, b in enumerate(bufs):
-            if not isinstance(b, KvBufferWrapper):
-                raise invalid(f"value_list[{i}][{j}]", f"must be a KvBufferWrapper, got {type(b).__name__}")
-            addr, device = b.locate()
-            devices.add(device)
-            addrs.append(addr)
-            lens.append(b.length)
-        values.append(buffers_plan(addrs, lens))
+        values.append(_v0_value(f"value_list[{i}]", bufs, devices))
     if len(devices) > 1:
         raise invalid("value_list", f"mixes buffers of {', '.join(sorted(devices))}; one call moves one kind of memory")
     return keys, values, devices.pop() if devices else "cpu"
+
+
+def _v0_key(name: str, key: Any, ns: Namespace) -> Tuple[Hashable, str]:
+    """A V0 key (``PrimaryKey`` or ``str``): what tells it from the call's other keys, and
+    its wire key."""
+    if isinstance(key, PrimaryKey):
+        return (key.distribute_key, key.attribute_key), ns.primary_key(key.distribute_key, key.attribute_key)
+    if isinstance(key, str):
+        check_key_text(name, key)
+        return key, ns.str_key(key)
+    raise invalid(name, f"must be a PrimaryKey or str, got {type(key).__name__}")
+
+
+def _v0_value(name: str, bufs: Any, devices: Set[str]) -> ValuePlan:
+    """The plan of one V0 value (its buffers concatenated); adds their memory to ``devices``."""
+    if not isinstance(bufs, (list, tuple)) or not bufs:
+        raise invalid(name, "must be a non-empty list of KvBufferWrapper")
+    addrs, lens = [], []
+    for j, b in enumerate(bufs):
+        if not isinstance(b, KvBufferWrapper):
+            raise invalid(f"{name}[{j}]", f"must be a KvBufferWrapper, got {type(b).__name__}")
+        addr, device = b.locate()
+        devices.add(device)
+        addrs.append(addr)
+        lens.append(b.length)
+    return buffers_plan(addrs, lens)
 
 
 def _hash_form(bound: Dict[str, Any], layout: KvLayout) -> Tuple[List[HashId], List[np.ndarray]]:
@@ -269,15 +277,20 @@ def _chunk_form(bound: Dict[str, Any], layout: KvLayout) -> Tuple[List[HashId], 
             raise invalid("chunk_descs", f"group {g} must have one (start_slot, length) per hash "
                           f"({len(hashes)})")
         for i, d in enumerate(group):
-            if (not isinstance(d, (list, tuple)) or len(d) != 2
-                    or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in d)):
-                raise invalid("chunk_descs", f"[{g}][{i}] must be a (start_slot, length) pair of int")
-            start, length = int(d[0]), int(d[1])
-            if start < 0 or length <= 0 or start + length > layout.num_slots:
-                raise invalid("chunk_descs", f"[{g}][{i}] = ({start}, {length}) is outside the "
-                              f"registered cache [0, {layout.num_slots})")
-            per_key[i].append((start, length))
+            per_key[i].append(_chunk_desc(f"[{g}][{i}]", d, layout.num_slots))
     return hashes, per_key
+
+
+def _chunk_desc(where: str, desc: Any, num_slots: int) -> Tuple[int, int]:
+    """One ``(start_slot, length)`` pair of ``chunk_descs``, inside the registered cache."""
+    if (not isinstance(desc, (list, tuple)) or len(desc) != 2
+            or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in desc)):
+        raise invalid("chunk_descs", f"{where} must be a (start_slot, length) pair of int")
+    start, length = int(desc[0]), int(desc[1])
+    if start < 0 or length <= 0 or start + length > num_slots:
+        raise invalid("chunk_descs", f"{where} = ({start}, {length}) is outside the "
+                      f"registered cache [0, {num_slots})")
+    return start, length
 
 
 class KeyQuery:
@@ -291,17 +304,17 @@ class KeyQuery:
         self._keys = keys
 
     def __len__(self) -> int:
-        return len(self._ints if self._keys is None else self._keys)
+        return len(self._keys) if self._keys is not None else len(self._ints or ())
 
     def strings(self) -> List[str]:
         """The wire keys."""
         if self._keys is None:
-            self._keys = self._ns.hash_keys(self._ints)
+            self._keys = self._ns.hash_keys(self._ints or [])
         return self._keys
 
     def count_in(self, keyset: KeySetView) -> Optional[int]:
         """Leading keys ``keyset`` holds, or None when it cannot answer now."""
-        if self._keys is None:
+        if self._keys is None and self._ints is not None:
             prefix, suffix = self._ns.int_key_parts
             try:
                 return keyset.count_ints(prefix, self._ints, suffix)
@@ -313,23 +326,14 @@ class KeyQuery:
 def parse_exists(args: Tuple[Any, ...], kwargs: Dict[str, Any], ns: Namespace,
                  layout: Optional[KvLayout]) -> Tuple[KeyQuery, CcKvOption]:
     """``exists(hashes, option=None)``; also ``token_ids=`` (chained hashes) or ``key_list=``."""
-    names = ("hashes", "option")
-    if len(args) > len(names):
-        raise invalid("args", f"exists() takes at most 2 positional arguments, got {len(args)}")
-    bound = dict(zip(names, args))
-    for name, value in kwargs.items():
-        if name not in ("hashes", "option", "token_ids", "key_list"):
-            raise invalid(name, "unknown argument of exists()")
-        if name in bound:
-            raise invalid(name, "exists() got it both by position and by name")
-        bound[name] = value
+    bound = _bind_exists(args, kwargs)
     option = _option(bound.get("option"))
     given = [k for k in ("hashes", "token_ids", "key_list") if bound.get(k) is not None]
     if len(given) != 1:
         raise invalid("hashes", "give exactly one of hashes, token_ids or key_list")
     if given[0] == "hashes":
         hashes = hash_list("hashes", bound["hashes"], allow_empty=True)
-        if set(map(type, hashes)) <= {int}:
+        if _all_ints(hashes):
             return KeyQuery(ns, ints=hashes), option
         return KeyQuery(ns, keys=ns.hash_keys(hashes)), option
     if given[0] == "token_ids":
@@ -340,12 +344,23 @@ def parse_exists(args: Tuple[Any, ...], kwargs: Dict[str, Any], ns: Namespace,
     key_list = bound["key_list"]
     if not isinstance(key_list, (list, tuple)):
         raise invalid("key_list", "must be a list of PrimaryKey or str")
-    keys = []
-    for i, k in enumerate(key_list):
-        if isinstance(k, PrimaryKey):
-            keys.append(ns.primary_key(k.distribute_key, k.attribute_key))
-        elif isinstance(k, str):
-            keys.append(ns.str_key(check_key_text(f"key_list[{i}]", k)))
-        else:
-            raise invalid(f"key_list[{i}]", f"must be a PrimaryKey or str, got {type(k).__name__}")
-    return KeyQuery(ns, keys=keys), option
+    return KeyQuery(ns, keys=[_v0_key(f"key_list[{i}]", k, ns)[1] for i, k in enumerate(key_list)]), option
+
+
+def _bind_exists(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    names = ("hashes", "option")
+    if len(args) > len(names):
+        raise invalid("args", f"exists() takes at most 2 positional arguments, got {len(args)}")
+    bound = dict(zip(names, args))
+    for name, value in kwargs.items():
+        if name not in ("hashes", "option", "token_ids", "key_list"):
+            raise invalid(name, "unknown argument of exists()")
+        if name in bound:
+            raise invalid(name, "exists() got it both by position and by name")
+        bound[name] = value
+    return bound
+
+
+def _all_ints(hashes: List[HashId]) -> TypeGuard[List[int]]:
+    """Whether every hash is an ``int`` (none is ``bytes``)."""
+    return set(map(type, hashes)) <= {int}

@@ -13,7 +13,7 @@ and rebased onto the value's place in the mapped arena; every byte moves through
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from datadist.engine.native import copy_plan, copy_plan_sum
 from ._errors import invalid
 from .pool.checksum import BLOCK
 
-__all__ = ["KvLayout", "ValuePlan", "buffers_plan", "HostCopier", "DeviceCopier"]
+__all__ = ["KvLayout", "ValuePlan", "buffers_plan", "HostCopier", "DeviceCopier", "Copier"]
 
 _U64 = np.uint64
 
@@ -46,48 +46,68 @@ def buffers_plan(addresses: Sequence[int], lengths: Sequence[int]) -> ValuePlan:
     return ValuePlan(int(lens.sum()), [coalesce(np.asarray(addresses, dtype=np.int64), starts, lens)])
 
 
+def _layers_of(kvcache: Any) -> List[Sequence[Any]]:
+    """``kvcache`` as a list of layers (a single 6-d tensor is split into them)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        raise invalid("kvcache", "needs torch") from None
+    if isinstance(kvcache, torch.Tensor):
+        if kvcache.dim() != 6:
+            raise invalid("kvcache", "a single tensor must be [layers, kv, blocks, block_size, heads, head_size]")
+        kvcache = [[kvcache[i][j] for j in range(kvcache.shape[1])] for i in range(kvcache.shape[0])]
+    if not isinstance(kvcache, (list, tuple)) or not kvcache:
+        raise invalid("kvcache", "must be a non-empty list (layers) of lists (K, V) of tensors")
+    return list(kvcache)
+
+
+def _kv_per_layer(kvcache: List[Sequence[Any]], kvcache_type: str) -> int:
+    """Tensors per layer: 2 (K, V), or 1 or 2 for MLA; the same for every layer."""
+    kv_counts = {len(layer) if isinstance(layer, (list, tuple)) else -1 for layer in kvcache}
+    allowed = (1, 2) if kvcache_type == "MLA" else (2,)
+    if len(kv_counts) != 1 or next(iter(kv_counts)) not in allowed:
+        raise invalid("kvcache", f"every layer must be a list of {' or '.join(map(str, allowed))} "
+                      f"tensors (kvcache_type {kvcache_type})")
+    return len(kvcache[0])
+
+
+def _check_tensors(tensors: List[Any], kvp: int) -> None:
+    """Every entry a contiguous 4-d tensor ``[blocks, block_size, heads, head_size]``, all
+    with layer 0's blocks, block size and device, each like its counterpart in layer 0."""
+    import torch
+
+    first = tensors[0]
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise invalid("kvcache", f"entry {i} is a {type(t).__name__}, not a torch.Tensor")
+        if t.dim() != 4:
+            raise invalid("kvcache", f"tensor {i} has shape {tuple(t.shape)}, expected "
+                          "[blocks, block_size, heads, head_size]")
+        if t.shape[:2] != first.shape[:2] or t.device != first.device:
+            raise invalid("kvcache", f"tensor {i} differs from tensor 0 in blocks, block_size or device")
+        model = tensors[i % kvp]  # the same tensor of layer 0
+        if t.shape != model.shape or t.dtype != model.dtype:
+            raise invalid("kvcache", f"tensor {i} (layer {i // kvp}, kv {i % kvp}) differs from "
+                          f"layer 0's in shape or dtype")
+        if not t.is_contiguous():
+            raise invalid("kvcache", f"tensor {i} is not contiguous")
+
+
 class KvLayout:
     """A validated, registered ``kvcache`` and its layer groups."""
 
     def __init__(self, kvcache: Any, store_layer_group_desc: Optional[Sequence[Sequence[int]]],
                  kvcache_type: str) -> None:
-        try:
-            import torch
-        except ImportError:  # pragma: no cover - torch is a dependency
-            raise invalid("kvcache", "needs torch") from None
-        if isinstance(kvcache, torch.Tensor):
-            if kvcache.dim() != 6:
-                raise invalid("kvcache", "a single tensor must be [layers, kv, blocks, block_size, heads, head_size]")
-            kvcache = [[kvcache[i][j] for j in range(kvcache.shape[1])] for i in range(kvcache.shape[0])]
-        if not isinstance(kvcache, (list, tuple)) or not kvcache:
-            raise invalid("kvcache", "must be a non-empty list (layers) of lists (K, V) of tensors")
-        kv_counts = {len(layer) if isinstance(layer, (list, tuple)) else -1 for layer in kvcache}
-        allowed = (1, 2) if kvcache_type == "MLA" else (2,)
-        if len(kv_counts) != 1 or next(iter(kv_counts)) not in allowed:
-            raise invalid("kvcache", f"every layer must be a list of {' or '.join(map(str, allowed))} "
-                          f"tensors (kvcache_type {kvcache_type})")
-        tensors = [t for layer in kvcache for t in layer]
-        kvp = len(kvcache[0])
+        layers = _layers_of(kvcache)
+        kvp = _kv_per_layer(layers, kvcache_type)
+        tensors = [t for layer in layers for t in layer]
+        _check_tensors(tensors, kvp)
         first = tensors[0]
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor):
-                raise invalid("kvcache", f"entry {i} is a {type(t).__name__}, not a torch.Tensor")
-            if t.dim() != 4:
-                raise invalid("kvcache", f"tensor {i} has shape {tuple(t.shape)}, expected "
-                              "[blocks, block_size, heads, head_size]")
-            if t.shape[:2] != first.shape[:2] or t.device != first.device:
-                raise invalid("kvcache", f"tensor {i} differs from tensor 0 in blocks, block_size or device")
-            model = tensors[i % kvp]  # the same tensor of layer 0
-            if t.shape != model.shape or t.dtype != model.dtype:
-                raise invalid("kvcache", f"tensor {i} (layer {i // kvp}, kv {i % kvp}) differs from "
-                              f"layer 0's in shape or dtype")
-            if not t.is_contiguous():
-                raise invalid("kvcache", f"tensor {i} is not contiguous")
         blocks, block_size = (int(x) for x in first.shape[:2])
         if block_size <= 0 or blocks <= 0:
             raise invalid("kvcache", f"shape {tuple(first.shape)} has no slots")
         self.tensors = tensors  # keeps the memory alive while registered
-        self.num_layers = len(kvcache)
+        self.num_layers = len(layers)
         self.kv_per_layer = kvp
         self.block_size = block_size
         self.num_slots = blocks * block_size
@@ -97,21 +117,14 @@ class KvLayout:
         self.ptrs = np.array([t.data_ptr() for t in tensors], dtype=_U64)
         self.groups = self._groups(store_layer_group_desc)
         self._every = self._parts(np.arange(len(tensors), dtype=np.int64))
-        if first.device.type not in ("cpu", "cuda", "npu"):  # never read device memory as host memory
-            raise invalid("kvcache", f"tensors on {first.device}: this build moves CPU, CUDA and NPU caches only")
-        if first.device.type == "npu":  # the torch executor reaches NPU memory through its tensors
-            for t in tensors:
-                npu.track(t)
-        # With DATADIST_EXECUTOR=torch host caches take the device path too, so CI runs it.
-        on_host = first.device.type == "cpu" and executor() != "torch"
-        self.copier = HostCopier() if on_host else DeviceCopier(str(first.device))
+        self.copier = _copier_for(tensors)
 
     def _groups(self, desc: Optional[Sequence[Sequence[int]]]) -> List["_Parts"]:
         if desc is None:
             desc = [list(range(self.num_layers))]
         if not isinstance(desc, (list, tuple)) or not desc:
             raise invalid("store_layer_group_desc", "must be a non-empty list of layer-index lists")
-        seen: set = set()
+        seen: Set[int] = set()
         groups = []
         for g, layers in enumerate(desc):
             if not isinstance(layers, (list, tuple)) or not layers:
@@ -159,6 +172,19 @@ class KvLayout:
             group_plans, at = parts.plans(np.arange(start, start + length, dtype=np.int64), at)
             plans.extend(group_plans)
         return ValuePlan(at, plans)
+
+
+def _copier_for(tensors: Sequence[Any]) -> Copier:
+    """What moves the bytes of a cache of ``tensors`` (all on one device)."""
+    device = tensors[0].device
+    if device.type not in ("cpu", "cuda", "npu"):  # never read device memory as host memory
+        raise invalid("kvcache", f"tensors on {device}: this build moves CPU, CUDA and NPU caches only")
+    if device.type == "npu":  # the torch executor reaches NPU memory through its tensors
+        for t in tensors:
+            npu.track(t)
+    # With DATADIST_EXECUTOR=torch host caches take the device path too, so CI runs it.
+    on_host = device.type == "cpu" and executor() != "torch"
+    return HostCopier() if on_host else DeviceCopier(str(device))
 
 
 @dataclass
@@ -219,3 +245,7 @@ class DeviceCopier:
     def load(self, vp: ValuePlan, value_addr: int) -> None:
         for plan in vp.plans:
             torch_copy_plan(plan.swapped().rebase(src_delta=value_addr).on("cpu", self.device))
+
+
+#: What moves a value's bytes between the KV cache (or V0 buffers) and the mapped arena.
+Copier = Union[HostCopier, DeviceCopier]

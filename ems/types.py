@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 from ._errors import invalid, to_ems
 
@@ -103,6 +103,20 @@ def _cuda_device_memory(addr: int) -> bool:
         return False
 
 
+class _Tensor(Protocol):
+    """What :meth:`KvBufferWrapper.locate` uses of the tensor whose bound ``data_ptr`` was
+    given (a ``torch.Tensor``; torch is not imported here)."""
+
+    @property
+    def device(self) -> Any: ...
+
+    def numel(self) -> int: ...
+
+    def element_size(self) -> int: ...
+
+    def data_ptr(self) -> int: ...
+
+
 class KvBufferWrapper:
     """A contiguous buffer of ``length`` bytes at ``data_ptr``.
 
@@ -132,9 +146,9 @@ class KvBufferWrapper:
         memory, and in a process that uses an NPU any, are refused
         (``EMS_INVALID_ARGUMENT``) rather than read as host memory: pass the device
         tensor's ``data_ptr`` method instead."""
-        owner = getattr(self.data_ptr, "__self__", None)
+        owner: Optional[_Tensor] = getattr(self.data_ptr, "__self__", None)
         device = getattr(owner, "device", None)
-        if device is not None and getattr(device, "type", "cpu") != "cpu":
+        if owner is not None and device is not None and getattr(device, "type", "cpu") != "cpu":
             if device.type not in ("cuda", "npu"):
                 raise invalid("data_ptr", f"is memory of {device}; this build moves host, CUDA and NPU buffers")
             nbytes = owner.numel() * owner.element_size()

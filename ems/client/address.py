@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 from .._errors import invalid
 
@@ -27,6 +27,14 @@ class Address:
     @property
     def directory(self) -> Optional[str]:
         return os.path.dirname(self.path) if self.path else None
+
+    def endpoint(self) -> Union[str, Tuple[str, int]]:
+        """What a socket connects to: the unix socket's path, or ``(host, port)``."""
+        if self.kind == "tcp" and self.host is not None and self.port is not None:
+            return self.host, self.port
+        if self.kind == "unix" and self.path is not None:
+            return self.path
+        raise ValueError(f"incomplete pool address {self!r}")
 
     def __str__(self) -> str:
         return self.text

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple, Type, TypeVar, overload
 
 import numpy as np
 
@@ -23,6 +23,8 @@ from ..pool.keyset import KeySetView
 from .address import Address, parse_address
 
 __all__ = ["Connection", "MappedArena", "probe"]
+
+R = TypeVar("R", bound=wire.Message)
 
 
 class MappedArena(SharedMapping):
@@ -49,63 +51,54 @@ class Connection:
         self.fds: List[int] = []  # from HELLO: the arena, then the key set
         self.arena: Optional[MappedArena] = None  # set by the pool (shared per daemon)
         self.keys: Optional[KeySetView] = None
+        self._closed = False
+        self.sock = _connect(address, deadline)
+        reply, fds = self._handshake(hello, secret, deadline)
+        self.info = self._welcome(reply, fds)
+
+    def _handshake(self, hello: wire.Hello, secret: Optional[Secret],
+                   deadline: float) -> Tuple[wire.Message, List[int]]:
+        """Send HELLO (after the pool secret's exchange, with a secret); the reply and the
+        descriptors that came with it.  Closes the connection if that fails."""
         try:
-            if address.kind == "tcp":
-                sock = socket.create_connection((address.host, address.port),
-                                                timeout=max(0.001, deadline - time.monotonic()))
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            else:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
-                try:
-                    sock.connect(address.path)
-                except BaseException:
-                    sock.close()
-                    raise
-        except (TimeoutError, socket.timeout) as exc:
-            # Something listens but does not accept in time (a stalled daemon): a timeout,
-            # which the vendor's retry sample retries, not an absent pool.
-            raise PoolTimeout(f"the EMS pool at {address} did not accept a connection in time: {exc}") from None
-        except OSError as exc:
-            raise PoolUnreachable(f"no EMS pool answers at {address}: {exc}") from None
-        self.sock = sock
-        try:
-            hello.shm = address.kind == "unix"
+            hello.shm = self.address.kind == "unix"
             if secret is not None:
-                self._authenticate(sock, hello, secret, deadline)
+                self._authenticate(self.sock, hello, secret, deadline)
             try:
-                wire.send_msg(sock, hello, deadline)
+                wire.send_msg(self.sock, hello, deadline)
             except PoolDisconnected:
                 pass  # a daemon that refuses (busy) closes at once; its reason is still readable
-            reply, fds = wire.recv_msg(sock, deadline, want_fds=2 if hello.shm else 0)
+            return wire.recv_msg(self.sock, deadline, want_fds=2 if hello.shm else 0)
         except PoolTimeout as exc:
             self.close()
-            raise PoolTimeout(f"the EMS pool at {address} did not answer the handshake in time: {exc}") from None
+            raise PoolTimeout(f"the EMS pool at {self.address} did not answer the handshake in time: {exc}") from None
         except (PoolDisconnected, ProtocolError) as exc:
             self.close()
-            raise PoolUnreachable(f"the EMS pool at {address} did not complete the handshake: {exc}") from None
+            raise PoolUnreachable(f"the EMS pool at {self.address} did not complete the handshake: {exc}") from None
         except BaseException:
             self.close()
             raise
-        if isinstance(reply, wire.Error):
+
+    def _welcome(self, reply: wire.Message, fds: List[int]) -> wire.HelloReply:
+        """The HELLO reply, its descriptors kept (with shared memory: the arena and the key
+        set); a refusal or anything else closes the connection and raises."""
+        if not isinstance(reply, wire.HelloReply) or not reply.shm:
             for fd in fds:
                 os.close(fd)
+            fds = []
+        if isinstance(reply, wire.Error):
             self.close()
             if reply.kind == wire.ErrorKind.AUTH:
-                raise PoolRejected(f"the EMS pool at {address} rejected the credentials: {reply.message}")
-            raise PoolUnreachable(f"the EMS pool at {address} refused the connection: {reply.message}")
+                raise PoolRejected(f"the EMS pool at {self.address} rejected the credentials: {reply.message}")
+            raise PoolUnreachable(f"the EMS pool at {self.address} refused the connection: {reply.message}")
         if not isinstance(reply, wire.HelloReply):
             self.close()
-            raise PoolUnreachable(f"the EMS pool at {address} answered HELLO with {type(reply).__name__}")
-        self.info = reply
-        if reply.shm:
-            self.fds = fds
-            if len(fds) != 2:
-                self.close()
-                raise PoolUnreachable(f"the EMS pool at {address} did not pass its arena and key set")
-        else:
-            for fd in fds:
-                os.close(fd)
+            raise PoolUnreachable(f"the EMS pool at {self.address} answered HELLO with {type(reply).__name__}")
+        self.fds = fds
+        if reply.shm and len(fds) != 2:
+            self.close()
+            raise PoolUnreachable(f"the EMS pool at {self.address} did not pass its arena and key set")
+        return reply
 
     def _authenticate(self, sock: socket.socket, hello: wire.Hello, secret: Secret, deadline: float) -> None:
         """Prove to the pool, and have it prove, that both hold the secret, before the
@@ -131,8 +124,16 @@ class Connection:
         fds, self.fds = self.fds, []
         return fds
 
-    def call(self, msg: wire.Message, deadline: Optional[float]) -> wire.Message:
-        """Request/reply; a broken or timed-out connection is marked and must be closed."""
+    @overload
+    def call(self, msg: wire.Message, deadline: Optional[float]) -> wire.Message: ...
+
+    @overload
+    def call(self, msg: wire.Message, deadline: Optional[float], reply_type: Type[R]) -> R: ...
+
+    def call(self, msg: wire.Message, deadline: Optional[float],
+             reply_type: Type[wire.Message] = wire.Message) -> wire.Message:
+        """Request/reply: the reply, a ``reply_type``.  A broken or timed-out connection, or
+        one that answers with another type, is marked and must be closed."""
         try:
             wire.send_msg(self.sock, msg, deadline)
             reply, _ = wire.recv_msg(self.sock, deadline)
@@ -143,6 +144,9 @@ class Connection:
             if reply.kind == wire.ErrorKind.INVALID:
                 raise PoolRejected(f"the pool rejected {type(msg).__name__}: {reply.message}")
             raise PoolDisconnected(f"the pool failed {type(msg).__name__}: {reply.message}")
+        if not isinstance(reply, reply_type):
+            self.broken = True
+            raise ProtocolError(f"the pool answered {type(msg).__name__} with {type(reply).__name__}")
         return reply
 
     def send(self, msg: wire.Message, deadline: Optional[float]) -> None:
@@ -153,13 +157,46 @@ class Connection:
             self.broken = True
             raise
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         for fd in self.take_fds():
             os.close(fd)
-        sock = getattr(self, "sock", None)
-        if sock is not None:
-            self.sock = None
-            sock.close()
+        if not self._closed:
+            self._closed = True
+            self.sock.close()
+
+
+def _dial(address: Address, timeout_s: float) -> socket.socket:
+    """A socket connected to ``address`` within ``timeout_s`` (``OSError`` if not; a
+    ``TimeoutError`` when something listens but does not accept in time)."""
+    endpoint = address.endpoint()
+    if isinstance(endpoint, tuple):
+        sock = socket.create_connection(endpoint, timeout=timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(endpoint)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _connect(address: Address, deadline: float) -> socket.socket:
+    """:func:`_dial` before ``deadline``, its failures as the client's errors."""
+    try:
+        return _dial(address, max(0.001, deadline - time.monotonic()))
+    except (TimeoutError, socket.timeout) as exc:
+        # Something listens but does not accept in time (a stalled daemon): a timeout,
+        # which the vendor's retry sample retries, not an absent pool.
+        raise PoolTimeout(f"the EMS pool at {address} did not accept a connection in time: {exc}") from None
+    except OSError as exc:
+        raise PoolUnreachable(f"no EMS pool answers at {address}: {exc}") from None
 
 
 def probe(address: str, what: str = "ping", timeout_s: float = 3.0,
@@ -171,12 +208,7 @@ def probe(address: str, what: str = "ping", timeout_s: float = 3.0,
     addr = parse_address(address)
     deadline = time.monotonic() + timeout_s
     try:
-        if addr.kind == "tcp":
-            sock = socket.create_connection((addr.host, addr.port), timeout=timeout_s)
-        else:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout_s)
-            sock.connect(addr.path)
+        sock = _dial(addr, timeout_s)
     except OSError as exc:
         raise PoolUnreachable(f"no EMS pool answers at {addr}: {exc}") from None
     try:

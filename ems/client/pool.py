@@ -58,9 +58,10 @@ class PoolClient:
         try:
             conn = self._connect(deadline)
         except PoolUnreachable:
-            if not self.address.auto:
+            directory = self.address.directory
+            if not self.address.auto or directory is None:
                 raise
-            start_daemon(self.address.directory, time.monotonic() + max(self.connect_timeout, 10.0))
+            start_daemon(directory, time.monotonic() + max(self.connect_timeout, 10.0))
             conn = self._connect(time.monotonic() + self.connect_timeout)
         self._put(conn)
 
@@ -115,7 +116,7 @@ class PoolClient:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 break
-            if _alive(conn.sock):
+            if not conn.closed and _alive(conn.sock):
                 return conn
             conn.close()
         limit = time.monotonic() + self.connect_timeout
@@ -160,7 +161,7 @@ class PoolClient:
                     return hits
             else:
                 hits = 0
-            reply = conn.call(wire.Exists(keys.strings()[hits:], local_only), deadline)
+            reply = conn.call(wire.Exists(keys.strings()[hits:], local_only), deadline, wire.ExistsReply)
             return hits + min(int(reply.hits), len(keys) - hits)
 
     def ping(self, timeout_s: float) -> bool:
@@ -168,7 +169,7 @@ class PoolClient:
         try:
             deadline = time.monotonic() + timeout_s
             with self.connection(deadline) as conn:
-                return isinstance(conn.call(wire.Ping(), deadline), wire.Pong)
+                return isinstance(conn.call(wire.Ping(), deadline, wire.Pong), wire.Pong)
         except Exception:  # any failure means unhealthy; check_health never raises
             return False
 
@@ -184,10 +185,8 @@ class PoolClient:
             arena.close()
 
 
-def _alive(sock: Optional[socket.socket]) -> bool:
+def _alive(sock: socket.socket) -> bool:
     """False if the daemon closed this idle connection (EOF or error pending)."""
-    if sock is None:
-        return False
     try:
         sock.settimeout(0.0)  # with a timeout set, Python would wait on EAGAIN
         data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)

@@ -56,5 +56,5 @@ class EmsException(Exception):
     def __repr__(self) -> str:
         return f"EmsException({self._code.name}, {self._message!r})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[EmsException], tuple[int, str]]:
         return (EmsException, (int(self._code), self._message))

@@ -12,10 +12,19 @@ against torn, truncated, reordered or bit-rotted values, not a cryptographic has
 from __future__ import annotations
 
 import zlib
+from typing import TYPE_CHECKING, Union, cast
 
 import numpy as np
+from numpy.typing import NDArray
 
 from datadist.engine.native import sum_blocks
+
+if TYPE_CHECKING:
+    # numpy declares ``ndarray.__buffer__`` for Python 3.12 on only, and mypy checks for 3.11.
+    from typing_extensions import Buffer
+
+#: What :func:`checksum` reads: a bytes-like object or a 1-D uint8 array.
+_Data = Union[bytes, bytearray, memoryview, NDArray[np.uint8]]
 
 __all__ = ["checksum", "block_sums", "from_block_sums", "BLOCK"]
 
@@ -31,18 +40,18 @@ def block_sums(arr: np.ndarray) -> np.ndarray:
     return out
 
 
-def checksum(data) -> int:
+def checksum(data: _Data) -> int:
     """64-bit checksum of a bytes-like object or a 1-D uint8 array."""
     arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
     n = int(arr.shape[0])
     return from_block_sums(block_sums(arr), arr[n - n % BLOCK:], n)
 
 
-def from_block_sums(sums: np.ndarray, tail, n: int) -> int:
+def from_block_sums(sums: np.ndarray, tail: NDArray[np.uint8], n: int) -> int:
     """The checksum of an ``n``-byte value from the sums of its whole 4 KiB blocks (the
     first ``2 * (n // BLOCK)`` of ``sums``; e.g. summed while copying) and its ``tail``
     bytes."""
-    crc = zlib.crc32(np.ascontiguousarray(sums[: 2 * (n // BLOCK)])) if n >= BLOCK else 0
+    crc = zlib.crc32(cast("Buffer", np.ascontiguousarray(sums[: 2 * (n // BLOCK)]))) if n >= BLOCK else 0
     if n % BLOCK:
-        crc = zlib.crc32(tail, crc)
+        crc = zlib.crc32(cast("Buffer", tail), crc)
     return ((n & 0xFFFFFFFF) << 32) | crc

@@ -14,7 +14,7 @@ sizes and owns the memory.  One writer (the daemon's store, under its lock).
 from __future__ import annotations
 
 import mmap
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from datadist.engine.memory import Arena
 
@@ -38,7 +38,7 @@ class KeySet:
         self.nslots = slots_for(max_keys)
         self.size = (_HEADER_WORDS + self.nslots) * 8
         self._arena = Arena(name, self.size)
-        self._table = self._arena.view()
+        self._table: Optional[memoryview] = self._arena.view()
         _keyset.init(self._table)
         self.overflowed = False  # more keys than fit: readers ask the daemon until they do
         self.withdrawn = False  # invalidated for good (the daemon is closing)
@@ -47,10 +47,17 @@ class KeySet:
     def fd(self) -> int:
         return self._arena.fd
 
+    @property
+    def _live(self) -> memoryview:
+        """The table; TypeError once closed (as the C side raises for a released table)."""
+        if self._table is None:
+            raise TypeError("the key set is closed")
+        return self._table
+
     def add(self, key: str, present: Callable[[], List[str]]) -> None:
         """Publish ``key``; ``present()`` lists every present key in case the table must
         be rebuilt (tombstones piled up) -- called rarely, never per key."""
-        if self.withdrawn or self.overflowed or _keyset.add(self._table, key) >= 0:
+        if self.withdrawn or self.overflowed or _keyset.add(self._live, key) >= 0:
             return
         self.rebuild(present())
 
@@ -59,7 +66,7 @@ class KeySet:
         if self.withdrawn:
             return
         if not self.overflowed:
-            _keyset.discard(self._table, key)
+            _keyset.discard(self._live, key)
         elif present_count <= self.nslots // 2:
             self.rebuild(present())
 
@@ -67,16 +74,16 @@ class KeySet:
         """Hold exactly ``keys``; past the table's load readers are told to ask the daemon."""
         if self.withdrawn:
             return
-        _keyset.rebuild(self._table, keys)
-        self.overflowed = _keyset.stats(self._table)[3] != 1
+        _keyset.rebuild(self._live, keys)
+        self.overflowed = _keyset.stats(self._live)[3] != 1
 
-    def stats(self) -> dict:
-        nslots, live, used, valid = _keyset.stats(self._table)
+    def stats(self) -> Dict[str, Any]:
+        nslots, live, used, valid = _keyset.stats(self._live)
         return {"slots": nslots, "keys": live, "tombstones": used - live, "published": bool(valid)}
 
     def invalidate(self) -> None:
         """Tell readers to stop trusting the table for good (they ask the daemon instead)."""
-        _keyset.invalidate(self._table)
+        _keyset.invalidate(self._live)
         self.withdrawn = True
 
     def close(self) -> None:
@@ -96,15 +103,22 @@ class KeySetView:
         self._mm: Optional[mmap.mmap] = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         _keyset.stats(self._mm)  # raises ValueError unless it is an initialised table
 
+    @property
+    def _live(self) -> mmap.mmap:
+        """The mapping; TypeError once closed (as the C side raises for ``None``)."""
+        if self._mm is None:
+            raise TypeError("the key set view is closed")
+        return self._mm
+
     def count(self, keys: Sequence[str]) -> Optional[int]:
         """Leading ``keys`` present, or None when the table cannot answer now."""
-        n = _keyset.count_keys(self._mm, keys)
+        n = _keyset.count_keys(self._live, keys)
         return None if n < 0 else n
 
     def count_ints(self, prefix: bytes, hashes: Sequence[int], suffix: bytes) -> Optional[int]:
         """``count`` of the keys ``prefix + format(h, "x") + suffix`` without building them;
         raises OverflowError for a hash outside [0, 2**64)."""
-        n = _keyset.count_ints(self._mm, prefix, hashes, suffix)
+        n = _keyset.count_ints(self._live, prefix, hashes, suffix)
         return None if n < 0 else n
 
     def close(self) -> None:

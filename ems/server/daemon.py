@@ -28,7 +28,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .._errors import EmsError, PoolDisconnected, PoolTimeout, ProtocolError
 from ..pool import wire
@@ -52,6 +52,9 @@ log = logging.getLogger("ems.server")
 DEFAULT_DIR = "/dev/shm/ems"
 SOCKET_NAME = "ems.sock"
 LOCK_NAME = "ems.lock"
+
+#: A request's answer: a message, or None when none is sent (one-way requests).
+Reply = Optional[wire.Message]
 
 
 class AlreadyRunning(RuntimeError):
@@ -120,16 +123,8 @@ class Daemon:
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
-        os.makedirs(self.cfg.directory, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.cfg.directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-            raise AlreadyRunning(f"another ems-server serves {self.cfg.directory}") from None
-        os.ftruncate(self._lock_fd, 0)
-        os.write(self._lock_fd, f"{os.getpid()}\n".encode())
+        """Take the directory's lock, open the store and its tiers, listen and accept."""
+        self._lock_directory()
         disk = DiskTier(self.cfg.disk_dir, self.cfg.disk_capacity) if self.cfg.disk_dir else None
         try:
             remote = make_tier(self.cfg.remote) if self.cfg.remote else None
@@ -137,6 +132,32 @@ class Daemon:
             raise ValueError(f"--remote {self.cfg.remote}: {exc}") from None
         self.store = Store(self.cfg.capacity, disk=disk, remote=remote)
         self.dispatcher = Dispatcher(self.cfg.workers, self.cfg.idle_timeout)
+        self._listeners.append(self._listen_unix())
+        if self.cfg.tcp:
+            self._listeners.append(self._listen_tcp(self.cfg.tcp))
+        for lsock in self._listeners:
+            threading.Thread(target=self._accept_loop, args=(lsock,), name="ems-accept",
+                             daemon=True).start()
+        log.info("ems-server %s serving %s (capacity %d bytes%s%s%s)", self.instance, self.socket_path,
+                 self.cfg.capacity, f", disk {self.cfg.disk_dir}" if disk else "",
+                 f", remote {self.cfg.remote}" if remote else "",
+                 f", tcp {self.tcp_address}" if self.tcp_address else "")
+
+    def _lock_directory(self) -> None:
+        """Hold ``DIR/ems.lock`` (with our pid in it) for the daemon's life, or raise
+        :class:`AlreadyRunning`."""
+        os.makedirs(self.cfg.directory, exist_ok=True)
+        fd = os.open(os.path.join(self.cfg.directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise AlreadyRunning(f"another ems-server serves {self.cfg.directory}") from None
+        self._lock_fd = fd
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+
+    def _listen_unix(self) -> socket.socket:
         try:
             os.unlink(self.socket_path)  # a previous daemon's (we hold the lock, so it is dead)
         except FileNotFoundError:
@@ -145,30 +166,25 @@ class Daemon:
         unix.bind(self.socket_path)
         os.chmod(self.socket_path, self.cfg.socket_mode)
         unix.listen(1024)  # bursts of clients connecting at once (a unix connect fails, not waits, when full)
-        self._listeners.append(unix)
-        if self.cfg.tcp:
-            host, _, port = self.cfg.tcp.rpartition(":")
-            tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                tcp.bind((host or "127.0.0.1", int(port)))
-            except (OSError, ValueError, OverflowError) as exc:
-                tcp.close()
-                raise ValueError(f"--tcp {self.cfg.tcp}: expected HOST:PORT this host can listen on ({exc})") from None
-            tcp.listen(1024)
-            self.tcp_address = "tcp://%s:%d" % tcp.getsockname()[:2]
-            self._listeners.append(tcp)
-            if self.secret is None and not ipaddress.ip_address(tcp.getsockname()[0]).is_loopback:
-                log.warning("listening on %s without a pool secret: any host that reaches it may use the pool "
-                            "(credentials only); start with --secret-file and give clients EmsConfig.secret",
-                            self.tcp_address)
-        for lsock in self._listeners:
-            threading.Thread(target=self._accept_loop, args=(lsock,), name="ems-accept",
-                             daemon=True).start()
-        log.info("ems-server %s serving %s (capacity %d bytes%s%s%s)", self.instance, self.socket_path,
-                 self.cfg.capacity, f", disk {self.cfg.disk_dir}" if disk else "",
-                 f", remote {self.cfg.remote}" if remote else "",
-                 f", tcp {self.tcp_address}" if self.tcp_address else "")
+        return unix
+
+    def _listen_tcp(self, address: str) -> socket.socket:
+        """Listen on ``HOST:PORT`` (``--tcp``); sets :attr:`tcp_address`."""
+        host, _, port = address.rpartition(":")
+        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            tcp.bind((host or "127.0.0.1", int(port)))
+        except (OSError, ValueError, OverflowError) as exc:
+            tcp.close()
+            raise ValueError(f"--tcp {address}: expected HOST:PORT this host can listen on ({exc})") from None
+        tcp.listen(1024)
+        self.tcp_address = "tcp://%s:%d" % tcp.getsockname()[:2]
+        if self.secret is None and not ipaddress.ip_address(tcp.getsockname()[0]).is_loopback:
+            log.warning("listening on %s without a pool secret: any host that reaches it may use the pool "
+                        "(credentials only); start with --secret-file and give clients EmsConfig.secret",
+                        self.tcp_address)
+        return tcp
 
     def serve_forever(self) -> None:
         """Block until :meth:`stop` (or the idle period passes), then shut down."""
@@ -276,7 +292,7 @@ class Session:
         self.unix = unix
         self.space: Optional[TenantSpace] = None
         self.owner: Optional[Owner] = None
-        self._fds: tuple = ()  # descriptors to pass with the next reply
+        self._fds: Tuple[int, ...] = ()  # descriptors to pass with the next reply
         self._done = False
         self._end_lock = threading.Lock()
         self._auth: Optional[ServerAuth] = None  # a pool secret's challenge, once sent
@@ -289,35 +305,49 @@ class Session:
 
     def serve_one(self) -> bool:
         """Read and answer one request; False when the session is over."""
+        msg = self._receive()
+        if msg is None:
+            return False
+        try:
+            reply = self._answer(msg)
+        except (OSError, PoolDisconnected, PoolTimeout):  # payload stopped flowing (peer gone, read_timeout)
+            return False
+        if reply is None:
+            return True
+        fds, self._fds = self._fds, ()
+        sent = self._reply(reply, fds)
+        if isinstance(msg, Shutdown) and isinstance(reply, Ack):
+            self.d.stop()  # after the answer: the caller must never see its stop as a failure
+        # No second try at HELLO on this connection.
+        return sent and not (self.space is None and isinstance(reply, Error))
+
+    def _receive(self) -> Optional[wire.Message]:
+        """The next request, or None when the session is over (a bad frame is answered
+        first); it must arrive whole within ``read_timeout``."""
         deadline = time.monotonic() + self.d.cfg.read_timeout
         try:
             msg, _ = wire.recv_msg(self.sock, deadline,
                                    max_frame=wire.MAX_FRAME if self.space is not None else PRE_HELLO_FRAME)
         except (PoolDisconnected, PoolTimeout):
-            return False
+            return None
         except ProtocolError as exc:
             self.d.refusals.warning("closed a connection that sent a bad frame: %s", exc)
             self._reply(Error(wire.ErrorKind.INVALID, str(exc)))
-            return False
+            return None
+        return msg
+
+    def _answer(self, msg: wire.Message) -> Reply:
+        """:meth:`_handle`, with a failed request answered by an :class:`Error` (a payload
+        that stopped flowing still raises: the session is over)."""
         try:
-            reply = self._handle(msg)
-        except (OSError, PoolDisconnected, PoolTimeout):  # payload stopped flowing (peer gone, read_timeout)
-            return False
+            return self._handle(msg)
+        except (OSError, PoolDisconnected, PoolTimeout):
+            raise
         except (EmsError, ValueError, TypeError, KeyError) as exc:
-            reply = Error(wire.ErrorKind.INVALID, f"{type(msg).__name__}: {exc}")
+            return Error(wire.ErrorKind.INVALID, f"{type(msg).__name__}: {exc}")
         except Exception as exc:  # a bug must not take the daemon down; it is logged
             log.exception("request %s failed", type(msg).__name__)
-            reply = Error(wire.ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")
-        if reply is not None:
-            fds, self._fds = self._fds, ()
-            sent = self._reply(reply, fds)
-            if isinstance(msg, Shutdown) and isinstance(reply, Ack):
-                self.d.stop()  # after the answer: the caller must never see its stop as a failure
-            if not sent:
-                return False
-            if self.space is None and isinstance(reply, Error):
-                return False  # no second try at HELLO on this connection
-        return True
+            return Error(wire.ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def end(self) -> None:
         """Release the session's leases and reservations and close it (idempotent)."""
@@ -334,7 +364,7 @@ class Session:
             pass
         self.d._ended(self)
 
-    def _reply(self, msg: wire.Message, fds=()) -> bool:
+    def _reply(self, msg: wire.Message, fds: Sequence[int] = ()) -> bool:
         try:
             wire.send_msg(self.sock, msg, time.monotonic() + self.d.cfg.read_timeout, fds=fds)
             return True
@@ -350,14 +380,10 @@ class Session:
         _pid, uid, _gid = struct.unpack("3i", creds)
         return uid in (0, os.getuid())
 
-    def _need_space(self) -> TenantSpace:
-        if self.space is None:
-            raise ProtocolError("HELLO first")
-        return self.space
-
-    def _handle(self, msg: wire.Message) -> Optional[wire.Message]:
-        """The answer to ``msg`` (None: none is sent): a session-level request, or one of
-        the tenant's requests once HELLO has admitted it (:data:`_TENANT_OPS`)."""
+    def _handle(self, msg: wire.Message) -> Reply:
+        """The answer to ``msg`` (None: none is sent): HELLO, a session-level request
+        (:data:`_SESSION_OPS`), or one of the tenant's once HELLO has admitted it
+        (:data:`_TENANT_OPS`)."""
         store = self.d.store
         if store is None:
             return Error(wire.ErrorKind.INTERNAL, "shutting down")
@@ -365,50 +391,51 @@ class Session:
             return self._hello(msg)
         if self.d.secret is not None and self.space is None and not self._operator():
             return Error(wire.ErrorKind.AUTH, REFUSAL)  # with a secret, strangers get nothing, not even a ping
-        if isinstance(msg, Ping):
-            return Pong(self.d.instance)
-        if isinstance(msg, Stats):
-            return self._stats()
-        if isinstance(msg, Shutdown):
-            return self._shutdown()
+        session_op = _SESSION_OPS.get(type(msg))
+        if session_op is not None:
+            return session_op(self, msg)
+        if self.space is None or self.owner is None:  # set together by HELLO
+            raise ProtocolError("HELLO first")
         handler = _TENANT_OPS.get(type(msg))
         if handler is None:
             raise ProtocolError(f"unexpected {type(msg).__name__}")
-        ts = self._need_space()
-        owner = self.owner
-        assert owner is not None  # set together with the space by HELLO
-        return handler(self, store, owner, ts, msg)
+        return handler(self, store, self.owner, self.space, msg)
 
-    def _stats(self) -> wire.Message:
+    # -- session-level requests (before HELLO too), one method each -------------------------
+    def _ping(self, msg: Ping) -> Reply:
+        return Pong(self.d.instance)
+
+    def _stats(self, msg: Stats) -> Reply:
         if not self.d.tenants.open and not self._operator():
             return Error(wire.ErrorKind.AUTH, "with tenant credentials, statistics are for the daemon's own user "
                                                  "on its unix socket")
         return StatsReply(self.d.stats())
 
-    def _shutdown(self) -> wire.Message:
+    def _shutdown(self, msg: Shutdown) -> Reply:
         if not self._operator():
             return Error(wire.ErrorKind.AUTH, "shutdown is accepted only from the daemon's own user (or root) "
                                                  "on its unix socket")
         return Ack()  # the daemon stops once this answer is out (serve_one)
 
     # -- the tenant's requests (after HELLO), one method each ------------------------------
-    def _exists(self, store: Store, owner: Owner, ts: TenantSpace, msg: Exists) -> wire.Message:
+    def _exists(self, store: Store, owner: Owner, ts: TenantSpace, msg: Exists) -> Reply:
         return ExistsReply(store.exists(ts, _keys(msg.keys), bool(msg.local_only)))
 
-    def _get(self, store: Store, owner: Owner, ts: TenantSpace, msg: Get) -> wire.Message:
+    def _get(self, store: Store, owner: Owner, ts: TenantSpace, msg: Get) -> Reply:
         lease, entries = store.get(owner, ts, _keys(msg.keys), bool(msg.local_only))
         return GetReply(lease, [e.off for e in entries], [e.size for e in entries], [e.checksum for e in entries])
 
-    def _release(self, store: Store, owner: Owner, ts: TenantSpace, msg: Release) -> None:
+    def _release(self, store: Store, owner: Owner, ts: TenantSpace, msg: Release) -> Reply:
         store.release(owner, int(msg.lease))
+        return None
 
-    def _reserve(self, store: Store, owner: Owner, ts: TenantSpace, msg: Reserve) -> wire.Message:
+    def _reserve(self, store: Store, owner: Owner, ts: TenantSpace, msg: Reserve) -> Reply:
         keys, sizes = _keys(msg.keys), [int(s) for s in msg.sizes]
         if len(sizes) != len(keys) or any(s < 0 for s in sizes):
             raise ValueError("sizes must be one int >= 0 per key")
         return ReserveReply(store.reserve(owner, ts, keys, sizes, bool(msg.skip_existing)))
 
-    def _commit(self, store: Store, owner: Owner, ts: TenantSpace, msg: Commit) -> wire.Message:
+    def _commit(self, store: Store, owner: Owner, ts: TenantSpace, msg: Commit) -> Reply:
         keys, offs = _keys(msg.keys), [int(o) for o in msg.offsets]
         # No checksums (a TCP client, whose bytes came by the socket): the store computes them.
         crcs: List[Optional[int]] = list(msg.checksums) if msg.checksums else [None] * len(keys)
@@ -416,37 +443,65 @@ class Session:
             raise ValueError("keys, offsets and checksums differ in length")
         return CommitReply(store.commit(owner, ts, keys, offs, crcs, bool(msg.keep_local)))
 
-    def _abort(self, store: Store, owner: Owner, ts: TenantSpace, msg: Abort) -> None:
+    def _abort(self, store: Store, owner: Owner, ts: TenantSpace, msg: Abort) -> Reply:
         store.abort(owner, ts, [int(o) for o in msg.offsets])
+        return None
 
-    def _drop(self, store: Store, owner: Owner, ts: TenantSpace, msg: Drop) -> wire.Message:
+    def _drop(self, store: Store, owner: Owner, ts: TenantSpace, msg: Drop) -> Reply:
         store.drop(ts, _keys(msg.keys), [int(o) for o in msg.offsets])
         return Ack()
 
-    def _write_msg(self, store: Store, owner: Owner, ts: TenantSpace, msg: Write) -> Optional[wire.Message]:
-        return self._write(store, owner, ts, int(msg.offset), int(msg.size))
+    def _write(self, store: Store, owner: Owner, ts: TenantSpace, msg: Write) -> Reply:
+        off, size = int(msg.offset), int(msg.size)
+        res = store.reservation(owner, ts, off)
+        if res is None or size != res.size:
+            return Error(wire.ErrorKind.INVALID, "WRITE outside this connection's reservations")
+        view = ts.arena.view(off, size)
+        wire.recv_exact(self.sock, view, time.monotonic() + self.d.cfg.read_timeout)
+        return None
 
-    def _read_msg(self, store: Store, owner: Owner, ts: TenantSpace, msg: Read) -> Optional[wire.Message]:
-        return self._read(store, owner, ts, int(msg.offset), int(msg.size))
+    def _read(self, store: Store, owner: Owner, ts: TenantSpace, msg: Read) -> Reply:
+        off, size = int(msg.offset), int(msg.size)
+        if not store.leased(owner, ts, off, size):
+            return Error(wire.ErrorKind.INVALID, "READ outside this connection's leases")
+        self.sock.settimeout(self.d.cfg.read_timeout)  # a reader that stops reading is cut off
+        self.sock.sendall(wire.encode(ReadReply(size)))
+        self.sock.sendall(ts.arena.view(off, size))
+        return None
 
-    def _hello(self, msg: Hello):
+    # -- HELLO ------------------------------------------------------------------------------
+    def _hello(self, msg: Hello) -> Reply:
         if msg.version != wire.PROTOCOL_VERSION:
             return Error(wire.ErrorKind.VERSION, f"protocol version {msg.version} is not {wire.PROTOCOL_VERSION}")
         if self.space is not None:
             return Error(wire.ErrorKind.INVALID, "HELLO twice")
+        pending = self._prove(msg)
+        if pending is not None:
+            return pending
+        return self._admit(msg)
+
+    def _prove(self, msg: Hello) -> Reply:
+        """The pool secret's exchange: None once it is settled (the client proved that it
+        holds the pool's secret, or neither side has one), else what to answer now: the
+        challenge to an opening HELLO, or a refusal."""
         secret = self.d.secret
         opening = bool(msg.nonce) and not msg.proof
         if secret is None:
-            if opening:  # the client asks for a secret this pool does not hold
-                return Error(wire.ErrorKind.AUTH, REFUSAL)
-        elif self._auth is None:
+            # A client that asks for a secret this pool does not hold is refused.
+            return Error(wire.ErrorKind.AUTH, REFUSAL) if opening else None
+        if self._auth is None:
             self._auth = ServerAuth.start(secret, msg.nonce, _client_id(msg), b"ems-server") if opening else None
             if self._auth is None:
                 return Error(wire.ErrorKind.AUTH, REFUSAL)
             nonce, proof = self._auth.challenge()
             return Challenge(nonce, proof)
-        elif _client_id(msg) != self._auth.ids[0] or not self._auth.check(msg.nonce, msg.proof):
+        if _client_id(msg) != self._auth.ids[0] or not self._auth.check(msg.nonce, msg.proof):
             return Error(wire.ErrorKind.AUTH, REFUSAL)
+        return None
+
+    def _admit(self, msg: Hello) -> Reply:
+        """Check the credentials; the tenant's space for this session, and the HELLO reply
+        (with the arena's and the key set's descriptors, on a unix socket that asks)."""
         try:
             tenant = self.d.tenants.authenticate(msg.access_id, msg.access_key)
         except AuthError as exc:
@@ -462,37 +517,27 @@ class Session:
             self._fds = (self.space.arena.fd, self.space.keys.fd)
         return reply
 
-    def _write(self, store: Store, owner: Owner, ts: TenantSpace, off: int, size: int):
-        res = store.reservation(owner, ts, off)
-        if res is None or size != res.size:
-            return Error(wire.ErrorKind.INVALID, "WRITE outside this connection's reservations")
-        view = ts.arena.view(off, size)
-        wire.recv_exact(self.sock, view, time.monotonic() + self.d.cfg.read_timeout)
-        return None
-
-    def _read(self, store: Store, owner: Owner, ts: TenantSpace, off: int, size: int):
-        if not store.leased(owner, ts, off, size):
-            return Error(wire.ErrorKind.INVALID, "READ outside this connection's leases")
-        self.sock.settimeout(self.d.cfg.read_timeout)  # a reader that stops reading is cut off
-        self.sock.sendall(wire.encode(ReadReply(size)))
-        self.sock.sendall(ts.arena.view(off, size))
-        return None
-
 
 def _client_id(msg: Hello) -> bytes:
     """The client's identity in a pool proof: its tenant id."""
     return f"ems-client:{msg.access_id or ''}".encode()
 
 
-def _keys(keys: Any) -> List[str]:
+def _keys(keys: object) -> List[str]:
     if not isinstance(keys, list) or not set(map(type, keys)) <= {str}:
         raise ValueError("keys must be a list of str")
     return keys
 
 
+#: Requests any connection may make (before HELLO too): message type -> the session's
+#: handler (message).
+_SESSION_OPS: Dict[type, Callable[..., Reply]] = {
+    Ping: Session._ping, Stats: Session._stats, Shutdown: Session._shutdown,
+}
+
 #: The tenant's requests: message type -> the session's handler (store, owner, space, message).
-_TENANT_OPS: Dict[type, Callable[..., Optional[wire.Message]]] = {
+_TENANT_OPS: Dict[type, Callable[..., Reply]] = {
     Exists: Session._exists, Get: Session._get, Release: Session._release, Reserve: Session._reserve,
-    Commit: Session._commit, Abort: Session._abort, Drop: Session._drop, Write: Session._write_msg,
-    Read: Session._read_msg,
+    Commit: Session._commit, Abort: Session._abort, Drop: Session._drop, Write: Session._write,
+    Read: Session._read,
 }

@@ -295,7 +295,7 @@ class Store:
                 if self.remote is not None:
                     e.pins += 1
                     pushed.append(e)
-        if not pushed:
+        if not pushed or self.remote is None:  # pushed is empty unless there is a remote tier
             return stored
         results = [self.remote.store(ts.name, e.key, ts.arena.view(e.off, e.size), e.checksum)
                    for e in pushed]

@@ -46,15 +46,16 @@ __all__ = ["EmsConnector", "EmsConnectorMetadata", "EmsHandshake"]
 log = logging.getLogger("ems.vllm")
 
 
+# vLLM is not installed where mypy runs (ignore_missing_imports), so its base classes are Any.
 @dataclass
-class EmsHandshake(KVConnectorHandshakeMetadata):
+class EmsHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
     """What a worker tells its scheduler: the pool identity its cache was registered under."""
 
     identity: PoolIdentity
 
 
 @dataclass
-class EmsConnectorMetadata(KVConnectorMetadata):
+class EmsConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM's base is Any (above)
     loads: dict[str, BlockJob] = field(default_factory=dict)
     saves: dict[str, list[BlockJob]] = field(default_factory=dict)
 
@@ -69,7 +70,7 @@ def _settings(vllm_config: "VllmConfig") -> Settings:
                     lookup_timeout_ms=int(extra.get("lookup_timeout_ms", 1000)), model_id=extra.get("model_id"))
 
 
-class EmsConnector(SplitConnector):
+class EmsConnector(SplitConnector["_Scheduler", EmsWorker]):
     """vLLM KV connector: a prefix cache on the ems pool (see the module docstring)."""
 
     def _make_scheduler(self, vllm_config: "VllmConfig") -> "_Scheduler":
@@ -89,10 +90,10 @@ class EmsConnector(SplitConnector):
         return meta
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        self._worker.load(self._meta().loads)
+        self._worker_half.load(self._meta().loads)
 
     def wait_for_save(self) -> None:
-        self._worker.save(self._meta().saves)  # whole blocks, after the step's forward
+        self._worker_half.save(self._meta().saves)  # whole blocks, after the step's forward
 
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
         if self._worker is None or self._worker.identity is None:
@@ -103,16 +104,16 @@ class EmsConnector(SplitConnector):
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         first = metadata.get(0)
         if isinstance(first, EmsHandshake):
-            self._scheduler.connect(first.identity)
+            self._scheduler_half.connect(first.identity)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self._scheduler.build_meta(scheduler_output)
+        return self._scheduler_half.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._scheduler.loading.difference_update(connector_output.finished_recving or ())
+        self._scheduler_half.loading.difference_update(connector_output.finished_recving or ())
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
-        return self._scheduler.finished(request), None
+        return self._scheduler_half.finished(request), None
 
 
 @dataclass

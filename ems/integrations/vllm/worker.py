@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 from datadist.integrations.paged import PagedLayout, block_views, paged_layout
 
 from ... import CcConfig_v1, CcKvOption, Ems, EmsConfig, EmsException
+from ...future import CcFuture
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,7 +80,7 @@ def pool_model_id(model: str, layout: PagedLayout, block_size: int) -> str:
 
 @dataclass
 class _Saving:
-    futures: list = field(default_factory=list)
+    futures: list[CcFuture] = field(default_factory=list)
 
 
 class EmsWorker:

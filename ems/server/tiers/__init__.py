@@ -10,7 +10,7 @@ optional dependency)::
 from __future__ import annotations
 
 import importlib
-from typing import Dict, Tuple
+from typing import Callable, Dict, Tuple
 
 from .base import Sink, Tier, tier_key
 
@@ -40,4 +40,5 @@ def make_tier(url: str) -> Tier:
     if scheme not in _REGISTRY:
         raise ValueError(f"unknown tier URL {url!r} (schemes: {', '.join(sorted(_REGISTRY))})")
     module, cls = _REGISTRY[scheme]
-    return getattr(importlib.import_module(module), cls).from_url(url)
+    factory: Callable[[str], Tier] = getattr(importlib.import_module(module), cls).from_url
+    return factory(url)

@@ -15,7 +15,7 @@ import hashlib
 import logging
 import struct
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, cast
 from urllib.parse import urlparse, urlunparse
 
 from .base import Sink, Tier
@@ -47,7 +47,7 @@ class RedisTier(Tier):
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self.counters = {"stored": 0, "loaded": 0, "corrupt": 0, "errors": 0}
-        self._warned: set = set()
+        self._warned: set[str] = set()
 
     @classmethod
     def from_url(cls, url: str, timeout_s: float = 5.0) -> "RedisTier":
@@ -60,6 +60,7 @@ class RedisTier(Tier):
         cluster = scheme.endswith("+cluster")
         base = "rediss" if scheme.startswith("rediss") else "redis"
         plain = urlunparse(parsed._replace(scheme=base))
+        client: redis.Redis | redis.RedisCluster
         if cluster:
             from redis.cluster import RedisCluster
             client = RedisCluster.from_url(plain, socket_timeout=timeout_s,
@@ -114,7 +115,7 @@ class RedisTier(Tier):
         if len(raw) < _HEAD.size:
             self.discard(ns, key)
             return None
-        magic, size, crc = _HEAD.unpack_from(raw)
+        magic, size, crc = cast("tuple[bytes, int, int]", _HEAD.unpack_from(raw))
         if magic != _MAGIC or len(raw) != _HEAD.size + size:
             self.discard(ns, key)
             return None

@@ -1,0 +1,116 @@
+"""How a value's bytes travel between this process and the pool, by transport.
+
+On a unix socket the daemon passed the tenant's arena at HELLO: :class:`ArenaMover` copies
+straight between the caller's memory and the mapped arena, summing the checksum during the
+copy.  Over ``tcp://`` there is no shared memory: :class:`SocketMover` streams the same
+plans through the connection (after a WRITE frame, or after the daemon's READ reply), and
+the daemon sums what it received.  :func:`mover_for` picks one for a connection, so the
+calls above it never ask which transport they are on.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional, Protocol
+
+from datadist.engine.native import sock_recv, sock_send
+
+from .._errors import PoolDisconnected, PoolTimeout, invalid
+from ..kvcache import Copier, DeviceCopier, HostCopier, ValuePlan
+from ..pool import wire
+from ..pool.checksum import BLOCK, checksum, from_block_sums
+from .conn import Connection, MappedArena
+
+__all__ = ["Mover", "ArenaMover", "SocketMover", "mover_for"]
+
+
+class Mover(Protocol):
+    """Moves one value at a time, for one call on one connection."""
+
+    def save(self, vp: ValuePlan, off: int, deadline: Optional[float]) -> Optional[int]:
+        """Write the value ``vp`` describes into its reservation at ``off``; its checksum,
+        or None when the daemon computes it."""
+
+    def load(self, vp: ValuePlan, off: int, crc: int, deadline: Optional[float]) -> bool:
+        """Read the leased value at ``off`` into the memory ``vp`` describes; False when it
+        failed its checksum ``crc`` (a miss: the caller drops it)."""
+
+
+class ArenaMover:
+    """Copies through the mapped arena (``copier``: host or device memory); a load checks
+    the checksum when ``verify``."""
+
+    def __init__(self, copier: Copier, arena: MappedArena, verify: bool) -> None:
+        array = arena.array
+        if array is None:
+            raise PoolDisconnected("the pool's arena is no longer mapped")
+        self._copier = copier
+        self._base = arena.base
+        self._array = array
+        self._verify = verify
+
+    def save(self, vp: ValuePlan, off: int, deadline: Optional[float]) -> Optional[int]:
+        return self._move(vp, off, save=True)
+
+    def load(self, vp: ValuePlan, off: int, crc: int, deadline: Optional[float]) -> bool:
+        if not self._verify:
+            self._copier.load(vp, self._base + off)
+            return True
+        return self._move(vp, off, save=False) == crc
+
+    def _move(self, vp: ValuePlan, off: int, *, save: bool) -> int:
+        """Copy one value into (``save``) or out of the arena at ``off``; the checksum of
+        the bytes moved (summed during the copy when the memory is the host's)."""
+        copier = self._copier
+        if isinstance(copier, HostCopier):
+            sums = (copier.save_summed if save else copier.load_summed)(vp, self._base + off)
+            return from_block_sums(sums, self._array[off + vp.size - vp.size % BLOCK:off + vp.size], vp.size)
+        (copier.save if save else copier.load)(vp, self._base + off)
+        return checksum(self._array[off:off + vp.size])
+
+
+class SocketMover:
+    """Streams the plans through the connection's socket (host memory only)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def save(self, vp: ValuePlan, off: int, deadline: Optional[float]) -> Optional[int]:
+        conn = self._conn
+        conn.send(wire.Write(off, vp.size), deadline)
+        for plan in vp.plans:
+            sock_send(conn.sock.fileno(), plan, _ms_left(conn, deadline))
+        return None
+
+    def load(self, vp: ValuePlan, off: int, crc: int, deadline: Optional[float]) -> bool:
+        conn = self._conn
+        conn.send(wire.Read(off, vp.size), deadline)
+        head, _ = wire.recv_msg(conn.sock, deadline)
+        if not isinstance(head, wire.ReadReply) or head.size != vp.size:
+            raise PoolDisconnected("the pool answered READ unexpectedly")
+        for plan in vp.plans:
+            sock_recv(conn.sock.fileno(), plan.swapped(), _ms_left(conn, deadline))
+        return True
+
+
+def mover_for(conn: Connection, copier: Copier, verify: bool, what: str) -> Mover:
+    """The mover of ``conn``'s transport; device memory (``copier``) needs the arena, else
+    ``InvalidArgument`` naming ``what`` (the argument that holds the memory)."""
+    if conn.arena is not None:
+        return ArenaMover(copier, conn.arena, verify)
+    if isinstance(copier, DeviceCopier) and copier.device != "cpu":
+        raise invalid(what, "device tensors need the shared-memory pool (unix socket), not a tcp:// address")
+    return SocketMover(conn)
+
+
+def _ms_left(conn: Connection, deadline: Optional[float]) -> int:
+    """Milliseconds left for a raw transfer; also puts the socket in non-blocking mode,
+    which the engine's socket executor needs."""
+    if deadline is None:
+        conn.sock.settimeout(60.0)
+        return 60_000
+    left = deadline - time.monotonic()
+    if left <= 0:
+        conn.broken = True
+        raise PoolTimeout("deadline passed during a transfer")
+    conn.sock.settimeout(left)
+    return max(1, int(left * 1000))
