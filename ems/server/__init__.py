@@ -1,13 +1,5 @@
-"""``ems-server``: the node-local context-caching pool daemon, and its command line.
-
-Commands::
-
-    ems-server [serve] [--dir DIR] [--capacity 4G] [--disk-dir D --disk-capacity 10G]
-                       [--remote redis://H:P | redis+cluster://H:P] [--credentials FILE]
-                       [--tcp HOST:PORT] [--socket-mode 0600] [--idle-exit SECONDS] [--detach]
-                       [--ready-fd FD]
-    ems-server stats [--dir DIR | --server ADDR] [--json]
-    ems-server stop  [--dir DIR]
+"""``ems-server``: the node-local context-caching pool daemon, and its command line
+(``ems-server serve | stats | stop``, see :mod:`.cli`).
 
 Files: ``cli.py`` (the command line and its ``--config`` file), ``daemon.py`` (listener,
 sessions), ``dispatch.py`` (few threads for many connections), ``store.py`` (index,
