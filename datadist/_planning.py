@@ -209,9 +209,8 @@ def row_size_arg(size: object, src: Side, dst: Side, offset: int = 0) -> int:
 def cache_ref(key: CacheKeyByIdAndIndex | CacheKey | BlocksCacheKey) -> CacheRef:
     """How the engine names the peer cache ``key`` names (a validated key object)."""
     if isinstance(key, CacheKeyByIdAndIndex):
-        return CacheRef(RefKind.ID, key.cluster_id, cache_id=key.cache_id, batch_index=key.batch_index,
-                        label=str(key))
+        return CacheRef(RefKind.ID, key.cluster_id, key.cache_id, key.batch_index, origin=key)
     if isinstance(key, BlocksCacheKey):
-        return CacheRef(RefKind.BLOCKS, key.prompt_cluster_id, model_id=key.model_id, label=str(key))
+        return CacheRef(RefKind.BLOCKS, key.prompt_cluster_id, model_id=key.model_id, origin=key)
     return CacheRef(RefKind.KEY, key.prompt_cluster_id, req_id=key.req_id, model_id=key.model_id,
-                    prefix_id=key.prefix_id, label=str(key))
+                    prefix_id=key.prefix_id, origin=key)

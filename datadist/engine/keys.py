@@ -19,10 +19,13 @@ class RefKind(str, Enum):
     BLOCKS = "blocks"  # a blocks cache by model_id
 
 
-@dataclass(frozen=True)
+@dataclass(eq=True, unsafe_hash=True)
 class CacheRef:
     """A cache (and row) on cluster ``cluster_id``; only the fields of ``kind`` matter.
-    ``label`` is how errors name it (the user's key), not part of its identity."""
+    ``origin`` is what errors show for it (the user's key object), not part of its
+    identity; it is formatted only when a message needs it.  Treat it as immutable (it is
+    the key of a link's lookup cache); it is not frozen because a frozen dataclass costs a
+    microsecond more to build, on the path of every transfer."""
 
     kind: RefKind
     cluster_id: int
@@ -31,10 +34,10 @@ class CacheRef:
     req_id: int = 0
     model_id: int = 0
     prefix_id: int = 0
-    label: str = field(default="", compare=False)
+    origin: object = field(default=None, compare=False)
 
     def __str__(self) -> str:
-        return self.label or repr(self)
+        return repr(self) if self.origin is None else str(self.origin)
 
     def resolve_message(self) -> wire.Resolve:
         """The request that asks the owner what this names."""
