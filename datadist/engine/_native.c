@@ -110,18 +110,28 @@ static size_t fill_iov(const plan_t *p, const cursor_t *c, struct iovec *a, stru
  * loses its core would otherwise hold the whole copy up while the others sit idle. */
 typedef struct {
     uint64_t total, chunk;
-    uint64_t next; /* next chunk index (atomic) */
+    uint64_t next;       /* next chunk index (atomic) */
+    int64_t deadline_ms; /* no chunk starts after it (0: none); see `expired` */
+    int expired;         /* set (atomic) when a chunk was left undone for the deadline */
 } chunks_t;
 
-static chunks_t chunks_for(uint64_t total, int parts) {
+/* Chunks of at most 64 MiB: a deadline is checked at most that many bytes apart. */
+#define DD_MAX_CHUNK ((uint64_t)64 << 20)
+
+static chunks_t chunks_for(uint64_t total, int parts, int64_t deadline_ms) {
     uint64_t chunk = ((total / ((uint64_t)parts * 8)) + 4095) & ~(uint64_t)4095;
     if (chunk < (1u << 20)) chunk = 1u << 20;
-    return (chunks_t){total, chunk, 0};
+    if (chunk > DD_MAX_CHUNK) chunk = DD_MAX_CHUNK;
+    return (chunks_t){total, chunk, 0, deadline_ms, 0};
 }
 
 static int next_chunk(chunks_t *w, uint64_t *lo, uint64_t *hi) {
     uint64_t a = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED) * w->chunk;
     if (a >= w->total) return 0;
+    if (w->deadline_ms && now_ms() > w->deadline_ms) {
+        __atomic_store_n(&w->expired, 1, __ATOMIC_RELAXED);
+        return 0;
+    }
     *lo = a;
     *hi = w->total - a > w->chunk ? a + w->chunk : w->total;
     return 1;
@@ -325,18 +335,20 @@ static void run_parts(part_t *parts, int n) {
 }
 
 /* Copy every run (a = source, b = destination); destinations must not overlap.  The plan
- * is split by bytes (4 KiB aligned chunks), not by runs, so one huge run is shared too. */
+ * is split by bytes (4 KiB aligned chunks), not by runs, so one huge run is shared too.
+ * With a deadline (ms since the monotonic epoch, 0: none) no chunk starts after it, and
+ * an unfinished copy returns -ETIMEDOUT (its destination bytes are then undefined). */
 static int64_t dd_copy_plan(size_t nt, const uint64_t *sbase, const uint64_t *dbase, size_t nu,
                      const uint64_t *soff, const uint64_t *doff, const uint64_t *len,
-                     int max_threads) {
+                     int max_threads, int64_t deadline_ms) {
     plan_t p = {sbase, dbase, soff, doff, len, nt, nu};
     uint64_t total = plan_bytes(&p);
     int n = parts_for(max_threads, total);
-    chunks_t work = chunks_for(total, n);
+    chunks_t work = chunks_for(total, n, deadline_ms);
     part_t parts[DD_MAX_THREADS];
     for (int k = 0; k < n; k++) parts[k] = (part_t){&p, &work, total >= DD_STREAM_MIN_BYTES, 0, 0, 0, NULL};
     run_parts(parts, n);
-    return (int64_t)total;
+    return work.expired ? -ETIMEDOUT : (int64_t)total;
 }
 
 /* The copy with block sums (two per block: `sums` holds 2 * nblocks words).  Returns bytes
@@ -358,7 +370,7 @@ static int64_t dd_copy_plan_sum(size_t nt, const uint64_t *sbase, const uint64_t
         }
     uint64_t total = plan_bytes(&p);
     int n = parts_for(max_threads, total);
-    chunks_t work = chunks_for(total, n);
+    chunks_t work = chunks_for(total, n, 0);
     part_t parts[DD_MAX_THREADS];
     for (int k = 0; k < n; k++) {
         parts[k] = (part_t){&p, &work, total >= DD_STREAM_MIN_BYTES, 1, value_is_src, vbase, sums};
@@ -414,13 +426,15 @@ static uint64_t dd_call_plan(run_fn fn, void *stream, size_t nt, const uint64_t 
  * bytes moved or -errno (ESRCH: peer gone, EFAULT: an address outside the peer's
  * mappings, EPERM: no ptrace access). */
 static int64_t dd_cma_plan(int pid, int write, size_t nt, const uint64_t *lbase, const uint64_t *rbase,
-                    size_t nu, const uint64_t *loff, const uint64_t *roff, const uint64_t *len) {
+                    size_t nu, const uint64_t *loff, const uint64_t *roff, const uint64_t *len,
+                    int64_t deadline_ms) {
     plan_t p = {lbase, rbase, loff, roff, len, nt, nu};
     struct iovec liov[DD_IOV_BATCH], riov[DD_IOV_BATCH];
     cursor_t c = {0, 0, 0};
     int64_t moved = 0;
     cursor_skip_empty(&p, &c);
     while (!cursor_end(&p, &c)) {
+        if (moved && deadline_ms && now_ms() > deadline_ms) return -ETIMEDOUT;
         uint64_t want;
         size_t k = fill_iov(&p, &c, liov, riov, &want, DD_IOV_BATCH);
         ssize_t r = write ? process_vm_writev(pid, liov, k, riov, k, 0)
@@ -573,16 +587,31 @@ static PyObject *result_or_oserror(int64_t r) {
     return PyLong_FromLongLong(r);
 }
 
+/* The optional trailing timeout argument (ms, 0 or absent: none) as a deadline. */
+static int deadline_arg(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t i, int64_t *deadline) {
+    *deadline = 0;
+    if (nargs <= i) return 0;
+    long long ms = PyLong_AsLongLong(args[i]);
+    if (ms == -1 && PyErr_Occurred()) return -1;
+    if (ms > 0) *deadline = now_ms() + ms;
+    return 0;
+}
+
 static PyObject *py_copy_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 6) { PyErr_SetString(PyExc_TypeError, "copy_plan(sbase, dbase, soff, doff, len, threads)"); return NULL; }
+    if (nargs != 6 && nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "copy_plan(sbase, dbase, soff, doff, len, threads[, timeout_ms])");
+        return NULL;
+    }
     int threads = (int)PyLong_AsLong(args[5]);
     if (threads == -1 && PyErr_Occurred()) return NULL;
+    int64_t deadline;
+    if (deadline_arg(args, nargs, 6, &deadline) < 0) return NULL;
     plan_args a;
     if (get_plan(args, 5, &a) < 0) return NULL;
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
-    r = dd_copy_plan(a.nt, U64P(a, 0), U64P(a, 1), a.nu, U64P(a, 2), U64P(a, 3), U64P(a, 4), threads);
+    r = dd_copy_plan(a.nt, U64P(a, 0), U64P(a, 1), a.nu, U64P(a, 2), U64P(a, 3), U64P(a, 4), threads, deadline);
     Py_END_ALLOW_THREADS
     release_plan(&a);
     return result_or_oserror(r);
@@ -668,15 +697,21 @@ static PyObject *py_sum_blocks(PyObject *self, PyObject *const *args, Py_ssize_t
 
 static PyObject *py_cma_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 7) { PyErr_SetString(PyExc_TypeError, "cma_plan(pid, write, lbase, rbase, loff, roff, len)"); return NULL; }
+    if (nargs != 7 && nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "cma_plan(pid, write, lbase, rbase, loff, roff, len[, timeout_ms])");
+        return NULL;
+    }
     long pid = PyLong_AsLong(args[0]);
     int write = PyObject_IsTrue(args[1]);
     if ((pid == -1 || write < 0) && PyErr_Occurred()) return NULL;
+    int64_t deadline;
+    if (deadline_arg(args, nargs, 7, &deadline) < 0) return NULL;
     plan_args a;
     if (get_plan(args + 2, 5, &a) < 0) return NULL;
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
-    r = dd_cma_plan((int)pid, write, a.nt, U64P(a, 0), U64P(a, 1), a.nu, U64P(a, 2), U64P(a, 3), U64P(a, 4));
+    r = dd_cma_plan((int)pid, write, a.nt, U64P(a, 0), U64P(a, 1), a.nu, U64P(a, 2), U64P(a, 3), U64P(a, 4),
+                    deadline);
     Py_END_ALLOW_THREADS
     release_plan(&a);
     return result_or_oserror(r);

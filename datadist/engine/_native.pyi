@@ -41,9 +41,11 @@ def wait_readable(fd: int, spin_us: int, timeout_ms: int, /) -> int:
     ``OSError`` ETIMEDOUT after ``timeout_ms``."""
 
 def copy_plan(sbase: _U64Array, dbase: _U64Array, soff: _U64Array, doff: _U64Array, len: _U64Array,
-              threads: int, /) -> int:
+              threads: int, timeout_ms: int = 0, /) -> int:
     """Copy every run inside this process (plans of 8 MiB or more over up to ``threads``
-    threads, at most 8); returns the bytes copied."""
+    threads, at most 8); returns the bytes copied.  With ``timeout_ms`` > 0 no chunk (at
+    most 64 MiB) starts after that time: ``TimeoutError`` (ETIMEDOUT), the destination
+    then undefined."""
 
 def sum_blocks(value: _Buffer, sums: _U64Array, /) -> None:
     """Add the two sums of each whole 4 KiB block of ``value`` (C-contiguous) to ``sums``
@@ -62,9 +64,10 @@ def call_plan(fn: int, stream: int, sbase: _U64Array, dbase: _U64Array, soff: _U
     for a NULL ``fn``."""
 
 def cma_plan(pid: int, write: bool, lbase: _U64Array, rbase: _U64Array, loff: _U64Array, roff: _U64Array,
-             len: _U64Array, /) -> int:
+             len: _U64Array, timeout_ms: int = 0, /) -> int:
     """Cross-memory attach with process ``pid``: local runs to remote ones (``write``) or
-    back; returns the bytes moved.  ``OSError`` (ESRCH, EFAULT, EPERM...) on failure."""
+    back; returns the bytes moved.  ``OSError`` (ESRCH, EFAULT, EPERM...) on failure,
+    ``TimeoutError`` when ``timeout_ms`` (> 0) passed between two batches of runs."""
 
 def sock_plan(fd: int, send: bool, timeout_ms: int, base: _U64Array, off: _U64Array, len: _U64Array,
               head: _Buffer | None = None, /) -> int:

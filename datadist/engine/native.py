@@ -58,9 +58,12 @@ def index_array(seq: object) -> Optional[Tuple[NDArray[np.int64], int, int]]:
     return np.frombuffer(raw, dtype=np.int64), lo, hi
 
 
-def copy_plan(plan: Plan, threads: int = COPY_THREADS) -> int:
-    """Copy every run of ``plan`` inside this process; returns the bytes copied."""
-    return _native.copy_plan(plan.src_bases, plan.dst_bases, plan.src_offs, plan.dst_offs, plan.lens, threads)
+def copy_plan(plan: Plan, threads: int = COPY_THREADS, timeout_ms: int = 0) -> int:
+    """Copy every run of ``plan`` inside this process; returns the bytes copied.  With
+    ``timeout_ms`` > 0, ``TimeoutError`` if the copy is not done by then (checked at most
+    64 MiB apart; the destination is then undefined)."""
+    return _native.copy_plan(plan.src_bases, plan.dst_bases, plan.src_offs, plan.dst_offs, plan.lens, threads,
+                             timeout_ms)
 
 
 def sum_blocks(value: _Buffer, sums: U64Array) -> None:
@@ -82,16 +85,19 @@ def copy_plan_sum(plan: Plan, sums: U64Array, value_addr: int, *, value_is_src: 
                                  threads, sums, value_addr, value_is_src)
 
 
-def cma_plan(pid: int, plan: Plan, *, write: bool) -> int:
+def cma_plan(pid: int, plan: Plan, *, write: bool, timeout_ms: int = 0) -> int:
     """One-sided copy with another process by cross-memory attach.
 
     ``write=True``: plan sources are in this process, destinations in ``pid``.
     ``write=False``: sources are in ``pid``, destinations here.  Raises ``OSError``
-    (ESRCH when the peer is gone, EFAULT for an address outside its mappings).
+    (ESRCH when the peer is gone, EFAULT for an address outside its mappings), and
+    ``TimeoutError`` when ``timeout_ms`` (> 0) passed between two batches of runs.
     """
     if write:
-        return _native.cma_plan(pid, True, plan.src_bases, plan.dst_bases, plan.src_offs, plan.dst_offs, plan.lens)
-    return _native.cma_plan(pid, False, plan.dst_bases, plan.src_bases, plan.dst_offs, plan.src_offs, plan.lens)
+        return _native.cma_plan(pid, True, plan.src_bases, plan.dst_bases, plan.src_offs, plan.dst_offs, plan.lens,
+                                timeout_ms)
+    return _native.cma_plan(pid, False, plan.dst_bases, plan.src_bases, plan.dst_offs, plan.src_offs, plan.lens,
+                            timeout_ms)
 
 
 def _sock(fd: int, send: bool, timeout_ms: int, bases: U64Array, offs: U64Array, lens: U64Array,

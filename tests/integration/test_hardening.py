@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from datadist import LLMStatusCode as S
-from harness import DECODER_ID, PROMPT_ID, Desc, Ref, blocks_key, expect_llm
+from harness import DECODER_ID, PROMPT_ID, Desc, PeerError, Ref, base_config, blocks_key, expect_llm, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,3 +43,40 @@ def test_dtype_mismatch_is_refused_naming_both(peer_factory: Any, transport: str
     with expect_llm(S.LLM_PARAM_INVALID):
         p.cm("push_blocks", blocks_key(DECODER_ID, 2), Ref("src"), [1], [1])
     np.testing.assert_array_equal(d.read("dst"), before)
+
+
+def test_a_shm_copy_stops_at_sync_kv_timeout(peer_factory: Any) -> None:
+    """A one-sided copy bounded by sync_kv_timeout: 768 MiB cannot move in 20 ms, so the
+    push is LLM_TIMEOUT (not a late success), and the link still serves the next push."""
+    big = Desc(2, (96, 4096, 1024), "uint8")  # 4 MiB blocks, 384 MiB per tensor
+    pool = '{"memory_size": 1073741824, "page_shift": 16}'
+    prompt = peer_factory("peer", "prompt", "PROMPT", PROMPT_ID,
+                          base_config("shm", listen_port=free_port(), sync_kv_timeout=20, host_mem_pool_cfg=pool,
+                                       mem_pool_cfg=pool))
+    decoder = peer_factory("peer", "decoder", "DECODER", DECODER_ID,
+                           base_config("shm", sync_kv_timeout=20, host_mem_pool_cfg=pool,
+                                       mem_pool_cfg=pool))
+    prompt.wait_ready()
+    decoder.wait_ready()
+    decoder.link(prompt)
+    prompt.alloc("dst", big, blocks=True, bkey=blocks_key(PROMPT_ID, 3))
+    decoder.alloc("src", big, blocks=True)
+    for _ in range(50):  # the first push also looks the cache up; on a busy machine that may take > 20 ms
+        try:
+            decoder.cm("push_blocks", blocks_key(PROMPT_ID, 3), Ref("src"), [0], [0])
+            break
+        except PeerError as exc:
+            assert exc.status_code == S.LLM_TIMEOUT, exc
+    else:
+        pytest.fail("a 4 MiB push never finished within 20 ms")
+    everything = list(range(96))
+    with expect_llm(S.LLM_TIMEOUT) as seen:
+        decoder.cm("push_blocks", blocks_key(PROMPT_ID, 3), Ref("src"), everything, everything)
+    assert "sync_kv_timeout" in seen[0].message and "undefined" in seen[0].message
+    for _ in range(50):
+        try:
+            decoder.cm("push_blocks", blocks_key(PROMPT_ID, 3), Ref("src"), [1], [1])
+            return
+        except PeerError as exc:
+            assert exc.status_code == S.LLM_TIMEOUT, exc
+    pytest.fail("the link did not serve a 4 MiB push after the timeout")

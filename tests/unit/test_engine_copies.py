@@ -11,7 +11,7 @@ import errno
 import numpy as np
 import pytest
 
-from datadist.engine.layout import Plan
+from datadist.engine.layout import Plan, plan_units
 from datadist.engine.native import copy_plan, copy_plan_sum
 from ems.pool.checksum import BLOCK, checksum, from_block_sums
 
@@ -133,3 +133,14 @@ def test_index_array_refuses_what_is_not_an_int64(bad: list, exc: type) -> None:
 @pytest.mark.parametrize("other", [range(4), np.arange(4), iter([1, 2])])
 def test_index_array_leaves_other_types_to_numpy(other) -> None:
     assert index_array(other) is None
+
+
+def test_a_copy_with_a_timeout_stops_between_chunks() -> None:
+    n = 512 << 20  # cannot be copied in 1 ms; chunks are at most 64 MiB
+    src = np.ones(n, np.uint8)
+    dst = np.zeros(n, np.uint8)
+    plan = plan_units([src.ctypes.data], [0], [dst.ctypes.data], [0], n)
+    with pytest.raises(TimeoutError):
+        copy_plan(plan, timeout_ms=1)
+    assert not dst[-(64 << 20):].any()  # the last chunk never started
+    assert copy_plan(plan, timeout_ms=60_000) == n and dst.all()

@@ -29,9 +29,10 @@ from .tensor import torch_copy_plan
 
 __all__ = ["CopyExecutor", "EXECUTORS", "executor", "set_executor", "copy_plan", "torch_copy_plan"]
 
-#: What every executor is: run a plan whose both sides this process can address, return
-#: the bytes copied; raises on a failed copy and leaves the destination undefined.
-CopyExecutor = Callable[[Plan], int]
+#: What every executor is: run a plan whose both sides this process can address within a
+#: timeout (ms, 0: none), return the bytes copied; raises on a failed copy
+#: (``TimeoutError`` past the timeout) and leaves the destination undefined.
+CopyExecutor = Callable[[Plan, int], int]
 
 log = logging.getLogger("datadist")
 
@@ -64,8 +65,9 @@ def set_executor(name: str) -> None:
     _current = name
 
 
-def copy_plan(plan: Plan) -> int:
-    """Run ``plan`` with the current executor; returns the bytes copied."""
+def copy_plan(plan: Plan, timeout_ms: int = 0) -> int:
+    """Run ``plan`` with the current executor; returns the bytes copied.  ``timeout_ms``
+    (> 0): ``TimeoutError`` if the copy is not done by then."""
     if plan.src_dev.startswith("npu") or plan.dst_dev.startswith("npu"):
-        return torch_copy_plan(plan)
-    return _BY_NAME[_current](plan)
+        return torch_copy_plan(plan, timeout_ms)
+    return _BY_NAME[_current](plan, timeout_ms)

@@ -8,6 +8,8 @@ from ..layout import Plan
 __all__ = ["host_copy_plan"]
 
 
-def host_copy_plan(plan: Plan) -> int:
-    """Run ``plan`` (no NPU side) with the C loop or the CUDA driver; returns the bytes copied."""
-    return native.copy_plan(plan) if plan.on_host else cuda.copy_plan(plan)
+def host_copy_plan(plan: Plan, timeout_ms: int = 0) -> int:
+    """Run ``plan`` (no NPU side) with the C loop or the CUDA driver; returns the bytes
+    copied.  ``timeout_ms`` (> 0) bounds the C loop (``TimeoutError``); a CUDA copy is one
+    driver call per run and is not cut short."""
+    return native.copy_plan(plan, timeout_ms=timeout_ms) if plan.on_host else cuda.copy_plan(plan)

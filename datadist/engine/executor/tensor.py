@@ -10,7 +10,8 @@ memory torch can view: host, CUDA, and NPU memory of tensors the engine knows
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+import time
+from typing import Any, Optional
 
 import numpy as np
 import numpy.typing as npt
@@ -41,10 +42,9 @@ def _rows(starts: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]) -> npt.N
     return first + np.arange(total, dtype=np.int64)
 
 
-def torch_copy_plan(plan: Plan) -> int:
-    """Run ``plan`` with torch ops (see the module docstring); returns the bytes copied."""
-    import torch
-
+def torch_copy_plan(plan: Plan, timeout_ms: int = 0) -> int:
+    """Run ``plan`` with torch ops (see the module docstring); returns the bytes copied.
+    ``timeout_ms`` (> 0): ``TimeoutError`` if it passes between two tensor pairs."""
     lens = plan.lens.astype(np.int64)
     ntensors = int(plan.src_bases.shape[0])
     if ntensors == 0 or lens.shape[0] == 0 or int(lens.sum()) == 0:
@@ -52,38 +52,53 @@ def torch_copy_plan(plan: Plan) -> int:
     so, do = plan.src_offs.astype(np.int64), plan.dst_offs.astype(np.int64)
     if not _spans_viewable(plan, so, do, lens):
         return _copy_runs(plan, so, do, lens)
-    s_lo, d_lo = int(so.min()), int(do.min())
-    rs, rd = so - s_lo, do - d_lo
-    g = int(np.gcd.reduce(np.concatenate((lens, rs, rd))))
-    s_span, d_span = int((rs + lens).max()), int((rd + lens).max())
-    single = lens.shape[0] == 1
-    if not single:
-        counts = lens // g
-        src_rows = torch.from_numpy(_rows(rs // g, counts))
-        dst_rows = torch.from_numpy(_rows(rd // g, counts))
-        if plan.src_dev != "cpu":
-            src_rows = src_rows.to(plan.src_dev)
-        if plan.dst_dev != "cpu":
-            dst_rows = dst_rows.to(plan.dst_dev)
-    starts_s = (plan.src_bases.astype(object) + s_lo) % _WRAP
-    starts_d = (plan.dst_bases.astype(object) + d_lo) % _WRAP
-    # Rows of the widest element that divides them: indexing moves elements, not bytes.
-    width = next(w for w in (8, 4, 2, 1)
-                 if g % w == 0 and all(int(a) % w == 0 for a in (*starts_s, *starts_d)))
-    kind = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
-    for t in range(ntensors):  # one batched copy per tensor pair, never one per block
-        # Addresses are modulo 2**64: a rebased plan may carry a wrapped base that its
-        # offsets bring back into range.
-        src = _view(int(starts_s[t]), s_span, plan.src_dev).view(kind)
-        dst = _view(int(starts_d[t]), d_span, plan.dst_dev).view(kind)
-        if single:
-            dst.copy_(src)
-            continue
-        picked = src.view(-1, g // width).index_select(0, src_rows)
-        dst.view(-1, g // width).index_copy_(0, dst_rows,
-                                             picked.to(plan.dst_dev) if plan.dst_dev != plan.src_dev else picked)
+    _Rows(plan, so, do, lens).copy(time.monotonic() + timeout_ms / 1000.0 if timeout_ms > 0 else None)
     _synchronize(plan)
     return int(lens.sum()) * ntensors
+
+
+class _Rows:
+    """A plan as rows of ``g`` bytes: per tensor pair, the rows to read and to write, as
+    index tensors on each side's device (none for a single run: one ``copy_``)."""
+
+    def __init__(self, plan: Plan, so: npt.NDArray[np.int64], do: npt.NDArray[np.int64],
+                 lens: npt.NDArray[np.int64]) -> None:
+        import torch
+
+        self.plan = plan
+        s_lo, d_lo = int(so.min()), int(do.min())
+        rs, rd = so - s_lo, do - d_lo
+        self.g = g = int(np.gcd.reduce(np.concatenate((lens, rs, rd))))
+        self.s_span, self.d_span = int((rs + lens).max()), int((rd + lens).max())
+        self.single = lens.shape[0] == 1
+        if not self.single:
+            counts = lens // g
+            self.src_rows = torch.from_numpy(_rows(rs // g, counts)).to(plan.src_dev)
+            self.dst_rows = torch.from_numpy(_rows(rd // g, counts)).to(plan.dst_dev)
+        # Addresses are modulo 2**64: a rebased plan may carry a wrapped base that its
+        # offsets bring back into range.
+        self.starts_s = (plan.src_bases.astype(object) + s_lo) % _WRAP
+        self.starts_d = (plan.dst_bases.astype(object) + d_lo) % _WRAP
+        # Rows of the widest element that divides them: indexing moves elements, not bytes.
+        self.width = next(w for w in (8, 4, 2, 1)
+                          if g % w == 0 and all(int(a) % w == 0 for a in (*self.starts_s, *self.starts_d)))
+        self.kind = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[self.width]
+
+    def copy(self, deadline: Optional[float]) -> None:
+        """One batched copy per tensor pair, never one per block; ``TimeoutError`` if
+        ``deadline`` passes between two pairs."""
+        plan, n = self.plan, len(self.starts_s)
+        for t in range(n):
+            if deadline is not None and t and time.monotonic() > deadline:
+                raise TimeoutError(f"copy of {n} tensors not done by its deadline ({t} done)")
+            src = _view(int(self.starts_s[t]), self.s_span, plan.src_dev).view(self.kind)
+            dst = _view(int(self.starts_d[t]), self.d_span, plan.dst_dev).view(self.kind)
+            if self.single:
+                dst.copy_(src)
+                continue
+            picked = src.view(-1, self.g // self.width).index_select(0, self.src_rows)
+            dst.view(-1, self.g // self.width).index_copy_(
+                0, self.dst_rows, picked.to(plan.dst_dev) if plan.dst_dev != plan.src_dev else picked)
 
 
 def _synchronize(plan: Plan) -> None:

@@ -31,10 +31,10 @@ class LocalTransport:
     name = "local"
 
     @staticmethod
-    def copy(plan: Plan) -> int:
+    def copy(plan: Plan, timeout_ms: int = 0) -> int:
         """Copy the plan with the process's executor (:mod:`datadist.engine.executor`);
-        returns the bytes moved."""
-        return executor.copy_plan(plan)
+        returns the bytes moved (``TimeoutError`` past ``timeout_ms``, if > 0)."""
+        return executor.copy_plan(plan, timeout_ms)
 
 
 def staging_buffer(nbytes: int, device: str = "cpu") -> tuple[torch.Tensor, int]:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import Iterable, Optional
+import time
+from typing import Iterable, NoReturn, Optional
 
 from ..errors import Fault, fail
 from .. import cuda, native
@@ -85,18 +86,24 @@ class ShmTransport(Transport):
         return None, False
 
     def _run(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float, write: bool) -> bool:
-        """Move the plan; True if it went through the peer's agent (socket fallback)."""
+        """Move the plan; True if it went through the peer's agent (socket fallback).  A
+        copy still running at ``deadline`` stops (between chunks of at most 64 MiB) with
+        ``TIMEOUT``; the destination's bytes are then undefined."""
         delta, on_device = self._delta(remote)
         if delta is not None:
             peer_dev = _device_name() if on_device else "cpu"
-            if write:
-                LocalTransport.copy(plan.rebase(dst_delta=delta).on(plan.src_dev, peer_dev))
-            else:
-                LocalTransport.copy(plan.rebase(src_delta=delta).on(peer_dev, plan.dst_dev))
+            moved = (plan.rebase(dst_delta=delta).on(plan.src_dev, peer_dev) if write
+                     else plan.rebase(src_delta=delta).on(peer_dev, plan.dst_dev))
+            try:
+                LocalTransport.copy(moved, _left_ms(deadline))
+            except TimeoutError:
+                _copy_timed_out(link, plan, write)
         elif self.cma_ok and remote.cache_id != ANY_CACHE and remote.device == "cpu":
             try:
                 with host_side(plan, local_is_src=write) as host_plan:
-                    native.cma_plan(self.pid, host_plan, write=write)
+                    native.cma_plan(self.pid, host_plan, write=write, timeout_ms=_left_ms(deadline))
+            except TimeoutError:
+                _copy_timed_out(link, plan, write)
             except OSError as exc:
                 if exc.errno == errno.ESRCH:
                     link.mark_broken(f"peer process {self.pid} is gone")
@@ -130,3 +137,14 @@ class ShmTransport(Transport):
             if region is not None:
                 region.close()
         self._device = {}
+
+
+def _left_ms(deadline: float) -> int:
+    """Milliseconds to ``deadline``, at least 1 (0 would mean "no deadline" to the copy)."""
+    return max(1, int((deadline - time.monotonic()) * 1000))
+
+
+def _copy_timed_out(link: Channel, plan: Plan, write: bool) -> NoReturn:
+    fail(Fault.TIMEOUT, f"{'push to' if write else 'pull from'} cluster {link.remote_cluster_id} "
+                        f"({plan.nbytes} bytes) did not finish within sync_kv_timeout ({link.timeout_ms} ms); "
+                        "the destination's bytes are undefined")
