@@ -21,7 +21,7 @@ from .engine.core import Engine
 from .engine.layout import Plan, plan_units
 from .engine.memory import PoolExhausted
 from .engine.registry import Registry
-from ._planning import (Side, cache_ref, block_list_arg, blocks_plan, check_nonempty, int_arg, layer_range_arg, row_blocks_plan,
+from ._planning import (Side, cache_ref, shape_key, block_list_arg, blocks_plan, check_nonempty, int_arg, layer_range_arg, row_blocks_plan,
                         row_plan, row_size_arg, tensors_per_layer)
 from ._transfer_async import CacheTask, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig, start_task
 from .engine.transports.base import RemoteCache
@@ -320,15 +320,24 @@ class CacheManager:
         link = self._engine.get_link(cluster)
 
         def planner(remote: RemoteCache) -> Plan:
+            key = shape_key("pull_blocks", dst_cache, remote, src_blocks, dst_blocks, src_layer_range,
+                            dst_layer_range, tensor_num_per_layer)
+            known = link.plans.get(key) if key is not None else None
+            if known is not None:
+                return known
             src = Side.of_remote(remote)
-            if not row_mode:
-                if not remote.is_blocks:
-                    raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                                "pull_blocks from a contiguous cache needs src_blocks=() (row -> blocks)")
-                return blocks_plan(src, dst, src_blocks, dst_blocks, tensor_num_per_layer, src_layer_range,
-                                    dst_layer_range)
-            return row_blocks_plan(src, remote.row, dst, dst_blocks, tensor_num_per_layer, src_layer_range,
-                                    dst_layer_range)
+            if row_mode:
+                plan = row_blocks_plan(src, remote.row, dst, dst_blocks, tensor_num_per_layer, src_layer_range,
+                                       dst_layer_range)
+            elif not remote.is_blocks:
+                raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                            "pull_blocks from a contiguous cache needs src_blocks=() (row -> blocks)")
+            else:
+                plan = blocks_plan(src, dst, src_blocks, dst_blocks, tensor_num_per_layer, src_layer_range,
+                                   dst_layer_range)
+            if key is not None:
+                link.plans.put(key, plan)
+            return plan
 
         link.transfer(cache_ref(src_cache_key), planner, push=False)
 
@@ -366,12 +375,20 @@ class CacheManager:
         link = self._engine.get_link(cluster)
 
         def planner(remote: RemoteCache) -> Plan:
+            key = shape_key("push_blocks", src_cache, remote, src_blocks, dst_blocks, src_layer_range,
+                            dst_layer_range, tensor_num_per_layer)
+            known = link.plans.get(key) if key is not None else None
+            if known is not None:
+                return known
             if not remote.is_blocks:
                 raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                             f"push_blocks: {dst_cache_key} names cache {remote.cache_id}, which is not a blocks "
                             "cache (push_cache writes rows of contiguous caches)")
-            return blocks_plan(src, Side.of_remote(remote), src_blocks, dst_blocks, tensor_num_per_layer,
-                                src_layer_range, dst_layer_range, same_range=True)
+            plan = blocks_plan(src, Side.of_remote(remote), src_blocks, dst_blocks, tensor_num_per_layer,
+                               src_layer_range, dst_layer_range, same_range=True)
+            if key is not None:
+                link.plans.put(key, plan)
+            return plan
 
         link.transfer(cache_ref(dst_cache_key), planner, push=True)
 

@@ -24,7 +24,7 @@ from .transports.base import RemoteCache, StaleLookup, Transport
 from . import native, wire
 from .cuda import IpcRegion
 from .keys import CacheRef, RefKind
-from .layout import Plan, tensor_span
+from .layout import Plan, PlanMemo, tensor_span
 from .registry import Registry
 
 if TYPE_CHECKING:
@@ -68,6 +68,9 @@ class Link:
         self.broken: Optional[str] = None
         self.ready = threading.Event()
         self._lookups: dict[CacheRef, RemoteCache] = {}
+        #: Plans callers built against this link's lookups, for repeated shapes (their
+        #: keys carry the lookup's epoch, so a changed peer never meets an old plan).
+        self.plans = PlanMemo()
         self._closed = False
         self._close_when_idle = False
         self.closing = False         # set by unlink: the end of the streams is expected
