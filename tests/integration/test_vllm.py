@@ -74,9 +74,12 @@ def test_dead_prefill_fails_only_its_request() -> None:
 @pytest.mark.timeout(900)
 def test_prefix_cache_is_shared_through_the_pool() -> None:
     """Instance A saves its prompts' blocks into a private ems pool; instance B, a fresh
-    process, loads the 3 shared prefix blocks of each of its new prompts from the pool
-    (vLLM counts them as external tokens) and produces the plain instance's tokens."""
+    process, loads the 3 shared prefix blocks of its new prompts from the pool (vLLM
+    counts them as external tokens; a prompt scheduled after another one loaded them may
+    find them in B's own prefix cache instead) and produces the plain instance's tokens."""
     report = _run(["vllm_prefix_cache.py", "--json"], 880)
     assert report["match"] == [True] * len(report["wave_b"]), report
-    assert report["external_kv_transfer_tokens"] >= report["prefix_tokens"] > 0, report
+    one_prefix = report["prefix_tokens"] // len(report["wave_b"])
+    assert report["external_kv_transfer_tokens"] >= one_prefix > 0, report
+    assert report["external_kv_transfer_tokens"] + report["local_cache_hit_tokens"] >= report["prefix_tokens"], report
     assert report["wave_a_external_tokens"] == 0, report  # the pool started empty
