@@ -31,7 +31,7 @@ from datadist.engine.codec import HEADER_SIZE, U64, Buffer, FrameFormat
 from .._errors import PoolDisconnected, PoolTimeout, ProtocolError
 
 __all__ = [
-    "PROTOCOL_VERSION", "Op", "Message", "encode", "decode", "send_msg", "recv_msg",
+    "PROTOCOL_VERSION", "frame_size", "Op", "Message", "encode", "decode", "send_msg", "recv_msg",
     "recv_exact", "Hello", "HelloReply", "Ping", "Pong", "Stats", "StatsReply", "Reserve",
     "ReserveReply", "Commit", "CommitReply", "Abort", "Get", "GetReply", "Release", "Drop",
     "Exists", "ExistsReply", "Write", "Read", "ReadReply", "Error", "ErrorKind", "Shutdown", "Ack", "Challenge",
@@ -369,6 +369,13 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: Optional[float])
         if isinstance(exc, (PoolDisconnected, PoolTimeout)):
             raise
         raise PoolDisconnected(f"connection to the pool broke: {exc}") from None
+
+
+def frame_size(head: Buffer, max_frame: int = MAX_FRAME) -> int:
+    """The whole size (header included) of the frame whose header is ``head``; raises
+    :class:`ProtocolError` for a header :func:`recv_msg` would refuse."""
+    _cls, blen, alen = FORMAT.parse_header(head, max_frame=max_frame)
+    return HEADER_SIZE + blen + alen
 
 
 def recv_msg(sock: socket.socket, deadline: Optional[float] = None,

@@ -36,6 +36,7 @@ from ..pool.wire import (Abort, Ack, Challenge, Commit, CommitReply, Drop, Error
                          GetReply, Hello, HelloReply, Ping, Pong, Read, ReadReply, Release, Reserve,
                          ReserveReply, Shutdown, Stats, StatsReply, Write)
 from datadist.engine.auth import Secret, load_secret
+from datadist.engine.codec import HEADER_SIZE
 from datadist.engine.handshake import REFUSAL, ServerAuth
 from datadist.engine.incoming import RateLimitedLog
 
@@ -131,7 +132,7 @@ class Daemon:
         except (ValueError, ImportError) as exc:
             raise ValueError(f"--remote {self.cfg.remote}: {exc}") from None
         self.store = Store(self.cfg.capacity, disk=disk, remote=remote)
-        self.dispatcher = Dispatcher(self.cfg.workers, self.cfg.idle_timeout)
+        self.dispatcher = Dispatcher(self.cfg.workers, self.cfg.idle_timeout, self.cfg.read_timeout)
         self._listeners.append(self._listen_unix())
         if self.cfg.tcp:
             self._listeners.append(self._listen_tcp(self.cfg.tcp))
@@ -282,6 +283,11 @@ class Daemon:
 PRE_HELLO_FRAME = 64 << 10
 
 
+#: Frames up to this size are dispatched only once whole (a socket buffer holds them);
+#: larger ones (long key lists of authenticated tenants) once their header is in.
+_WHOLE_FRAME_MAX = 64 << 10
+
+
 class Session:
     """One client connection: HELLO, then requests answered in order until it closes.
     The dispatcher calls :meth:`serve_one` whenever a request starts to arrive."""
@@ -320,6 +326,24 @@ class Session:
             self.d.stop()  # after the answer: the caller must never see its stop as a failure
         # No second try at HELLO on this connection.
         return sent and not (self.space is None and isinstance(reply, Error))
+
+    def request_waiting(self) -> bool:
+        """Whether the next request has arrived whole, so a worker that takes it never
+        waits on the peer: the whole frame, or for a frame larger than a socket buffer
+        holds, its header.  True too for an end of stream or a header :meth:`_receive`
+        refuses (it ends the session then)."""
+        try:
+            head = self.sock.recv(HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            if len(head) < HEADER_SIZE:
+                return not head  # b"": the peer closed
+            size = wire.frame_size(head, wire.MAX_FRAME if self.space is not None else PRE_HELLO_FRAME)
+            if size > _WHOLE_FRAME_MAX:
+                return True
+            return len(self.sock.recv(size, socket.MSG_PEEK | socket.MSG_DONTWAIT)) >= size
+        except BlockingIOError:
+            return False
+        except (OSError, ProtocolError):
+            return True
 
     def _receive(self) -> Optional[wire.Message]:
         """The next request, or None when the session is over (a bad frame is answered

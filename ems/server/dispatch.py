@@ -4,9 +4,11 @@ Idle client connections (clients keep several open, pooled) cost the daemon a se
 entry, never a thread: one dispatcher thread waits on every idle socket, and when one
 becomes readable it hands that session's next request to a bounded pool of worker threads.
 A session is watched again only after its request is answered, so each connection's
-requests are served in order.  A connection idle longer than ``idle_timeout`` is closed
-(clients notice and reconnect), and each request must arrive whole within its read
-deadline (enforced by the session), so neither silence nor trickling holds a worker long.
+requests are served in order.  A request goes to a worker only once it has arrived whole
+(:meth:`Served.request_waiting`): a peer that sends part of a frame and stops is set
+aside, checked every few milliseconds, and closed when ``read_timeout`` passes, so a
+trickling or stalled peer never holds a worker while others wait.  A connection idle
+longer than ``idle_timeout`` is closed (clients notice and reconnect).
 """
 from __future__ import annotations
 
@@ -22,11 +24,17 @@ __all__ = ["Dispatcher", "Served"]
 
 log = logging.getLogger("ems.server")
 
+#: How often set-aside partial requests are looked at again.
+_PARTIAL_POLL_S = 0.01
+
 
 class Served(Protocol):
     """What the dispatcher needs of a session."""
 
     sock: socket.socket
+
+    def request_waiting(self) -> bool:
+        """Whether the next request has arrived whole (never blocks)."""
 
     def serve_one(self) -> bool:
         """Answer the request whose bytes are waiting; False ends the session."""
@@ -38,8 +46,11 @@ class Served(Protocol):
 class Dispatcher:
     """The dispatcher thread and its worker pool (see the module docstring)."""
 
-    def __init__(self, workers: int, idle_timeout: float) -> None:
+    def __init__(self, workers: int, idle_timeout: float, read_timeout: float) -> None:
         self.idle_timeout = idle_timeout
+        self.read_timeout = read_timeout
+        #: Sessions with part of a request in, by when that was first seen.
+        self._partial: Dict[Any, float] = {}
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -80,13 +91,14 @@ class Dispatcher:
     def _run(self) -> None:
         try:
             while not self._stop:
-                events = self._sel.select(1.0)
+                events = self._sel.select(_PARTIAL_POLL_S if self._partial else 1.0)
                 self._take_incoming()
                 for key, _ in events:
                     if key.data is None:
                         self._drain()
                     else:
                         self._dispatch(key.data)
+                self._check_partial()
                 self._close_idle()
         finally:
             for key in list(self._sel.get_map().values()):
@@ -94,8 +106,9 @@ class Dispatcher:
                     key.data.end()
             with self._lock:
                 leftover, self._incoming = self._incoming, []
-            for session in leftover:
+            for session in leftover + list(self._partial):
                 session.end()
+            self._partial.clear()
             self._sel.close()
 
     def _drain(self) -> None:
@@ -118,7 +131,21 @@ class Dispatcher:
 
     def _dispatch(self, session: Any) -> None:
         self._forget(session)
-        self._pool.submit(self._serve, session)
+        if session.request_waiting():
+            self._pool.submit(self._serve, session)
+        else:  # part of a frame: wait for the rest here, not in a worker
+            self._partial[session] = time.monotonic()
+
+    def _check_partial(self) -> None:
+        now = time.monotonic()
+        for session, since in list(self._partial.items()):
+            if session.request_waiting():
+                del self._partial[session]
+                self._pool.submit(self._serve, session)
+            elif now - since > self.read_timeout:
+                del self._partial[session]
+                log.debug("closed a connection whose request did not arrive whole within %.1f s", self.read_timeout)
+                session.end()
 
     def _forget(self, session: Any) -> None:
         try:
