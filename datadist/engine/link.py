@@ -120,7 +120,7 @@ class Link:
         try:
             frame = wire.encode(msg)
             if send_plan is not None:
-                native.sock_send(sock.fileno(), send_plan, max(1, int((deadline - time.monotonic()) * 1000)), frame)
+                native.sock_send(sock.fileno(), send_plan, native.ms_until(deadline), frame)
             else:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.sendall(frame)
@@ -132,7 +132,7 @@ class Link:
         """Read the next frame from the request connection before ``deadline``."""
         sock = self._request_sock()
         try:
-            native.wait_readable(sock.fileno(), max(1, int((deadline - time.monotonic()) * 1000)))
+            native.wait_readable(sock.fileno(), native.ms_until(deadline))
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             return wire.read_message(sock)
         except (OSError, wire.WireError) as exc:  # TimeoutError is an OSError

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import numpy as np
@@ -31,7 +32,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["peer_closed", "index_array", "copy_plan", "copy_plan_sum", "sum_blocks", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "COPY_THREADS",
+__all__ = ["ms_until", "peer_closed", "index_array", "copy_plan", "copy_plan_sum", "sum_blocks", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "COPY_THREADS",
            "SPIN_US"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
@@ -40,6 +41,12 @@ COPY_THREADS = max(1, min(4, int(os.environ.get("DATADIST_COPY_THREADS", os.cpu_
 #: How long a caller waiting for a reply polls before sleeping (microseconds).  Spinning
 #: only pays when another core can run the peer meanwhile, so it is off on one core.
 SPIN_US = int(os.environ.get("DATADIST_SPIN_US", 100 if (os.cpu_count() or 1) > 1 else 0))
+
+
+def ms_until(deadline: float) -> int:
+    """Milliseconds from now to ``deadline`` (``time.monotonic`` seconds) as the calls
+    here take them: at least 1, since 0 means "no deadline" to some of them."""
+    return max(1, int((deadline - time.monotonic()) * 1000))
 
 
 def peer_closed(fd: int) -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import time
 from typing import Iterable, NoReturn, Optional
 
 from ..errors import Fault, fail
@@ -95,13 +94,13 @@ class ShmTransport(Transport):
             moved = (plan.rebase(dst_delta=delta).on(plan.src_dev, peer_dev) if write
                      else plan.rebase(src_delta=delta).on(peer_dev, plan.dst_dev))
             try:
-                LocalTransport.copy(moved, _left_ms(deadline))
+                LocalTransport.copy(moved, native.ms_until(deadline))
             except TimeoutError:
                 _copy_timed_out(link, plan, write)
         elif self.cma_ok and remote.cache_id != ANY_CACHE and remote.device == "cpu":
             try:
                 with host_side(plan, local_is_src=write) as host_plan:
-                    native.cma_plan(self.pid, host_plan, write=write, timeout_ms=_left_ms(deadline))
+                    native.cma_plan(self.pid, host_plan, write=write, timeout_ms=native.ms_until(deadline))
             except TimeoutError:
                 _copy_timed_out(link, plan, write)
             except OSError as exc:
@@ -137,11 +136,6 @@ class ShmTransport(Transport):
             if region is not None:
                 region.close()
         self._device = {}
-
-
-def _left_ms(deadline: float) -> int:
-    """Milliseconds to ``deadline``, at least 1 (0 would mean "no deadline" to the copy)."""
-    return max(1, int((deadline - time.monotonic()) * 1000))
 
 
 def _copy_timed_out(link: Channel, plan: Plan, write: bool) -> NoReturn:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import time
 
 from ..errors import Fault, fail
 from .. import native, wire
@@ -26,10 +25,6 @@ from .local import host_side
 __all__ = ["TcpTransport", "serve_push", "pull_payload", "drain"]
 
 _DRAIN_CHUNK = 1 << 20
-
-
-def _left_ms(deadline: float) -> int:
-    return max(1, int((deadline - time.monotonic()) * 1000))
 
 
 class TcpTransport(Transport):
@@ -55,7 +50,7 @@ class TcpTransport(Transport):
         if sock is None:
             fail(Fault.NOT_LINKED, f"link to cluster {link.remote_cluster_id} is not ready yet")
         try:
-            native.sock_recv(sock.fileno(), plan, _left_ms(deadline))
+            native.sock_recv(sock.fileno(), plan, native.ms_until(deadline))
         except TimeoutError:
             link.mark_broken("deadline passed mid-pull")
             fail(Fault.TIMEOUT,
