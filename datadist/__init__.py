@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ._objects import BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, MemInfo
     from ._status import LLMException, LLMStatusCode, Status
     from ._tensors import create_tensors
+    from ._handles import TransferHandle
     from ._transfer_async import CacheTask, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
     from ._types import DataType, LLMRole, Memtype, Placement, RegisterMemStatus
 
@@ -28,7 +29,7 @@ _EXPORTS = {
     "KvCache": "._kv_cache", "LLMDataDist": "._llm_datadist",
     **dict.fromkeys(("BlocksCacheKey", "Cache", "CacheDesc", "CacheKey", "CacheKeyByIdAndIndex", "MemInfo"),
                     "._objects"),
-    "LLMClusterInfo": "._cluster",
+    "LLMClusterInfo": "._cluster", "TransferHandle": "._handles",
     **dict.fromkeys(("LLMException", "LLMStatusCode", "Status"), "._status"),
     "create_tensors": "._tensors",
     **dict.fromkeys(("CacheTask", "LayerSynchronizer", "TransferConfig", "TransferWithCacheKeyConfig"),
@@ -62,7 +63,7 @@ __all__ = [
     "LLMStatusCode", "LLMException", "Status",
     "CacheDesc", "Cache", "CacheKey", "CacheKeyByIdAndIndex", "BlocksCacheKey", "LLMClusterInfo", "MemInfo",
     "create_tensors", "Arrival", "KvCache",
-    "LayerSynchronizer", "TransferConfig", "TransferWithCacheKeyConfig", "CacheTask",
+    "LayerSynchronizer", "TransferConfig", "TransferWithCacheKeyConfig", "CacheTask", "TransferHandle",
 ]
 
 #: Names CANN's package imports lazily from its v1 (KvCacheManager mode) package.

@@ -5,11 +5,12 @@ contract's exceptions, nothing changed on failure), builds one coalesced plan wi
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple, Type, Union
 
 import numpy as np
 
 from ._arrivals import Arrival, arrival_of
+from ._handles import TransferHandle, call_ident
 from ._objects import (BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, MemInfo,
                        as_tensor_addrs)
 from ._status import LLMStatusCode, api_class, raise_error
@@ -21,8 +22,8 @@ from .engine.core import Engine
 from .engine.layout import Plan, plan_units
 from .engine.memory import PoolExhausted
 from .engine.registry import Registry
-from ._planning import (Side, cache_ref, shape_key, block_list_arg, blocks_plan, check_nonempty, int_arg, layer_range_arg, row_blocks_plan,
-                        row_plan, row_size_arg, tensors_per_layer)
+from ._planning import (Side, cache_ref, blocks_plan, int_arg, layer_range_arg, row_plan, row_size_arg,
+                        tensors_per_layer)
 from ._transfer_async import CacheTask, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig, start_task
 from .engine.transports.base import RemoteCache
 from .engine.transports.local import LocalTransport
@@ -31,6 +32,9 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = ["CacheManager"]
+
+#: Call shapes of push_blocks / pull_blocks whose handles a cache manager keeps.
+_HANDLES = 128
 
 #: A key naming a peer cache (or one of its rows).
 _PeerKey = Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey]
@@ -106,6 +110,8 @@ class CacheManager:
         self._owner = owner  # the LLMDataDist, for its engine and role
         # What the engine's boards call for each user callback (to remove it again).
         self._callbacks: Dict[tuple[int, Callable[[Arrival], None]], Callable[[Notice], None]] = {}
+        #: Handles of recent push_blocks / pull_blocks call shapes (:func:`call_ident`).
+        self._handles: Dict[Hashable, TransferHandle] = {}
 
     @property
     def _engine(self) -> Engine:
@@ -311,35 +317,18 @@ class CacheManager:
                     tensor_num_per_layer: int = 2) -> None:
         """Pull remote blocks ``src_blocks[i] -> dst_blocks[i]``; with a row key and
         ``src_blocks=()`` chunk i of the remote row goes to ``dst_blocks[i]``."""
-        cluster = self._key_cluster(src_cache_key, "src_cache_key", (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex))
-        dst = self._local(dst_cache)
-        check_nonempty("dst_blocks", dst_blocks)
-        if isinstance(src_cache_key, BlocksCacheKey):
-            check_nonempty("src_blocks", src_blocks)
-        row_mode = not isinstance(src_cache_key, BlocksCacheKey) and len(src_blocks) == 0
-        link = self._engine.get_link(cluster)
+        self._handle(False, src_cache_key, dst_cache, src_layer_range, dst_layer_range,
+                     tensor_num_per_layer)._run(src_blocks, dst_blocks)
 
-        def planner(remote: RemoteCache) -> Plan:
-            key = shape_key("pull_blocks", dst_cache, remote, src_blocks, dst_blocks, src_layer_range,
-                            dst_layer_range, tensor_num_per_layer)
-            known = link.plans.get(key) if key is not None else None
-            if known is not None:
-                return known
-            src = Side.of_remote(remote)
-            if row_mode:
-                plan = row_blocks_plan(src, remote.row, dst, dst_blocks, tensor_num_per_layer, src_layer_range,
-                                       dst_layer_range)
-            elif not remote.is_blocks:
-                raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                            "pull_blocks from a contiguous cache needs src_blocks=() (row -> blocks)")
-            else:
-                plan = blocks_plan(src, dst, src_blocks, dst_blocks, tensor_num_per_layer, src_layer_range,
-                                   dst_layer_range)
-            if key is not None:
-                link.plans.put(key, plan)
-            return plan
-
-        link.transfer(cache_ref(src_cache_key), planner, push=False)
+    def prepare_pull_blocks(self, src_cache_key: Union[BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex],
+                            dst_cache: Cache, src_blocks: Optional[Sequence[int]] = None,
+                            dst_blocks: Optional[Sequence[int]] = None, *, src_layer_range: Optional[range] = None,
+                            dst_layer_range: Optional[range] = None, tensor_num_per_layer: int = 2) -> TransferHandle:
+        """A :class:`~datadist.TransferHandle` for ``pull_blocks`` calls with these keys,
+        cache and layer ranges: checked now (and, with block lists, looked up and planned
+        now); ``handle.run(src_blocks, dst_blocks)`` then moves blocks.  Not in CANN's API."""
+        return self._prepared(False, src_cache_key, dst_cache, src_blocks, dst_blocks, src_layer_range,
+                              dst_layer_range, tensor_num_per_layer)
 
     # -- pushes --------------------------------------------------------------------------
     def push_cache(self, dst_cache_key: Union[CacheKeyByIdAndIndex, CacheKey], src_cache: Cache,
@@ -368,29 +357,46 @@ class CacheManager:
                     src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
                     tensor_num_per_layer: int = 2) -> None:
         """Push local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
-        cluster = self._key_cluster(dst_cache_key, "dst_cache_key", (BlocksCacheKey, CacheKeyByIdAndIndex))
-        src = self._local(src_cache)
-        check_nonempty("dst_blocks", dst_blocks)
-        block_list_arg("src_blocks", src_blocks, src.batch_size)
-        link = self._engine.get_link(cluster)
+        self._handle(True, dst_cache_key, src_cache, src_layer_range, dst_layer_range,
+                     tensor_num_per_layer)._run(src_blocks, dst_blocks)
 
-        def planner(remote: RemoteCache) -> Plan:
-            key = shape_key("push_blocks", src_cache, remote, src_blocks, dst_blocks, src_layer_range,
-                            dst_layer_range, tensor_num_per_layer)
-            known = link.plans.get(key) if key is not None else None
+    def prepare_push_blocks(self, dst_cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex], src_cache: Cache,
+                            src_blocks: Optional[Sequence[int]] = None, dst_blocks: Optional[Sequence[int]] = None,
+                            src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
+                            tensor_num_per_layer: int = 2) -> TransferHandle:
+        """A :class:`~datadist.TransferHandle` for ``push_blocks`` calls with these keys,
+        cache and layer ranges: checked now (and, with block lists, looked up and planned
+        now); ``handle.run(src_blocks, dst_blocks)`` then moves blocks.  Not in CANN's API."""
+        return self._prepared(True, dst_cache_key, src_cache, src_blocks, dst_blocks, src_layer_range,
+                              dst_layer_range, tensor_num_per_layer)
+
+    def _prepared(self, push: bool, peer_key: Any, cache: Cache, src_blocks: Optional[Sequence[int]],
+                  dst_blocks: Optional[Sequence[int]], src_layer_range: Optional[range],
+                  dst_layer_range: Optional[range], tensor_num_per_layer: int) -> TransferHandle:
+        handle = TransferHandle(self, push, peer_key, cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        if (src_blocks is None) != (dst_blocks is None):
+            raise TypeError("give both src_blocks and dst_blocks, or neither")
+        if src_blocks is not None and dst_blocks is not None:
+            handle.prepare(src_blocks, dst_blocks)
+        return handle
+
+    def _handle(self, push: bool, peer_key: Any, cache: Cache, src_layer_range: Optional[range],
+                dst_layer_range: Optional[range], tensor_num_per_layer: int) -> TransferHandle:
+        """The handle a ``push_blocks`` / ``pull_blocks`` call runs through: the one kept
+        for its shape, else a new one (kept if the shape can be; at most
+        :data:`_HANDLES` of them, the oldest dropped first)."""
+        ident = call_ident(push, peer_key, cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        handles = self._handles
+        if ident is not None:
+            known = handles.get(ident)
             if known is not None:
                 return known
-            if not remote.is_blocks:
-                raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                            f"push_blocks: {dst_cache_key} names cache {remote.cache_id}, which is not a blocks "
-                            "cache (push_cache writes rows of contiguous caches)")
-            plan = blocks_plan(src, Side.of_remote(remote), src_blocks, dst_blocks, tensor_num_per_layer,
-                               src_layer_range, dst_layer_range, same_range=True)
-            if key is not None:
-                link.plans.put(key, plan)
-            return plan
-
-        link.transfer(cache_ref(dst_cache_key), planner, push=True)
+        handle = TransferHandle(self, push, peer_key, cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        if ident is not None:
+            if len(handles) >= _HANDLES:
+                handles.pop(next(iter(handles), None), None)
+            handles[ident] = handle
+        return handle
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs: Sequence[Union[TransferConfig, TransferWithCacheKeyConfig]],

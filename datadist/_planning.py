@@ -7,7 +7,6 @@ coalesced :class:`~datadist.engine.layout.Plan`.
 from __future__ import annotations
 
 import operator
-from collections.abc import Hashable
 from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -25,7 +24,7 @@ BlockList = Union[Sequence[int], NDArray[np.integer]]
 #: Tensor indices of one side of a transfer.
 TensorIndices = NDArray[np.int64]
 
-__all__ = ["cache_ref", "shape_key", "Side", "int_arg", "tensors_per_layer", "layer_range_arg", "block_list_arg", "check_nonempty", "selection", "same_dtype", "same_stride", "blocks_plan", "row_plan", "row_blocks_plan", "row_size_arg"]
+__all__ = ["cache_ref", "Side", "int_arg", "tensors_per_layer", "layer_range_arg", "block_list_arg", "check_nonempty", "selection", "same_dtype", "same_stride", "blocks_plan", "row_plan", "row_blocks_plan", "row_size_arg"]
 
 
 class Side:
@@ -215,28 +214,3 @@ def cache_ref(key: CacheKeyByIdAndIndex | CacheKey | BlocksCacheKey) -> CacheRef
         return CacheRef(RefKind.BLOCKS, key.prompt_cluster_id, model_id=key.model_id, origin=key)
     return CacheRef(RefKind.KEY, key.prompt_cluster_id, req_id=key.req_id, model_id=key.model_id,
                     prefix_id=key.prefix_id, origin=key)
-
-
-#: Longest block list a plan is remembered for (a key holds the list).
-_MEMO_BLOCKS = 1024
-
-
-def _block_tuple(blocks: object) -> Optional[Tuple[int, ...]]:
-    if not isinstance(blocks, (list, tuple)) or len(blocks) > _MEMO_BLOCKS:
-        return None
-    if any(type(b) is not int for b in blocks):  # 1.0 == 1 must not find 1's plan unchecked
-        return None
-    return tuple(blocks)
-
-
-def shape_key(op: str, local: Cache, remote: RemoteCache, src_blocks: object, dst_blocks: object,
-              *rest: Hashable) -> Optional[Tuple[Hashable, ...]]:
-    """What a plan of ``op`` between ``local`` and ``remote`` depends on, as a key for the
-    link's :class:`~datadist.engine.layout.PlanMemo`: the local cache (its id never
-    names other memory), the remote cache as this lookup saw it (id, row and the peer's
-    epoch), both block lists and ``rest`` (layer ranges, tensors per layer).  None where
-    the call is not worth remembering (long or unusual block lists)."""
-    src, dst = _block_tuple(src_blocks), _block_tuple(dst_blocks)
-    if src is None or dst is None or any(r is not None and type(r) not in (int, range) for r in rest):
-        return None
-    return (op, local.cache_id, remote.cache_id, remote.row, remote.epoch, src, dst, *rest)

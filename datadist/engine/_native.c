@@ -821,6 +821,26 @@ static PyObject *py_index_array(PyObject *self, PyObject *const *args, Py_ssize_
     return Py_BuildValue("(NLL)", out, (long long)lo, (long long)hi);
 }
 
+/* A list or tuple of exact ints as a tuple (the tuple itself when given one), for use as
+ * a dict key: None for any other type, for any entry that is not exactly an int (1.0 and
+ * True compare equal to 1 but are not block indices), and for more than ``limit`` entries.
+ * One C pass, no conversion of the ints. */
+static PyObject *py_int_tuple(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "int_tuple(seq, limit)"); return NULL; }
+    PyObject *seq = args[0];
+    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > limit) Py_RETURN_NONE;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyLong_CheckExact(items[i])) Py_RETURN_NONE;
+    if (PyTuple_CheckExact(seq)) { Py_INCREF(seq); return seq; }
+    return PyList_AsTuple(seq);
+}
+
 /* Whether the stream on fd has ended (peer closed or reset) without blocking: one poll
  * with a zero timeout and, if readable, a one-byte peek.  Pending data is not an end. */
 static PyObject *py_peer_closed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -841,6 +861,8 @@ static PyObject *py_peer_closed(PyObject *self, PyObject *const *args, Py_ssize_
 static PyMethodDef methods[] = {
     {"peer_closed", (PyCFunction)(void (*)(void))py_peer_closed, METH_FASTCALL,
      "peer_closed(fd) -> whether the stream has ended (no wait)"},
+    {"int_tuple", (PyCFunction)(void (*)(void))py_int_tuple, METH_FASTCALL,
+     "int_tuple(seq, limit) -> a list or tuple of exact ints as a tuple; None otherwise or if longer than limit"},
     {"index_array", (PyCFunction)(void (*)(void))py_index_array, METH_FASTCALL,
      "index_array(seq) -> (int64 bytes, min, max) of a list or tuple of ints; None for other types"},
     {"recv_exact", (PyCFunction)(void (*)(void))py_recv_exact, METH_FASTCALL,

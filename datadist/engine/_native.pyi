@@ -27,6 +27,9 @@ _Buffer = Buffer | NDArray[Any]
 def peer_closed(fd: int, /) -> bool:
     """Whether the stream on ``fd`` has ended (peer closed or reset); never waits."""
 
+def int_tuple(seq: object, limit: int, /) -> tuple[int, ...] | None:
+    """A list or tuple of exact ints (at most ``limit``) as a tuple; None otherwise."""
+
 def index_array(seq: object, /) -> tuple[bytearray, int, int] | None:
     """``(int64 bytes, min, max)`` of an exact ``list`` or ``tuple`` of ints (``min > max``
     when empty); None for any other type.  ``TypeError`` for an entry that is not an int

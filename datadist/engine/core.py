@@ -235,6 +235,7 @@ class Engine:
             if self.links.get(key) is link:
                 del self.links[key]
             others = (link.remote_cluster_id, not link.is_client) in self.links
+        link.forget("the link was unlinked")  # a prepared transfer holding it fails from now on
         if not others:
             self.link_broken(link.remote_cluster_id, "the link was unlinked")  # no more pushes from there
         agent = self.live_agent()

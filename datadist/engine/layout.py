@@ -12,16 +12,13 @@ tensor.  :func:`plan_units` crosses tensors with units.
 """
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-__all__ = ["Plan", "PlanMemo", "plan_units", "coalesce", "block_offsets", "layer_tensor_indices", "tensor_span"]
+__all__ = ["Plan", "plan_units", "coalesce", "block_offsets", "layer_tensor_indices", "tensor_span"]
 
 _U64 = np.uint64
 #: An array of uint64 (addresses, offsets, lengths).
@@ -183,37 +180,3 @@ def tensor_span(addrs: U64Array, bases: U64Array, offs: U64Array, lens: U64Array
     lo, hi = np.searchsorted(addrs[order], [first, last], side="right") - 1
     picked = order[max(int(lo), 0): int(hi) + 1]
     return int(picked.min()), int(picked.max()) + 1
-
-
-class PlanMemo:
-    """Plans already built and validated, by a key that names everything they depend on
-    (the caller's job: both caches' identities, the peer's lookup epoch, the block lists,
-    the layer ranges).  A call that repeats a shape then skips planning, which is most of
-    a small call's time (docs/performance.md).  Bounded: the least recently used plan goes
-    first.  Plans are immutable, so one may serve many calls, from any thread."""
-
-    def __init__(self, capacity: int = 256) -> None:
-        self.capacity = capacity
-        self._plans: "OrderedDict[Hashable, Plan]" = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: Hashable) -> Optional[Plan]:
-        with self._lock:
-            plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
-            return plan
-
-    def put(self, key: Hashable, plan: Plan) -> None:
-        with self._lock:
-            self._plans[key] = plan
-            self._plans.move_to_end(key)
-            while len(self._plans) > self.capacity:
-                self._plans.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._plans.clear()
-
-    def __len__(self) -> int:
-        return len(self._plans)

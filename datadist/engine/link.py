@@ -13,6 +13,7 @@ time; ``unlink`` during a transfer is ``LLM_LINK_BUSY``).  The agent thread touc
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import socket
 import threading
@@ -20,11 +21,11 @@ import time
 from typing import TYPE_CHECKING, Callable, NoReturn, Optional, Union
 
 from .errors import EngineError, Fault, fail
-from .transports.base import RemoteCache, StaleLookup, Transport
+from .transports.base import ANY_CACHE, Prepared, RemoteCache, StaleLookup, Transport
 from . import native, wire
 from .cuda import IpcRegion
 from .keys import CacheRef, RefKind
-from .layout import Plan, PlanMemo, tensor_span
+from .layout import Plan, tensor_span
 from .registry import Registry
 
 if TYPE_CHECKING:
@@ -68,9 +69,7 @@ class Link:
         self.broken: Optional[str] = None
         self.ready = threading.Event()
         self._lookups: dict[CacheRef, RemoteCache] = {}
-        #: Plans callers built against this link's lookups, for repeated shapes (their
-        #: keys carry the lookup's epoch, so a changed peer never meets an old plan).
-        self.plans = PlanMemo()
+        self._epoch_cell: Optional[tuple[int, ctypes.c_uint64]] = None   # (address, view) of the peer's epoch
         self._closed = False
         self._close_when_idle = False
         self.closing = False         # set by unlink: the end of the streams is expected
@@ -88,6 +87,14 @@ class Link:
                     self.remote_cluster_id, "closed" if self.closing else "broken", reason)
             if self.on_broken is not None:
                 self.on_broken(self.remote_cluster_id, reason)
+
+    def forget(self, reason: str) -> None:
+        """This end stopped using the link (an unlink): calls from now on fail fast,
+        without telling ``on_broken`` (the engine decides what the unlink means for
+        arrivals) and before the sockets close."""
+        self.closing = True
+        if self.broken is None:
+            self.broken = reason
 
     def check_alive(self) -> None:
         """Raise ``LLM_LINK_FAILED`` if the link is broken (peer gone, stream lost)."""
@@ -157,9 +164,13 @@ class Link:
         fail(Fault.LINK_FAILED, f"link to cluster {self.remote_cluster_id} is broken: {exc}")
 
     def _epoch_now(self) -> Optional[int]:
-        if self.peer_epoch_addr is None:
+        addr = self.peer_epoch_addr
+        if addr is None:
             return None
-        return Registry.read_epoch(self.peer_epoch_addr)
+        cell = self._epoch_cell
+        if cell is None or cell[0] != addr:
+            cell = self._epoch_cell = (addr, Registry.epoch_cell(addr))
+        return cell[1].value
 
     def lookup(self, key: CacheRef, deadline: float, *, cached: bool = True) -> tuple[RemoteCache, bool]:
         """What ``key`` names on the peer, and whether that came from the cache of
@@ -186,51 +197,100 @@ class Link:
         return remote, False
 
     def transfer(self, key: Union[CacheRef, RemoteCache], planner: Callable[[RemoteCache], Plan],
-                 push: bool) -> RemoteCache:
+                 push: bool, known: Optional[Prepared] = None) -> Prepared:
         """Resolve ``key``, plan against it and move the bytes, within ``sync_kv_timeout``.
 
         ``planner`` validates the remote geometry and returns a plan whose peer side is in
-        the peer's address space.  Returns what the key resolved to.  ``key`` may also be
-        a :class:`RemoteCache` that describes raw peer addresses (``cache_id`` ``ANY_CACHE``,
+        the peer's address space.  Returns the transfer as prepared, which a caller
+        repeating the same call gives back as ``known``: while the peer's cache stays
+        the same (its epoch, for a same-host peer; a socket peer checks each request
+        itself and answers a stale one, which is then planned again), it runs again
+        without a lookup or a plan.  ``key`` may also be a :class:`RemoteCache` that
+        describes raw peer addresses (``cache_id`` ``ANY_CACHE``,
         ``transfer_cache_async``): nothing is looked up, and the peer checks the plan
         against all its caches."""
         deadline = time.monotonic() + self.timeout_ms / 1000.0
-        if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            fail(Fault.TIMEOUT,
-                        f"link to cluster {self.remote_cluster_id} stayed busy with another transfer "
-                        f"for sync_kv_timeout ({self.timeout_ms} ms)")
+        self._acquire(deadline)
         try:
             self.check_alive()
-            return self._transfer_locked(key, planner, push, deadline)
+            return self._transfer_locked(key, planner, push, deadline, known)
         finally:
             self.lock.release()
             if self._close_when_idle:
                 self.retire(self.broken or "peer gone")
 
+    def prepare(self, key: Union[CacheRef, RemoteCache], planner: Callable[[RemoteCache], Plan],
+                push: bool) -> Prepared:
+        """Look ``key`` up and plan against it, moving nothing (errors as :meth:`transfer`
+        would raise them); :meth:`transfer` runs the result as ``known``."""
+        deadline = time.monotonic() + self.timeout_ms / 1000.0
+        self._acquire(deadline)
+        try:
+            self.check_alive()
+            remote = key if isinstance(key, RemoteCache) else self.lookup(key, deadline)[0]
+            return self._bind(remote, planner(remote), push)
+        finally:
+            self.lock.release()
+
+    def _acquire(self, deadline: float) -> None:
+        if not self.lock.acquire(blocking=False) and \
+                not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            fail(Fault.TIMEOUT,
+                        f"link to cluster {self.remote_cluster_id} stayed busy with another transfer "
+                        f"for sync_kv_timeout ({self.timeout_ms} ms)")
+
+    def _current(self, remote: RemoteCache) -> bool:
+        """Whether a plan made against ``remote`` may run again without a new lookup:
+        raw addresses do not change, a same-host peer's caches are as they were while
+        its epoch stays, and a socket peer refuses a stale request itself."""
+        if remote.cache_id == ANY_CACHE or self.peer_epoch_addr is None:
+            return True
+        return self._epoch_now() == remote.epoch
+
+    def _bind(self, remote: RemoteCache, plan: Plan, push: bool) -> Prepared:
+        transport = self.transport
+        if transport is None:
+            fail(Fault.NOT_LINKED, f"link to cluster {self.remote_cluster_id} has no transport yet")
+        return Prepared(remote, plan, transport.prepare(self, plan, remote, push))
+
+    def _plan(self, key: Union[CacheRef, RemoteCache], planner: Callable[[RemoteCache], Plan], push: bool,
+              deadline: float, cached: bool) -> Optional[tuple[Prepared, bool]]:
+        """Look ``key`` up (from the cache of lookups if ``cached``) and plan against it:
+        the prepared transfer and whether the lookup came from the cache; None if the
+        planner refused a cached lookup (the peer may have replaced that cache since)."""
+        if isinstance(key, RemoteCache):
+            remote, from_cache = key, False
+        else:
+            remote, from_cache = self.lookup(key, deadline, cached=cached)
+        try:
+            plan = planner(remote)
+        except Exception:
+            if not from_cache:
+                raise
+            return None
+        return self._bind(remote, plan, push), from_cache
+
     def _transfer_locked(self, key: Union[CacheRef, RemoteCache], planner: Callable[[RemoteCache], Plan],
-                         push: bool, deadline: float) -> RemoteCache:
+                         push: bool, deadline: float, known: Optional[Prepared]) -> Prepared:
         """:meth:`transfer` with the link's lock held: look up, plan, move; a lookup found
         stale is redone (the peer's caches changed), at most twice."""
         stale_retries = 2
         cached = True
         while True:
-            if isinstance(key, RemoteCache):
-                remote, from_cache = key, False
+            if known is not None and self._current(known.remote):
+                ready, from_cache = known, True
             else:
-                remote, from_cache = self.lookup(key, deadline, cached=cached)
-            cached = True
+                got = self._plan(key, planner, push, deadline, cached)
+                cached = True
+                if got is None:
+                    cached = False  # the planner refused a cached lookup: ask the peer
+                    continue
+                ready, from_cache = got
+            known = None
             try:
-                plan = planner(remote)
-            except Exception:
-                # The planner (the caller's validation) refused what a cached lookup
-                # says: the peer may have replaced that cache since, so ask once more.
-                if not from_cache:
-                    raise
-                cached = False
-                continue
-            try:
-                self._move(plan, remote, push, deadline)
-                return remote
+                if not ready.step(deadline) and push and ready.remote.watched:
+                    self._notify(ready.remote, ready.plan, Fault.OK, "")
+                return ready
             except StaleLookup:
                 # The peer's caches changed between lookup and request: look again.
                 stale_retries -= 1
@@ -242,21 +302,10 @@ class Link:
                 # (socket peers share no epoch to check before planning): ask once
                 # more before reporting the error.
                 if not from_cache or exc.fault not in _RETRYABLE:
-                    if push and remote.watched:
-                        self._notify(remote, plan, exc.fault, str(exc))
+                    if push and ready.remote.watched:
+                        self._notify(ready.remote, ready.plan, exc.fault, str(exc))
                     raise
                 cached = False
-
-    def _move(self, plan: Plan, remote: RemoteCache, push: bool, deadline: float) -> None:
-        """Run ``plan`` on the link's transport; after a one-sided push into a watched
-        cache, tell the receiver (it learns of it only from that notice)."""
-        transport = self.transport
-        if transport is None:
-            fail(Fault.NOT_LINKED, f"link to cluster {self.remote_cluster_id} has no transport yet")
-        if not push:
-            transport.pull(self, plan, remote, deadline)
-        elif not transport.push(self, plan, remote, deadline) and remote.watched:
-            self._notify(remote, plan, Fault.OK, "")
 
     def _notify(self, remote: RemoteCache, plan: Plan, status: Fault, message: str) -> None:
         """Tell the receiver what a push wrote (one-way; see ``datadist._arrivals``).  A

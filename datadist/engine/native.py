@@ -8,9 +8,10 @@ exceptions (they know which peer and which call it was).
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import time
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -32,7 +33,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["ms_until", "peer_closed", "index_array", "copy_plan", "copy_plan_sum", "sum_blocks", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "COPY_THREADS",
+__all__ = ["ms_until", "peer_closed", "int_tuple", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "sum_blocks", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "COPY_THREADS",
            "SPIN_US"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
@@ -63,6 +64,20 @@ def index_array(seq: object) -> Optional[Tuple[NDArray[np.int64], int, int]]:
         return None
     raw, lo, hi = got
     return np.frombuffer(raw, dtype=np.int64), lo, hi
+
+
+def int_tuple(seq: object, limit: int) -> Optional[Tuple[int, ...]]:
+    """``seq`` as a hashable key: a list or tuple of at most ``limit`` exact ints as a
+    tuple, in one C pass; None for anything else (floats and bools compare equal to ints
+    but are not indices, so they never share an int list's key)."""
+    return _native.int_tuple(seq, limit)
+
+
+def bind_copy(plan: Plan, threads: int = COPY_THREADS) -> Callable[[int], int]:
+    """:func:`copy_plan` of ``plan`` as a call of the timeout alone (ms, 0: none), with the
+    plan's arrays bound once: a repeated small copy then costs one C call."""
+    return functools.partial(_native.copy_plan, plan.src_bases, plan.dst_bases, plan.src_offs, plan.dst_offs,
+                             plan.lens, threads)
 
 
 def copy_plan(plan: Plan, threads: int = COPY_THREADS, timeout_ms: int = 0) -> int:

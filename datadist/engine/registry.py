@@ -116,7 +116,13 @@ class Registry:
     @staticmethod
     def read_epoch(page_addr: int) -> int:
         """The epoch stored in a (mapped) epoch page at ``page_addr``."""
-        return ctypes.c_uint64.from_address(page_addr).value
+        return Registry.epoch_cell(page_addr).value
+
+    @staticmethod
+    def epoch_cell(page_addr: int) -> ctypes.c_uint64:
+        """A view of the epoch in a (mapped) epoch page, to read it again and again
+        (``.value``; valid while the page stays mapped)."""
+        return ctypes.c_uint64.from_address(page_addr)
 
     @staticmethod
     def nonce_address(page_addr: int) -> int:

@@ -131,6 +131,7 @@ class _Child:
         self.kinds: Dict[str, str] = {}
         self.memory: Dict[str, List[Any]] = {}
         self.tasks: Dict[str, Tuple[Any, _Gate]] = {}
+        self.handles: Dict[str, Any] = {}
         datadist.LayerSynchronizer.register(_Gate)
 
     # building datadist objects
@@ -320,6 +321,17 @@ class _Child:
             if done == 1:
                 self.conn.send(("note", "running"))
         return {"iterations": done, "error": None, "t_error": None}
+
+    def op_prepare(self, name: str, method: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
+        """Keep the transfer handle ``cache_manager.<method>(*args, **kwargs)`` returns
+        (``prepare_push_blocks`` / ``prepare_pull_blocks``) as ``name``; returns its repr."""
+        fn = getattr(self.engine.cache_manager, method)
+        self.handles[name] = fn(*self._resolve(tuple(args)), **self._resolve(kwargs))
+        return repr(self.handles[name])
+
+    def op_run(self, name: str, *args: Any) -> None:
+        """``run(*args)`` of the handle kept as ``name``."""
+        self.handles[name].run(*self._resolve(args))
 
     def op_transfer_async(self, name: str, src: str, configs: Sequence[Key], *, gate: bool = True,
                           **kwargs: Any) -> None:

@@ -19,15 +19,17 @@ collectives) is not an executor's business and stays as it is.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Callable
 
+from .. import native
 from ..layout import Plan
 from .host import host_copy_plan
 from .tensor import torch_copy_plan
 
-__all__ = ["CopyExecutor", "EXECUTORS", "executor", "set_executor", "copy_plan", "torch_copy_plan"]
+__all__ = ["CopyExecutor", "EXECUTORS", "executor", "set_executor", "copy_plan", "bind", "torch_copy_plan"]
 
 #: What every executor is: run a plan whose both sides this process can address within a
 #: timeout (ms, 0: none), return the bytes copied; raises on a failed copy
@@ -71,3 +73,12 @@ def copy_plan(plan: Plan, timeout_ms: int = 0) -> int:
     if plan.src_dev.startswith("npu") or plan.dst_dev.startswith("npu"):
         return torch_copy_plan(plan, timeout_ms)
     return _BY_NAME[_current](plan, timeout_ms)
+
+
+def bind(plan: Plan) -> Callable[[int], int]:
+    """:func:`copy_plan` of ``plan`` as a call of the timeout alone, with the executor
+    chosen now (a prepared transfer keeps the executor it was prepared with): a host plan
+    on the host executor becomes one C call with its arrays bound."""
+    if _current == "host" and plan.on_host:
+        return native.bind_copy(plan)
+    return functools.partial(copy_plan, plan)

@@ -7,7 +7,10 @@ link's lock:
    every transport resolves over the link's request socket (a small RPC).
 2. ``push(link, plan, remote, deadline)`` or ``pull(link, plan, remote, deadline)``: execute
    a plan whose peer-side addresses are in the peer's address space.  A push's plan runs
-   local -> peer, a pull's peer -> local.
+   local -> peer, a pull's peer -> local.  ``prepare(link, plan, remote, push)`` does the
+   work of either that depends only on the plan (rebasing into a mapped arena, binding
+   the executor) once and returns a :data:`Step` that runs it, for transfers repeated
+   with one plan.
 3. ``close()`` when the link goes away.
 
 A transport reaches its peer only through the link's control :class:`Channel` (requests,
@@ -21,7 +24,7 @@ import abc
 import functools
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, NoReturn, Optional, Protocol
 
 import numpy as np
 
@@ -50,7 +53,8 @@ def check_reply(link: Channel, reply: wire.Message) -> None:
     if reply.status:
         fail(Fault.of(reply.status), reply.message)
 
-__all__ = ["Channel", "RemoteCache", "Transport", "StaleLookup", "STALE", "ANY_CACHE", "check_reply"]
+__all__ = ["Channel", "RemoteCache", "Transport", "Step", "Prepared", "StaleLookup", "STALE", "ANY_CACHE",
+           "check_reply"]
 
 
 class Channel(Protocol):
@@ -111,6 +115,21 @@ class RemoteCache:
         return lo, int(self.addrs.max()) + self.tensor_size - lo
 
 
+#: A plan bound to its transport: ``step(deadline)`` moves it and returns whether the peer's
+#: agent took part (it then knows of a push's arrival; always True for a pull).
+Step = Callable[[float], bool]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A transfer looked up, planned and bound to the link's transport: what a repeated
+    call with the same shape runs again while the peer's cache stays the same."""
+
+    remote: RemoteCache
+    plan: Plan
+    step: Step
+
+
 class Transport(abc.ABC):
     """Moves the bytes of a plan between this process and a linked peer."""
 
@@ -125,6 +144,17 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def pull(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float) -> None:
         """Copy ``plan`` from the peer's cache ``remote`` into local memory."""
+
+    def prepare(self, link: Channel, plan: Plan, remote: RemoteCache, push: bool) -> Step:
+        """``push`` or ``pull`` of ``plan`` as a :data:`Step` (valid while the link lives)."""
+        if push:
+            return functools.partial(self.push, link, plan, remote)
+
+        def pull(deadline: float) -> bool:
+            self.pull(link, plan, remote, deadline)
+            return True
+
+        return pull
 
     def close(self) -> None:
         """Release what the transport holds (mappings); idempotent."""

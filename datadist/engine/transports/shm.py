@@ -15,15 +15,16 @@ could write anywhere in the peer.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 from typing import Iterable, NoReturn, Optional
 
 from ..errors import Fault, fail
-from .. import cuda, native
+from .. import cuda, executor, native
 from ..layout import Plan
 from ..memory import PeerArena
-from .base import Channel, ANY_CACHE, RemoteCache, Transport
-from .local import LocalTransport, host_side
+from .base import Channel, ANY_CACHE, RemoteCache, Step, Transport
+from .local import host_side
 
 __all__ = ["ShmTransport"]
 
@@ -84,20 +85,35 @@ class ShmTransport(Transport):
                 return local - lo, True
         return None, False
 
-    def _run(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float, write: bool) -> bool:
-        """Move the plan; True if it went through the peer's agent (socket fallback).  A
-        copy still running at ``deadline`` stops (between chunks of at most 64 MiB) with
-        ``TIMEOUT``; the destination's bytes are then undefined."""
+    def prepare(self, link: Channel, plan: Plan, remote: RemoteCache, push: bool) -> Step:
+        """The copy of ``plan`` as a :data:`Step`: into or out of a mapped peer region it
+        is the rebased plan bound to the executor, run again without looking at the
+        mappings (they live as long as the link, and the link's lock keeps a step from
+        running once it closes); otherwise cross-memory attach or the socket, decided
+        per run.  A copy still running at the deadline stops (between chunks of at most
+        64 MiB) with ``TIMEOUT``; the destination's bytes are then undefined."""
         delta, on_device = self._delta(remote)
-        if delta is not None:
-            peer_dev = _device_name() if on_device else "cpu"
-            moved = (plan.rebase(dst_delta=delta).on(plan.src_dev, peer_dev) if write
-                     else plan.rebase(src_delta=delta).on(peer_dev, plan.dst_dev))
+        if delta is None:
+            return functools.partial(self._unmapped, link, plan, remote, push)
+        peer_dev = _device_name() if on_device else "cpu"
+        moved = (plan.rebase(dst_delta=delta).on(plan.src_dev, peer_dev) if push
+                 else plan.rebase(src_delta=delta).on(peer_dev, plan.dst_dev))
+        copy = executor.bind(moved)
+
+        def step(deadline: float) -> bool:
             try:
-                LocalTransport.copy(moved, native.ms_until(deadline))
+                copy(native.ms_until(deadline))
             except TimeoutError:
-                _copy_timed_out(link, plan, write)
-        elif self.cma_ok and remote.cache_id != ANY_CACHE and remote.device == "cpu":
+                _copy_timed_out(link, plan, push)
+            link.check_peer()
+            return not push
+
+        return step
+
+    def _unmapped(self, link: Channel, plan: Plan, remote: RemoteCache, write: bool, deadline: float) -> bool:
+        """Move a plan whose peer side is not mapped here; True if it went through the
+        peer's agent (socket fallback)."""
+        if self.cma_ok and remote.cache_id != ANY_CACHE and remote.device == "cpu":
             try:
                 with host_side(plan, local_is_src=write) as host_plan:
                     native.cma_plan(self.pid, host_plan, write=write, timeout_ms=native.ms_until(deadline))
@@ -110,23 +126,24 @@ class ShmTransport(Transport):
                                 f"link to cluster {link.remote_cluster_id} is broken: peer process {self.pid} exited")
                 fail(Fault.FAILED,
                             f"cross-memory copy with cluster {link.remote_cluster_id} (pid {self.pid}) failed: {exc}")
-        else:
-            if not self._told_fallback:
-                self._told_fallback = True
-                log.info("link to cluster %d: memory outside the peer's mapped pools (%s) goes over the socket",
-                         link.remote_cluster_id,
-                         "device memory that CUDA IPC could not open" if remote.device != "cpu" else
-                         "registered caches" + ("" if self.cma_ok else "; cross-memory attach is not permitted"))
-            (self.fallback.push if write else self.fallback.pull)(link, plan, remote, deadline)
-            return True
-        link.check_peer()
-        return False
+            link.check_peer()
+            return not write
+        if not self._told_fallback:
+            self._told_fallback = True
+            log.info("link to cluster %d: memory outside the peer's mapped pools (%s) goes over the socket",
+                     link.remote_cluster_id,
+                     "device memory that CUDA IPC could not open" if remote.device != "cpu" else
+                     "registered caches" + ("" if self.cma_ok else "; cross-memory attach is not permitted"))
+        if write:
+            return self.fallback.push(link, plan, remote, deadline)
+        self.fallback.pull(link, plan, remote, deadline)
+        return True
 
     def push(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
-        return self._run(link, plan, remote, deadline, True)
+        return self.prepare(link, plan, remote, True)(deadline)
 
     def pull(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float) -> None:
-        self._run(link, plan, remote, deadline, False)
+        self.prepare(link, plan, remote, False)(deadline)
 
     def close(self) -> None:
         for arena in self.arenas:

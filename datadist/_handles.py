@@ -1,0 +1,217 @@
+"""Prepared block transfers: ``push_blocks`` / ``pull_blocks`` between one local cache and
+one peer cache, with the keys, the caches and the layer ranges checked once.
+
+A :class:`TransferHandle` (``CacheManager.prepare_push_blocks`` / ``prepare_pull_blocks``)
+is what NIXL calls a prepared transfer: ``run(src_blocks, dst_blocks)`` then costs a look
+at what may have changed (the local cache still registered, the link still up, the peer's
+cache as it was) and the copy itself.  Each handle remembers the plans of the last block
+lists it ran (:data:`PLANS_PER_HANDLE`), so a repeated call shape skips planning too, and
+the plain ``push_blocks`` / ``pull_blocks`` calls run through handles the cache manager
+keeps per call shape (:func:`call_ident`): the public calls get the same fast path.
+
+What is never skipped: the local cache must still be the one the handle checked (a
+deallocated cache is ``LLM_KV_CACHE_NOT_EXIST``), the link must be up (an unlinked peer is
+``LLM_NOT_YET_LINK``, a relinked one is taken up again), and a plan runs again only while
+the peer's cache is the one it was made for (the peer's epoch on a same-host link; a socket
+peer refuses a stale request, which is then looked up and planned again).
+"""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Hashable, Optional, Tuple, Union
+
+from ._objects import BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex
+from ._planning import (BlockList, Side, block_list_arg, blocks_plan, cache_ref, check_nonempty,
+                        row_blocks_plan)
+from ._status import LLMStatusCode, api_class, raise_error
+from .engine import native
+from .engine.layout import Plan
+from .engine.transports.base import Prepared, RemoteCache
+
+if TYPE_CHECKING:
+    from ._cache_manager import CacheManager
+    from .engine.link import Link
+    from .engine.registry import CacheRecord, Registry
+
+__all__ = ["TransferHandle", "call_ident", "PLANS_PER_HANDLE"]
+
+#: Block lists whose plans a handle remembers (the most recent ones).
+PLANS_PER_HANDLE = 32
+#: Longest block list whose plan is remembered (the key holds the list).
+_MEMO_BLOCKS = 1024
+
+PeerKey = Union[BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex]
+_PUSH_KEYS = (BlocksCacheKey, CacheKeyByIdAndIndex)
+_PULL_KEYS = (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex)
+
+
+def _blocks_ident(blocks: object) -> Optional[Hashable]:
+    """A block list as a dict key: a range as itself, a list or tuple of ints as a tuple;
+    None for anything else (arrays, long lists, floats: those are planned every time)."""
+    if type(blocks) is range:
+        return blocks
+    return native.int_tuple(blocks, _MEMO_BLOCKS)
+
+
+def _peer_ident(key: object) -> Optional[Hashable]:
+    """A peer key as a dict key, for the kinds whose lookups stay valid between calls (a
+    ``CacheKey`` row is consumed by the pull that reads it)."""
+    kind = type(key)
+    if kind is BlocksCacheKey:
+        return (1, key.prompt_cluster_id, key.model_id)  # type: ignore[attr-defined]
+    if kind is CacheKeyByIdAndIndex:
+        return (2, key.cluster_id, key.cache_id, key.batch_index)  # type: ignore[attr-defined]
+    return None
+
+
+def call_ident(push: bool, peer_key: object, cache: object, src_layer_range: object, dst_layer_range: object,
+               tensor_num_per_layer: object) -> Optional[Tuple[Hashable, ...]]:
+    """What a handle for a ``push_blocks`` / ``pull_blocks`` call depends on, as a dict key
+    (exact types only, so ``True`` never finds the handle of ``1``); None where the call
+    is not worth keeping a handle for."""
+    peer = _peer_ident(peer_key)
+    if peer is None or type(cache) is not Cache or type(tensor_num_per_layer) is not int:
+        return None
+    if (src_layer_range is not None and type(src_layer_range) is not range) or \
+            (dst_layer_range is not None and type(dst_layer_range) is not range):
+        return None
+    cache_id = cache.cache_id
+    if cache_id < 0:
+        return None
+    return (push, peer, cache_id, src_layer_range, dst_layer_range, tensor_num_per_layer)
+
+
+@api_class
+class TransferHandle:
+    """Blocks of one local cache to or from one peer cache, prepared: see the module
+    docstring.  Made by ``CacheManager.prepare_push_blocks`` / ``prepare_pull_blocks``.
+
+    ``run(src_blocks, dst_blocks)`` moves the blocks as ``push_blocks`` /
+    ``pull_blocks`` with the handle's key, cache and layer ranges would, with the same
+    errors; without block lists it moves those given when the handle was prepared.
+    A handle may be run from several threads (transfers on one link run one at a time).
+    """
+
+    def __init__(self, manager: CacheManager, push: bool, peer_key: PeerKey, cache: Cache,
+                 src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
+                 tensor_num_per_layer: int = 2) -> None:
+        self._cluster = manager._key_cluster(peer_key, "dst_cache_key" if push else "src_cache_key",
+                                             _PUSH_KEYS if push else _PULL_KEYS)
+        self._side = manager._local(cache)
+        self._manager = manager
+        self._push = push
+        self._peer_key = peer_key
+        self._cache_id = cache.cache_id
+        self._ref = cache_ref(peer_key)
+        self._ranges = (src_layer_range, dst_layer_range)
+        self._tnpl = tensor_num_per_layer
+        self._plans: dict[Hashable, Prepared] = {}
+        self._given: Optional[Tuple[BlockList, BlockList]] = None
+        self._given_plan: Optional[Prepared] = None
+        self._registry: Registry
+        self._record: Optional[CacheRecord]
+        self._link: Link
+        self._bind()
+
+    def _bind(self) -> None:
+        """Take up the engine's current registry record of the cache and link to the peer."""
+        engine = self._manager._engine
+        self._registry = engine.live_registry()
+        self._record = self._registry.get(self._cache_id) if self._cache_id >= 0 else None
+        self._link = engine.get_link(self._cluster)
+
+    # -- public ----------------------------------------------------------------------------
+    def prepare(self, src_blocks: BlockList, dst_blocks: BlockList) -> None:
+        """Check ``src_blocks``/``dst_blocks`` against both caches and plan them now (the
+        peer is asked once), so that ``run()`` without arguments only moves them."""
+        self._check_blocks(src_blocks, dst_blocks)
+        self._live()
+        self._given = (src_blocks, dst_blocks)
+        self._given_plan = self._link.prepare(self._ref, functools.partial(self._plan, src_blocks, dst_blocks),
+                                              self._push)
+
+    def run(self, src_blocks: Optional[BlockList] = None, dst_blocks: Optional[BlockList] = None) -> None:
+        """Move ``src_blocks[i]`` -> ``dst_blocks[i]`` (both or neither; neither: the lists
+        the handle was prepared with)."""
+        if src_blocks is None and dst_blocks is None:
+            if self._given is None:
+                raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                            "run() without block lists needs a handle prepared with src_blocks and dst_blocks")
+            link = self._live()
+            self._given_plan = link.transfer(self._ref, functools.partial(self._plan, *self._given), self._push,
+                                             self._given_plan)
+            return
+        if src_blocks is None or dst_blocks is None:
+            raise TypeError("run() takes both src_blocks and dst_blocks, or neither")
+        self._run(src_blocks, dst_blocks)
+
+    @property
+    def is_push(self) -> bool:
+        return self._push
+
+    @property
+    def peer_key(self) -> PeerKey:
+        return self._peer_key
+
+    def __repr__(self) -> str:
+        return (f"TransferHandle({'push' if self._push else 'pull'}, {self._peer_key!r}, cache {self._cache_id}, "
+                f"layers {self._ranges[0]} -> {self._ranges[1]}, tensor_num_per_layer={self._tnpl})")
+
+    # -- the call --------------------------------------------------------------------------
+    def _run(self, src_blocks: BlockList, dst_blocks: BlockList) -> None:
+        """``run`` with block lists, for the public calls (no API wrapper of its own)."""
+        sb, db = _blocks_ident(src_blocks), _blocks_ident(dst_blocks)
+        key = (sb, db) if sb is not None and db is not None else None
+        known = self._plans.get(key) if key is not None else None
+        if known is None:
+            self._check_blocks(src_blocks, dst_blocks)
+        link = self._live()
+        ready = link.transfer(self._ref, functools.partial(self._plan, src_blocks, dst_blocks), self._push, known)
+        if key is not None and ready is not known:
+            plans = self._plans
+            if len(plans) >= PLANS_PER_HANDLE:
+                plans.pop(next(iter(plans), None), None)
+            plans[key] = ready
+
+    def _live(self) -> Link:
+        """The link, after checking that the cache is still the one checked; a link that
+        went down is replaced by the engine's current one (or the contract's error), and
+        the plans made over it are dropped."""
+        if self._record is not None and self._registry.get(self._cache_id) is not self._record:
+            raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                        f"cache {self._cache_id} is not (or no longer) known to this engine")
+        link = self._link
+        if link.broken is not None:
+            self._plans = {}
+            self._given_plan = None
+            self._bind()
+            if self._record is not None and self._registry.get(self._cache_id) is not self._record:
+                raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                            f"cache {self._cache_id} is not (or no longer) known to this engine")
+            link = self._link
+        return link
+
+    def _check_blocks(self, src_blocks: object, dst_blocks: object) -> None:
+        """The checks ``push_blocks`` / ``pull_blocks`` make before asking the peer."""
+        check_nonempty("dst_blocks", dst_blocks)
+        if self._push:
+            block_list_arg("src_blocks", src_blocks, self._side.batch_size)
+        elif isinstance(self._peer_key, BlocksCacheKey):
+            check_nonempty("src_blocks", src_blocks)
+
+    def _plan(self, src_blocks: Any, dst_blocks: Any, remote: RemoteCache) -> Plan:
+        """The plan against the peer cache as looked up (validates the remote geometry)."""
+        (sr, dr), tnpl = self._ranges, self._tnpl
+        peer = Side.of_remote(remote)
+        if self._push:
+            if not remote.is_blocks:
+                raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                            f"push_blocks: {self._peer_key} names cache {remote.cache_id}, which is not a blocks "
+                            "cache (push_cache writes rows of contiguous caches)")
+            return blocks_plan(self._side, peer, src_blocks, dst_blocks, tnpl, sr, dr, same_range=True)
+        if not isinstance(self._peer_key, BlocksCacheKey) and len(src_blocks) == 0:
+            return row_blocks_plan(peer, remote.row, self._side, dst_blocks, tnpl, sr, dr)
+        if not remote.is_blocks:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                        "pull_blocks from a contiguous cache needs src_blocks=() (row -> blocks)")
+        return blocks_plan(peer, self._side, src_blocks, dst_blocks, tnpl, sr, dr)
