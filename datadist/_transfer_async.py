@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -61,7 +62,7 @@ from ._status import LLMStatusCode, ParamInvalidError, api_class, raise_error, s
 from .engine.keys import CacheRef
 from .engine.layout import Plan
 from .engine.link import Link
-from .engine.transports.base import ANY_CACHE, RemoteCache
+from .engine.transports.base import ANY_CACHE, Prepared, RemoteCache
 
 __all__ = ["LayerSynchronizer", "TransferConfig", "TransferWithCacheKeyConfig", "CacheTask"]
 
@@ -366,6 +367,9 @@ class _Route:
             cluster = config.dst_cluster_id
         self.link = get_link(cluster)
         self.result: "Future[LLMStatusCode]" = Future()
+        #: Layers looked up and planned ahead (:meth:`prepare_next`), each used once.
+        self._prepared: Dict[int, Prepared] = {}
+        self._ahead = iter(self.layers)
 
     def _describe_raw(self, name: str, config: TransferConfig, src: _Source) -> RemoteCache:
         """Raw destination addresses described as a peer cache of all the layers sent: each
@@ -387,8 +391,8 @@ class _Route:
                            batch_size=batch_size, is_blocks=src.dst_blocks is not None, dtype="",
                            addrs=np.asarray(config.dst_addrs, dtype=np.uint64), epoch=0)
 
-    def send(self, src: _Source, layer: int) -> None:
-        """Send source layer ``layer`` to this config's destination (raises on failure)."""
+    def _layer(self, src: _Source, layer: int) -> Tuple[Union[CacheRef, RemoteCache], Callable[[RemoteCache], Plan]]:
+        """What layer ``layer`` is sent to, and its planner."""
         src_layers = range(layer, layer + 1)
         target, dst_layers = self.target, src_layers
         if isinstance(target, RemoteCache):
@@ -397,7 +401,26 @@ class _Route:
             k = (layer - self.layers.start) * _TNPL
             target = dataclasses.replace(target, num_tensors=_TNPL, addrs=target.addrs[k:k + _TNPL])
             dst_layers = _FIRST_LAYER
-        self.link.transfer(target, lambda remote: src.plan(self.row, remote, src_layers, dst_layers), push=True)
+        return target, functools.partial(src.plan, self.row, src_layers=src_layers, dst_layers=dst_layers)
+
+    def prepare_next(self, src: _Source) -> bool:
+        """Look up and plan the next layer not yet prepared, so that sending it is only
+        its copy; False when there is none left.  A layer that cannot be prepared is
+        left to :meth:`send`, which reports its error when the layer's turn comes."""
+        layer = next(self._ahead, None)
+        if layer is None:
+            return False
+        try:
+            self._prepared[layer] = self.link.prepare(*self._layer(src, layer), push=True)
+        except Exception:  # reported by send, at that layer
+            self._ahead = iter(())
+            return False
+        return True
+
+    def send(self, src: _Source, layer: int) -> None:
+        """Send source layer ``layer`` to this config's destination (raises on failure)."""
+        target, planner = self._layer(src, layer)
+        self.link.transfer(target, planner, True, self._prepared.pop(layer, None))
 
 
 # ------------------------------------------------------------------------ the task
@@ -476,7 +499,7 @@ class _Task:
         # The coordinator bounds this wait: it hands out a layer at least every
         # sync_kv_timeout and always ends with None.
         try:
-            while (item := inbox.get()) is not None:
+            while (item := self._next(inbox, routes)) is not None:
                 layer, verdict = item
                 for r in routes:
                     if layer in r.layers and not r.result.done():
@@ -485,6 +508,13 @@ class _Task:
             for r in routes:
                 if not r.result.done():  # the task was cut short before this config's last layer
                     r.result.set_result(_S.LLM_FAILED)
+
+    def _next(self, inbox: _Inbox, routes: List[_Route]) -> Optional[Tuple[int, LLMStatusCode]]:
+        """The next layer to send; while none is waiting, layers still to come are
+        prepared (the first layers are being computed meanwhile)."""
+        while inbox.empty() and any([r.prepare_next(self._src) for r in routes]):
+            pass
+        return inbox.get()
 
     def _send_layer(self, route: _Route, layer: int, verdict: LLMStatusCode) -> None:
         if verdict == _S.LLM_SUCCESS:
