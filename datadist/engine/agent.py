@@ -27,7 +27,7 @@ from .handshake import REFUSAL, ServerAuth
 from .incoming import Incoming, Pending, RateLimitedLog
 from .layout import Plan
 from .link import Link
-from .requests import SERVED, RequestHandler
+from .requests import OK, SERVED, RequestHandler
 
 if TYPE_CHECKING:
     from .core import Engine
@@ -40,6 +40,7 @@ log = logging.getLogger("datadist")
 _HANDSHAKE_S = 5.0
 _EMPTY = np.zeros(0, dtype=np.uint64)
 _NO_PAYLOAD = Plan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
+_OK_FRAME = wire.encode(OK)
 
 
 _warned_open = False
@@ -333,9 +334,9 @@ class Agent:
         try:
             assert sock is not None  # only a link with a serve_sock is registered (_register)
             with contextlib.ExitStack() as scope:  # staging buffers of this request
-                msg = wire.read_message(sock, SERVED)
-                reply = self._requests.handle(link, msg, sock, scope)
-                if isinstance(msg, wire.Unlink):
+                cls, data, blen = wire.read_frame(sock, SERVED)
+                reply = self._requests.handle_frame(link, cls, data, blen, sock, scope)
+                if cls is wire.Unlink:
                     # Forgotten before it is confirmed: once the peer's unlink returns, this
                     # end has no link either (a switch_role right after must not see one).
                     # The socket itself closes on the next turn of the loop, after the reply.
@@ -343,7 +344,7 @@ class Agent:
                     self.engine.drop_link(link, notify=False)
                 if reply is not None:  # a pull's payload follows its reply in the same writev
                     native.sock_send(sock.fileno(), self._requests.payload or _NO_PAYLOAD, self.engine.timeout_ms,
-                                     wire.encode(reply))
+                                     _OK_FRAME if reply is OK else wire.encode(reply))
         except Exception as exc:  # a bad request ends this link only, never the agent thread
             self._unregister(link)
             if not isinstance(exc, (OSError, RuntimeError, wire.WireError, ValueError)):

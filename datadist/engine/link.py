@@ -119,13 +119,14 @@ class Link:
         fail(Fault.LINK_FAILED, f"protocol error on link to cluster {self.remote_cluster_id}")
 
     # -- requests ------------------------------------------------------------------------
-    def rpc(self, msg: wire.Message, deadline: float, send_plan: Optional[Plan] = None) -> wire.Message:
-        """Send ``msg`` (and the source runs of ``send_plan`` right after it) on the request
-        connection and read the answer, all before ``deadline``.  A timeout or socket error
-        breaks the link (the stream can no longer be trusted)."""
+    def rpc(self, msg: Union[wire.Message, bytes], deadline: float, send_plan: Optional[Plan] = None) -> wire.Message:
+        """Send ``msg`` (a message, or one encoded before) and the source runs of
+        ``send_plan`` right after it on the request connection, and read the answer, all
+        before ``deadline``.  A timeout or socket error breaks the link (the stream can
+        no longer be trusted)."""
         sock = self._request_sock()
         try:
-            frame = wire.encode(msg)
+            frame = msg if isinstance(msg, bytes) else wire.encode(msg)
             if send_plan is not None:
                 native.sock_send(sock.fileno(), send_plan, native.ms_until(deadline), frame)
             else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 import numpy as np
 import numpy.typing as npt
@@ -33,13 +33,29 @@ from .transports.collective import VIA_COLLECTIVE, CollectiveTransport
 if TYPE_CHECKING:
     from .notes import NoteBox
 
-__all__ = ["RequestHandler", "SERVED", "runs_inside", "runs_inside_any"]
+__all__ = ["RequestHandler", "SERVED", "OK", "runs_inside", "runs_inside_any"]
 
 #: What a linked peer may send on its request stream.
 SERVED = (wire.MsgType.RESOLVE, wire.MsgType.RELEASE_KEY, wire.MsgType.PUSH, wire.MsgType.PULL,
           wire.MsgType.UNLINK, wire.MsgType.NOTIFY, wire.MsgType.NOTE)
 
 _U64 = npt.NDArray[np.uint64]
+
+#: The answer to a request that went through (the agent encodes it once).
+OK = wire.Reply()
+#: Transfer frames remembered once admitted, and the largest remembered (body and arrays).
+_ADMIT_MEMO = 256
+_ADMIT_FRAME = 4096
+
+
+class _Admitted(NamedTuple):
+    """A socket transfer request that passed its checks: the registry epoch it was
+    checked at, the cache, the request and its local plan half."""
+
+    epoch: int
+    rec: Optional[CacheRecord]
+    msg: wire.Push
+    plan: Plan
 _Handler = Callable[[Link, wire.Message, socket.socket], Optional[wire.Message]]
 
 
@@ -53,6 +69,10 @@ class RequestHandler:
         #: The host plan whose bytes follow the current reply (a pull), if any.
         self.payload: Optional[Plan] = None
         self._scope: Optional[contextlib.ExitStack] = None
+        #: The socket transfer the current request was admitted as (set by ``_transfer``).
+        self._admitted: Optional[_Admitted] = None
+        #: Transfer frames admitted before, by their bytes (:meth:`handle_frame`).
+        self._admitted_frames: dict[tuple[type[wire.Message], bytes], _Admitted] = {}
         self._table: dict[type[wire.Message], _Handler] = {
             wire.Resolve: self._resolve, wire.ReleaseKey: self._release_key, wire.Push: self._transfer,
             wire.Pull: self._transfer, wire.Unlink: self._unlink, wire.Notify: self._notify, wire.Note: self._note,
@@ -67,6 +87,32 @@ class RequestHandler:
         if handler is None:
             raise wire.WireError(f"unexpected request {type(msg).__name__}")
         return handler(link, msg, sock)
+
+    def handle_frame(self, link: Link, cls: type[wire.Message], data: bytearray, blen: int, sock: socket.socket,
+                     scope: contextlib.ExitStack) -> Optional[wire.Message]:
+        """:meth:`handle` of a frame as read (:func:`wire.read_frame`).  A socket transfer
+        whose frame is byte for byte one admitted before, while this engine's caches have
+        not changed since (the frame names the registry's epoch it was planned at, and
+        every change of the caches moves it), is served without decoding or checking it
+        again: a repeated small transfer then costs the agent little more than its
+        system calls."""
+        key = None
+        if (cls is wire.Push or cls is wire.Pull) and len(data) <= _ADMIT_FRAME:
+            key = (cls, bytes(data))
+            hit = self._admitted_frames.get(key)
+            if hit is not None and hit.epoch == self.registry.epoch:
+                self.payload, self._scope = None, scope
+                return self._serve_socket(link, hit, sock)
+        msg = wire.decode_frame(cls, data, blen)
+        self._admitted = None
+        reply = self.handle(link, msg, sock, scope)
+        admitted = self._admitted
+        if key is not None and admitted is not None and admitted.msg.cache_id != ANY_CACHE:
+            frames = self._admitted_frames
+            if len(frames) >= _ADMIT_MEMO:
+                frames.pop(next(iter(frames), None), None)
+            frames[key] = admitted
+        return reply
 
     # -- lookups -------------------------------------------------------------------------
     def _resolve(self, link: Link, msg: wire.Message, sock: socket.socket) -> wire.Message:
@@ -109,14 +155,19 @@ class RequestHandler:
                 tcp.drain(sock, msg.nbytes, self.timeout_ms)  # keep the stream in step
             return wire.Reply(status=status, message=why)
         bases, offs, lens = msg.arrays
-        plan = Plan(bases, bases, offs, offs, lens, device, device)
-        if isinstance(msg, wire.Pull):
+        self._admitted = _Admitted(msg.epoch, rec, msg, Plan(bases, bases, offs, offs, lens, device, device))
+        return self._serve_socket(link, self._admitted, sock)
+
+    def _serve_socket(self, link: Link, admitted: _Admitted, sock: socket.socket) -> wire.Message:
+        """Serve a checked transfer whose bytes follow on the stream (push) or the reply
+        (pull)."""
+        if isinstance(admitted.msg, wire.Pull):
             assert self._scope is not None
-            self.payload = tcp.pull_payload(plan, self._scope)
-            return wire.Reply()
-        tcp.serve_push(sock, plan, self.timeout_ms)
-        self._arrived(link, rec, msg)
-        return wire.Reply()
+            self.payload = tcp.pull_payload(admitted.plan, self._scope)
+            return OK
+        tcp.serve_push(sock, admitted.plan, self.timeout_ms)
+        self._arrived(link, admitted.rec, admitted.msg)
+        return OK
 
     def _serve_collective(self, link: Link, msg: wire.Push, sock: socket.socket, status: int,
                           why: str, device: str) -> Optional[wire.Reply]:

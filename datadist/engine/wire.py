@@ -23,7 +23,7 @@ from .codec import HEADER_SIZE, U64, Buffer, FrameFormat, WireError
 
 __all__ = [
     "VERSION", "U64", "MsgType", "Message", "Hello", "HelloAck", "Attach", "Resolve", "Resolved",
-    "ReleaseKey", "Push", "Pull", "Reply", "Unlink", "Notify", "Note", "encode", "read_message", "WireError",
+    "ReleaseKey", "Push", "Pull", "Reply", "Unlink", "Notify", "Note", "encode", "read_message", "read_frame", "WireError",
     "PRE_LINK", "HEADER_SIZE", "parse_header", "decode_frame", "FORMAT",
 ]
 
@@ -253,5 +253,12 @@ def read_message(sock: socket.socket, allowed: Optional[Collection[int]] = None)
     deadline and :class:`WireError` for a foreign, oversized or malformed frame, or one
     whose type is not in ``allowed``.
     """
+    cls, data, blen = read_frame(sock, allowed)
+    return FORMAT.decode_frame(cls, data, blen)
+
+
+def read_frame(sock: socket.socket, allowed: Optional[Collection[int]] = None) -> tuple[type[Message], bytearray, int]:
+    """Read one frame without decoding it: its class, its body and array section (for
+    :func:`decode_frame`) and the body's length; errors as :func:`read_message`."""
     cls, blen, alen = FORMAT.parse_header(_recv_exact(sock, HEADER_SIZE), allowed)
-    return FORMAT.decode_frame(cls, _recv_exact(sock, blen + alen), blen)
+    return cls, _recv_exact(sock, blen + alen), blen

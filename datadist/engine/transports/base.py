@@ -65,8 +65,9 @@ class Channel(Protocol):
     #: The stream this end's requests (and a pull's payload) travel on.
     req_sock: Optional[socket.socket]
 
-    def rpc(self, msg: wire.Message, deadline: float, send_plan: Optional[Plan] = None) -> wire.Message:
-        """Send ``msg`` (then ``send_plan``'s bytes) and read the reply, before ``deadline``."""
+    def rpc(self, msg: wire.Message | bytes, deadline: float, send_plan: Optional[Plan] = None) -> wire.Message:
+        """Send ``msg`` (or its frame, encoded before; then ``send_plan``'s bytes) and read
+        the reply, before ``deadline``."""
 
     def read_reply(self, deadline: float) -> wire.Message:
         """Read one more reply to the request in flight."""

@@ -19,7 +19,7 @@ import socket
 from ..errors import Fault, fail
 from .. import native, wire
 from ..layout import Plan
-from .base import Channel, RemoteCache, Transport, check_reply
+from .base import Channel, RemoteCache, Step, Transport, check_reply
 from .local import host_side
 
 __all__ = ["TcpTransport", "serve_push", "pull_payload", "drain"]
@@ -31,18 +31,36 @@ class TcpTransport(Transport):
     name = "tcp"
 
     def push(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
-        msg = wire.Push(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes,
-                        arrays=[plan.dst_bases, plan.dst_offs, plan.lens])
         with host_side(plan, local_is_src=True) as host_plan:
-            check_reply(link, link.rpc(msg, deadline, send_plan=host_plan))
+            check_reply(link, link.rpc(_push_frame(plan, remote), deadline, send_plan=host_plan))
         return True
 
     def pull(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float) -> None:
-        msg = wire.Pull(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes,
-                        arrays=[plan.src_bases, plan.src_offs, plan.lens])
-        check_reply(link, link.rpc(msg, deadline))
+        check_reply(link, link.rpc(_pull_frame(plan, remote), deadline))
         with host_side(plan, local_is_src=False) as host_plan:
             self._receive(link, host_plan, deadline)
+
+    def prepare(self, link: Channel, plan: Plan, remote: RemoteCache, push: bool) -> Step:
+        """A host plan's request frame is encoded once (the peer's agent, in turn,
+        recognizes a frame it admitted before); device plans stage on every run."""
+        if not plan.on_host:
+            return super().prepare(link, plan, remote, push)
+        if push:
+            frame = _push_frame(plan, remote)
+
+            def push_step(deadline: float) -> bool:
+                check_reply(link, link.rpc(frame, deadline, send_plan=plan))
+                return True
+
+            return push_step
+        frame = _pull_frame(plan, remote)
+
+        def pull_step(deadline: float) -> bool:
+            check_reply(link, link.rpc(frame, deadline))
+            self._receive(link, plan, deadline)
+            return True
+
+        return pull_step
 
     @staticmethod
     def _receive(link: Channel, plan: Plan, deadline: float) -> None:
@@ -59,6 +77,18 @@ class TcpTransport(Transport):
         except OSError as exc:
             link.mark_broken(f"connection failed: {exc}")
             fail(Fault.LINK_FAILED, f"link to cluster {link.remote_cluster_id} is broken: {exc}")
+
+
+def _push_frame(plan: Plan, remote: RemoteCache) -> bytes:
+    """The ``PUSH`` frame of ``plan`` (the peer's half: where the bytes go)."""
+    return wire.encode(wire.Push(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes,
+                                 arrays=[plan.dst_bases, plan.dst_offs, plan.lens]))
+
+
+def _pull_frame(plan: Plan, remote: RemoteCache) -> bytes:
+    """The ``PULL`` frame of ``plan`` (the peer's half: where the bytes come from)."""
+    return wire.encode(wire.Pull(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes,
+                                 arrays=[plan.src_bases, plan.src_offs, plan.lens]))
 
 
 # -- the serve half (the peer's agent thread) ---------------------------------------------
