@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Optional
 
-from ... import BlocksCacheKey, Cache, LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
+from ... import (BlocksCacheKey, Cache, LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode,
+                  TransferHandle)
 from ..paged import PagedLayout, paged_layout
 
 if TYPE_CHECKING:
@@ -98,6 +99,8 @@ class DatadistWorker:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="datadist-vllm-pull")
         self._lock = threading.Lock()
         self._linked: set[int] = set()
+        #: A prepared pull per prefill peer: its blocks cache looked up and checked once.
+        self._pulls: dict[int, TransferHandle] = {}
         self._holding: dict[str, float] = {}     # prefill: request id -> deadline to free its blocks
         self._early: dict[str, float] = {}       # prefill: pulled before we held them -> when told
         self._received: set[str] = set()
@@ -216,8 +219,11 @@ class DatadistWorker:
     def _pull_blocks(self, peer: Endpoint, job: RecvJob) -> None:
         if self._cache is None:
             raise RuntimeError("DatadistConnector worker: no registered KV cache (register_kv_caches not run)")
-        self._engine().cache_manager.pull_blocks(BlocksCacheKey(peer.cluster_id, 0), self._cache,
-                                                 src_blocks=job.remote_blocks, dst_blocks=job.local_blocks)
+        handle = self._pulls.get(peer.cluster_id)
+        if handle is None:
+            handle = self._engine().cache_manager.prepare_pull_blocks(BlocksCacheKey(peer.cluster_id, 0), self._cache)
+            self._pulls[peer.cluster_id] = handle
+        handle.run(job.remote_blocks, job.local_blocks)
 
     def _link(self, peer: Endpoint) -> None:
         if peer.cluster_id in self._linked:
@@ -233,6 +239,7 @@ class DatadistWorker:
     def _forget(self, cluster_id: int) -> None:
         """Drop a link that failed; the next request to that peer links again."""
         self._linked.discard(cluster_id)
+        self._pulls.pop(cluster_id, None)
         if self._datadist is not None:
             try:
                 self._datadist.unlink_clusters([LLMClusterInfo(remote_cluster_id=cluster_id)], timeout=1000,
