@@ -20,6 +20,7 @@ from .engine import cuda, npu
 from .engine.arrivals import ArrivalBoard, Notice
 from .engine.core import Engine
 from .engine.layout import Plan, plan_units
+from .engine.memo import remember
 from .engine.memory import PoolExhausted
 from .engine.registry import Registry
 from ._planning import (Side, cache_ref, blocks_plan, int_arg, layer_range_arg, row_plan, row_size_arg,
@@ -393,9 +394,7 @@ class CacheManager:
                 return known
         handle = TransferHandle(self, push, peer_key, cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
         if ident is not None:
-            if len(handles) >= _HANDLES:
-                handles.pop(next(iter(handles), None), None)
-            handles[ident] = handle
+            remember(handles, ident, handle, _HANDLES)
         return handle
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,

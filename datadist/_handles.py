@@ -26,6 +26,7 @@ from ._planning import (BlockList, Side, block_list_arg, blocks_plan, cache_ref,
 from ._status import LLMStatusCode, api_class, raise_error
 from .engine import native
 from .engine.layout import Plan
+from .engine.memo import remember
 from .engine.transports.base import Prepared, RemoteCache
 
 if TYPE_CHECKING:
@@ -168,10 +169,7 @@ class TransferHandle:
         link = self._live()
         ready = link.transfer(self._ref, functools.partial(self._plan, src_blocks, dst_blocks), self._push, known)
         if key is not None and ready is not known:
-            plans = self._plans
-            if len(plans) >= PLANS_PER_HANDLE:
-                plans.pop(next(iter(plans), None), None)
-            plans[key] = ready
+            remember(self._plans, key, ready, PLANS_PER_HANDLE)
 
     def _live(self) -> Link:
         """The link, after checking that the cache is still the one checked; a link that

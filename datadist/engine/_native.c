@@ -512,22 +512,29 @@ static int64_t dd_sock_plan(int fd, int send, int64_t timeout_ms, size_t nt, con
     return moved;
 }
 
-/* Wait until fd is readable: poll without sleeping for up to spin_us first (a reply on a
+/* dd_spin_readable: poll fd without sleeping for up to spin_us: 1 once readable (or hung
+ * up), 0 if not by then, or -errno.
+ * dd_wait_readable: wait until fd is readable: poll without sleeping for up to spin_us first (a reply on a
  * loopback or fast link usually arrives within tens of microseconds, and a sleeping
  * thread pays a wake-up that costs about as much), then sleep in poll until timeout_ms.
  * Returns 0 when readable (or hung up), -ETIMEDOUT, or -errno. */
-static int64_t dd_wait_readable(int fd, int64_t spin_us, int64_t timeout_ms) {
+static int64_t dd_spin_readable(int fd, int64_t spin_us) {
     struct timespec t0, t;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (;;) {
         struct pollfd pfd = {fd, POLLIN, 0};
         int r = poll(&pfd, 1, 0);
-        if (r > 0) return 0;
+        if (r > 0) return 1;
         if (r < 0 && errno != EINTR) return -errno;
         clock_gettime(CLOCK_MONOTONIC, &t);
         int64_t us = (int64_t)(t.tv_sec - t0.tv_sec) * 1000000 + (t.tv_nsec - t0.tv_nsec) / 1000;
-        if (us >= spin_us) break;
+        if (us >= spin_us) return 0;
     }
+}
+
+static int64_t dd_wait_readable(int fd, int64_t spin_us, int64_t timeout_ms) {
+    int64_t r = dd_spin_readable(fd, spin_us);
+    if (r != 0) return r < 0 ? r : 0;
     return wait_fd(fd, POLLIN, now_ms() + timeout_ms);
 }
 
@@ -821,6 +828,22 @@ static PyObject *py_index_array(PyObject *self, PyObject *const *args, Py_ssize_
     return Py_BuildValue("(NLL)", out, (long long)lo, (long long)hi);
 }
 
+/* spin_readable(fd, spin_us): whether fd becomes readable within spin_us, polling without
+ * sleeping (and without the GIL) meanwhile. */
+static PyObject *py_spin_readable(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "spin_readable(fd, spin_us)"); return NULL; }
+    long fd = PyLong_AsLong(args[0]);
+    long long spin_us = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    int64_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = dd_spin_readable((int)fd, spin_us);
+    Py_END_ALLOW_THREADS
+    if (r < 0) { errno = (int)-r; return PyErr_SetFromErrno(PyExc_OSError); }
+    return PyBool_FromLong((long)r);
+}
+
 /* A list or tuple of exact ints as a tuple (the tuple itself when given one), for use as
  * a dict key: None for any other type, for any entry that is not exactly an int (1.0 and
  * True compare equal to 1 but are not block indices), and for more than ``limit`` entries.
@@ -861,6 +884,8 @@ static PyObject *py_peer_closed(PyObject *self, PyObject *const *args, Py_ssize_
 static PyMethodDef methods[] = {
     {"peer_closed", (PyCFunction)(void (*)(void))py_peer_closed, METH_FASTCALL,
      "peer_closed(fd) -> whether the stream has ended (no wait)"},
+    {"spin_readable", (PyCFunction)(void (*)(void))py_spin_readable, METH_FASTCALL,
+     "spin_readable(fd, spin_us) -> whether fd became readable within spin_us (polled without sleeping)"},
     {"int_tuple", (PyCFunction)(void (*)(void))py_int_tuple, METH_FASTCALL,
      "int_tuple(seq, limit) -> a list or tuple of exact ints as a tuple; None otherwise or if longer than limit"},
     {"index_array", (PyCFunction)(void (*)(void))py_index_array, METH_FASTCALL,

@@ -27,6 +27,9 @@ _Buffer = Buffer | NDArray[Any]
 def peer_closed(fd: int, /) -> bool:
     """Whether the stream on ``fd`` has ended (peer closed or reset); never waits."""
 
+def spin_readable(fd: int, spin_us: int, /) -> bool:
+    """Whether ``fd`` becomes readable within ``spin_us`` (polled without sleeping)."""
+
 def int_tuple(seq: object, limit: int, /) -> tuple[int, ...] | None:
     """A list or tuple of exact ints (at most ``limit``) as a tuple; None otherwise."""
 

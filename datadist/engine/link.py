@@ -9,7 +9,7 @@ marked broken at once, so waiting and later calls fail fast.
 
 Thread rules: public calls hold ``lock`` for the whole transfer (one transfer per link at a
 time; ``unlink`` during a transfer is ``LLM_LINK_BUSY``).  The agent thread touches only
-``serve_sock`` and ``broken``.
+``serve_sock``, ``broken`` and ``served_at``.
 """
 from __future__ import annotations
 
@@ -73,6 +73,7 @@ class Link:
         self._closed = False
         self._close_when_idle = False
         self.closing = False         # set by unlink: the end of the streams is expected
+        self.served_at = 0.0         # agent thread: when it last answered a request of the peer
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -142,7 +143,7 @@ class Link:
         try:
             native.wait_readable(sock.fileno(), native.ms_until(deadline))
             sock.settimeout(max(0.001, deadline - time.monotonic()))
-            return wire.read_message(sock)
+            return wire.read_answer(sock)
         except (OSError, wire.WireError) as exc:  # TimeoutError is an OSError
             self._fail(exc)
 

@@ -33,7 +33,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["ms_until", "peer_closed", "int_tuple", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "sum_blocks", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "COPY_THREADS",
+__all__ = ["ms_until", "peer_closed", "int_tuple", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "sum_blocks", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "spin_readable", "COPY_THREADS",
            "SPIN_US"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
@@ -153,6 +153,12 @@ def wait_readable(fd: int, timeout_ms: int, spin_us: int = SPIN_US) -> None:
         if exc.errno == errno.ETIMEDOUT:
             raise TimeoutError(errno.ETIMEDOUT, f"no reply within {timeout_ms} ms") from None
         raise
+
+
+def spin_readable(fd: int, spin_us: int) -> bool:
+    """Whether ``fd`` becomes readable within ``spin_us``, polling without sleeping (and
+    without the GIL); False at once with ``spin_us`` 0."""
+    return spin_us > 0 and _native.spin_readable(fd, spin_us)
 
 
 def recv_exact(fd: int, buf: _Buffer, timeout_ms: int) -> None:

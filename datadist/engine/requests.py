@@ -25,6 +25,7 @@ from .arrivals import Notice
 from .errors import EngineError, Fault
 from .layout import Plan, tensor_span
 from .link import Link
+from .memo import remember
 from .registry import CacheRecord, Registry
 from .transports import tcp
 from .transports.base import ANY_CACHE, STALE
@@ -41,8 +42,8 @@ SERVED = (wire.MsgType.RESOLVE, wire.MsgType.RELEASE_KEY, wire.MsgType.PUSH, wir
 
 _U64 = npt.NDArray[np.uint64]
 
-#: The answer to a request that went through (the agent encodes it once).
-OK = wire.Reply()
+#: The answer to a request that went through (sent as ``wire.OK_FRAME``).
+OK = wire.OK
 #: Transfer frames remembered once admitted, and the largest remembered (body and arrays).
 _ADMIT_MEMO = 256
 _ADMIT_FRAME = 4096
@@ -108,10 +109,7 @@ class RequestHandler:
         reply = self.handle(link, msg, sock, scope)
         admitted = self._admitted
         if key is not None and admitted is not None and admitted.msg.cache_id != ANY_CACHE:
-            frames = self._admitted_frames
-            if len(frames) >= _ADMIT_MEMO:
-                frames.pop(next(iter(frames), None), None)
-            frames[key] = admitted
+            remember(self._admitted_frames, key, admitted, _ADMIT_MEMO)
         return reply
 
     # -- lookups -------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from .codec import HEADER_SIZE, U64, Buffer, FrameFormat, WireError
 
 __all__ = [
     "VERSION", "U64", "MsgType", "Message", "Hello", "HelloAck", "Attach", "Resolve", "Resolved",
-    "ReleaseKey", "Push", "Pull", "Reply", "Unlink", "Notify", "Note", "encode", "read_message", "read_frame", "WireError",
+    "ReleaseKey", "Push", "Pull", "Reply", "Unlink", "Notify", "Note", "encode", "read_message", "read_frame", "read_answer", "OK", "OK_FRAME", "WireError",
     "PRE_LINK", "HEADER_SIZE", "parse_header", "decode_frame", "FORMAT",
 ]
 
@@ -222,6 +222,12 @@ FORMAT.compile()
 encode = FORMAT.encode
 
 
+#: The answer that says "done", and its frame: the most common frame by far, so it is
+#: encoded once and recognized whole (:func:`read_answer`).
+OK = Reply()
+OK_FRAME = encode(OK)
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     """``n`` bytes from ``sock`` within its timeout.  The C loop polls only when no data is
     waiting; Python's timeout mode would poll before every read (one system call more per
@@ -254,6 +260,23 @@ def read_message(sock: socket.socket, allowed: Optional[Collection[int]] = None)
     whose type is not in ``allowed``.
     """
     cls, data, blen = read_frame(sock, allowed)
+    return FORMAT.decode_frame(cls, data, blen)
+
+
+def read_answer(sock: socket.socket) -> Message:
+    """Read one answer to a request (errors as :func:`read_message`).  No answer frame is
+    shorter than :data:`OK_FRAME`, so that many bytes are read first in one call, and when
+    they are ``OK_FRAME`` the answer is :data:`OK` without decoding; a shorter frame is
+    not an answer (``WireError``), and nothing past the frame is read (a pull's payload
+    follows it)."""
+    head = _recv_exact(sock, len(OK_FRAME))
+    if head == OK_FRAME:
+        return OK
+    cls, blen, alen = FORMAT.parse_header(head[:HEADER_SIZE])
+    rest = HEADER_SIZE + blen + alen - len(head)
+    if rest < 0:
+        raise WireError(f"a {cls.__name__} of {HEADER_SIZE + blen + alen} bytes is no answer")
+    data = head[HEADER_SIZE:] + _recv_exact(sock, rest) if rest else head[HEADER_SIZE:]
     return FORMAT.decode_frame(cls, data, blen)
 
 
