@@ -16,7 +16,6 @@ import queue
 import selectors
 import socket
 import threading
-import time
 from typing import TYPE_CHECKING, Callable, Optional, Union, cast
 
 import numpy as np
@@ -44,6 +43,8 @@ _NO_PAYLOAD = Plan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
 #: How long the agent polls a link for its next request after answering one (half of what
 #: a caller spins for its reply; none on one core, where spinning would starve the peer).
 _SPIN_US = native.SPIN_US // 2
+#: Spins that caught nothing before the agent spins only every ``_PROBE``-th request.
+_MISSES, _PROBE = 4, 8
 
 
 _warned_open = False
@@ -333,19 +334,25 @@ class Agent:
 
     # -- serving --------------------------------------------------------------------------
     def _serve_burst(self, link: Link) -> None:
-        """Serve a request of ``link``; if it came right after the previous answer (within
-        twice :data:`_SPIN_US`: the peer is moving layer after layer, or block after
-        block), also the next ones as long as each arrives within :data:`_SPIN_US`, so
-        that such a peer never waits for this thread to wake from the selector.  Sparse
-        traffic, or a machine too busy to answer quickly, never spins; a spin polls
-        without the GIL, and other links wait at most that long."""
-        busy = time.monotonic() - link.served_at < 2e-6 * _SPIN_US
+        """Serve a request of ``link``, then the next ones as long as each arrives within
+        :data:`_SPIN_US` of the previous answer: a peer moving layer after layer (or block
+        after block) then never waits for this thread to wake from the selector, which
+        costs more than the spin on a busy or virtual machine.  Adaptive: after
+        :data:`_MISSES` spins in a row that caught nothing (sparse traffic, or a machine
+        too busy to answer quickly) only every :data:`_PROBE`-th request spins, until one
+        catches a request again.  A spin polls without the GIL; other links wait at most
+        that long."""
         self._serve(link)
+        link.spin_turn += 1
+        if link.spin_misses >= _MISSES and link.spin_turn % _PROBE:
+            return
         sock = link.serve_sock
-        while busy and not self._stop and link.broken is None and sock is not None and sock.fileno() >= 0 \
-                and native.spin_readable(sock.fileno(), _SPIN_US):
+        while not self._stop and link.broken is None and sock is not None and sock.fileno() >= 0:
+            if not native.spin_readable(sock.fileno(), _SPIN_US):
+                link.spin_misses += 1
+                return
+            link.spin_misses = 0
             self._serve(link)
-        link.served_at = time.monotonic()
 
     def _serve(self, link: Link) -> None:
         sock = link.serve_sock

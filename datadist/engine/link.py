@@ -9,7 +9,7 @@ marked broken at once, so waiting and later calls fail fast.
 
 Thread rules: public calls hold ``lock`` for the whole transfer (one transfer per link at a
 time; ``unlink`` during a transfer is ``LLM_LINK_BUSY``).  The agent thread touches only
-``serve_sock``, ``broken`` and ``served_at``.
+``serve_sock``, ``broken`` and the ``spin_*`` counters.
 """
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ class Link:
         self._closed = False
         self._close_when_idle = False
         self.closing = False         # set by unlink: the end of the streams is expected
-        self.served_at = 0.0         # agent thread: when it last answered a request of the peer
+        self.spin_turn = 0           # agent thread: requests served, and spins in a row that
+        self.spin_misses = 0         # caught no next request (``Agent._serve_burst``)
 
     # -- state ---------------------------------------------------------------------------
     @property

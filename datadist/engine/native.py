@@ -41,7 +41,7 @@ COPY_THREADS = max(1, min(4, int(os.environ.get("DATADIST_COPY_THREADS", os.cpu_
 
 #: How long a caller waiting for a reply polls before sleeping (microseconds).  Spinning
 #: only pays when another core can run the peer meanwhile, so it is off on one core.
-SPIN_US = int(os.environ.get("DATADIST_SPIN_US", 100 if (os.cpu_count() or 1) > 1 else 0))
+SPIN_US = int(os.environ.get("DATADIST_SPIN_US", 200 if (os.cpu_count() or 1) > 1 else 0))
 
 
 def ms_until(deadline: float) -> int:
