@@ -18,7 +18,7 @@ peer refuses a stale request, which is then looked up and planned again).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Hashable, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Hashable, Optional, Sequence, Tuple, Union
 
 from ._objects import BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex
 from ._planning import (BlockList, Side, block_list_arg, blocks_plan, cache_ref, check_nonempty,
@@ -34,10 +34,12 @@ if TYPE_CHECKING:
     from .engine.link import Link
     from .engine.registry import CacheRecord, Registry
 
-__all__ = ["TransferHandle", "call_ident", "PLANS_PER_HANDLE"]
+__all__ = ["TransferHandle", "call_ident", "PLANS_PER_HANDLE", "MAX_BATCH"]
 
 #: Block lists whose plans a handle remembers (the most recent ones).
 PLANS_PER_HANDLE = 32
+#: Most block-list pairs one ``run_batch`` takes (their answers must fit the socket's buffers).
+MAX_BATCH = 256
 #: Longest block list whose plan is remembered (the key holds the list).
 _MEMO_BLOCKS = 1024
 
@@ -146,6 +148,36 @@ class TransferHandle:
             raise TypeError("run() takes both src_blocks and dst_blocks, or neither")
         self._run(src_blocks, dst_blocks)
 
+    def run_batch(self, block_lists: Sequence[Tuple[BlockList, BlockList]]) -> None:
+        """``run(src_blocks, dst_blocks)`` for each pair of ``block_lists`` (at most
+        :data:`MAX_BATCH`), in one go: over a socket link the pushes go out back to back
+        and their answers are read after, one round trip for the batch; other links and
+        pulls move them in turn.  Every pair is checked first, and nothing moves if one is
+        wrong; a failure while moving is raised after the batch (pairs before it have
+        moved)."""
+        if not isinstance(block_lists, (list, tuple)):
+            raise TypeError(f"block_lists must be a list of (src_blocks, dst_blocks) pairs, "
+                            f"got {type(block_lists).__name__}")
+        if not 0 < len(block_lists) <= MAX_BATCH:
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                        f"block_lists has {len(block_lists)} pairs; give 1 to {MAX_BATCH}")
+        keys: list[Optional[Hashable]] = []
+        known: list[Optional[Prepared]] = []
+        for i, pair in enumerate(block_lists):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise TypeError(f"block_lists[{i}] must be a (src_blocks, dst_blocks) pair")
+            key = self._key(*pair)
+            hit = self._plans.get(key) if key is not None else None
+            if hit is None:
+                self._check_blocks(*pair)
+            keys.append(key)
+            known.append(hit)
+        link = self._live()
+        planners = [functools.partial(self._plan, sb, db) for sb, db in block_lists]
+        for key, hint, ready in zip(keys, known, link.transfer_batch(self._ref, planners, self._push, known)):
+            if key is not None and ready is not hint:
+                remember(self._plans, key, ready, PLANS_PER_HANDLE)
+
     @property
     def is_push(self) -> bool:
         return self._push
@@ -161,8 +193,7 @@ class TransferHandle:
     # -- the call --------------------------------------------------------------------------
     def _run(self, src_blocks: BlockList, dst_blocks: BlockList) -> None:
         """``run`` with block lists, for the public calls (no API wrapper of its own)."""
-        sb, db = _blocks_ident(src_blocks), _blocks_ident(dst_blocks)
-        key = (sb, db) if sb is not None and db is not None else None
+        key = self._key(src_blocks, dst_blocks)
         known = self._plans.get(key) if key is not None else None
         if known is None:
             self._check_blocks(src_blocks, dst_blocks)
@@ -170,6 +201,12 @@ class TransferHandle:
         ready = link.transfer(self._ref, functools.partial(self._plan, src_blocks, dst_blocks), self._push, known)
         if key is not None and ready is not known:
             remember(self._plans, key, ready, PLANS_PER_HANDLE)
+
+    @staticmethod
+    def _key(src_blocks: object, dst_blocks: object) -> Optional[Hashable]:
+        """The two block lists as a key of the plans remembered (None: not kept)."""
+        sb, db = _blocks_ident(src_blocks), _blocks_ident(dst_blocks)
+        return (sb, db) if sb is not None and db is not None else None
 
     def _live(self) -> Link:
         """The link, after checking that the cache is still the one checked; a link that

@@ -18,7 +18,7 @@ import logging
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, NoReturn, Optional, Union
+from typing import TYPE_CHECKING, Callable, NoReturn, Optional, Sequence, Union
 
 from .errors import EngineError, Fault, fail
 from .transports.base import ANY_CACHE, Prepared, RemoteCache, StaleLookup, Transport
@@ -37,6 +37,14 @@ log = logging.getLogger("datadist")
 
 # Errors that a stale cached lookup can cause; they are retried once with a fresh lookup.
 _RETRYABLE = (Fault.PARAM_INVALID, Fault.CACHE_NOT_FOUND)
+
+
+def _retry(outcome: bool | Exception, from_cache: bool) -> bool:
+    """Whether a batched step's failure is worth one more try on its own: the peer's
+    caches changed since the lookup it was planned on, or may have (an error that a
+    cached lookup can cause)."""
+    return isinstance(outcome, StaleLookup) or (
+        from_cache and isinstance(outcome, EngineError) and outcome.fault in _RETRYABLE)
 
 
 class Link:
@@ -126,6 +134,11 @@ class Link:
         ``send_plan`` right after it on the request connection, and read the answer, all
         before ``deadline``.  A timeout or socket error breaks the link (the stream can
         no longer be trusted)."""
+        self.send_request(msg, deadline, send_plan)
+        return self.read_reply(deadline)
+
+    def send_request(self, msg: Union[wire.Message, bytes], deadline: float, send_plan: Optional[Plan] = None) -> None:
+        """The sending half of :meth:`rpc`."""
         sock = self._request_sock()
         try:
             frame = msg if isinstance(msg, bytes) else wire.encode(msg)
@@ -136,7 +149,6 @@ class Link:
                 sock.sendall(frame)
         except (OSError, wire.WireError) as exc:  # TimeoutError is an OSError
             self._fail(exc)
-        return self.read_reply(deadline)
 
     def read_reply(self, deadline: float) -> wire.Message:
         """Read the next frame from the request connection before ``deadline``."""
@@ -222,6 +234,58 @@ class Link:
             if self._close_when_idle:
                 self.retire(self.broken or "peer gone")
 
+    def transfer_batch(self, key: Union[CacheRef, RemoteCache], planners: Sequence[Callable[[RemoteCache], Plan]],
+                       push: bool, known: Sequence[Optional[Prepared]]) -> list[Prepared]:
+        """:meth:`transfer` of several plans against one peer cache in one go (over a
+        socket, pushes pipeline: one round trip for all); ``known[i]`` as ``known`` of
+        :meth:`transfer`.  A plan refused as stale, or planned from a cached lookup the
+        peer no longer agrees with, is done again on its own; the first other error is
+        raised once the batch is through (the other plans have moved).  Every plan is made
+        before any moves, so a planner's refusal moves nothing."""
+        deadline = time.monotonic() + self.timeout_ms / 1000.0
+        self._acquire(deadline)
+        try:
+            self.check_alive()
+            ready = [self._reuse_or_plan(key, planner, push, deadline, hint) for planner, hint in zip(planners, known)]
+            outcomes = self._bound().run_batch(self, [r.step for r, _ in ready], deadline)
+            done: list[Prepared] = []
+            first_error: Optional[EngineError] = None
+            for planner, (r, from_cache), outcome in zip(planners, ready, outcomes):
+                if _retry(outcome, from_cache):
+                    done.append(self._transfer_locked(key, planner, push, deadline, None))
+                    continue
+                error = self._settle(r, outcome, push)
+                if error is None:
+                    done.append(r)
+                first_error = first_error or error
+            if first_error is not None:
+                raise first_error
+            return done
+        finally:
+            self.lock.release()
+            if self._close_when_idle:
+                self.retire(self.broken or "peer gone")
+
+    def _reuse_or_plan(self, key: Union[CacheRef, RemoteCache], planner: Callable[[RemoteCache], Plan], push: bool,
+                       deadline: float, hint: Optional[Prepared]) -> tuple[Prepared, bool]:
+        """``hint`` while the peer's cache is as it was planned against, else a new plan;
+        with whether it rests on a cached lookup.  A planner that refuses a cached lookup
+        is asked again with a fresh one, and what it refuses then is raised, before
+        anything of the batch moves."""
+        if hint is not None and self._current(hint.remote):
+            return hint, True
+        got = self._plan(key, planner, push, deadline, True) or self._plan(key, planner, push, deadline, False)
+        assert got is not None  # a fresh lookup's refusal raises
+        return got
+
+    def _settle(self, ready: Prepared, outcome: bool | Exception, push: bool) -> Optional[EngineError]:
+        """Tell the receiver of a one-sided push into a watched cache how it went; the
+        error of a failed step (None if it went through)."""
+        error = outcome if isinstance(outcome, EngineError) else None
+        if push and ready.remote.watched and (error is not None or not outcome):
+            self._notify(ready.remote, ready.plan, error.fault if error else Fault.OK, str(error or ""))
+        return error
+
     def prepare(self, key: Union[CacheRef, RemoteCache], planner: Callable[[RemoteCache], Plan],
                 push: bool) -> Prepared:
         """Look ``key`` up and plan against it, moving nothing (errors as :meth:`transfer`
@@ -250,11 +314,15 @@ class Link:
             return True
         return self._epoch_now() == remote.epoch
 
-    def _bind(self, remote: RemoteCache, plan: Plan, push: bool) -> Prepared:
+    def _bound(self) -> Transport:
+        """The link's transport (a collective link gets one once its process group exists)."""
         transport = self.transport
         if transport is None:
             fail(Fault.NOT_LINKED, f"link to cluster {self.remote_cluster_id} has no transport yet")
-        return Prepared(remote, plan, transport.prepare(self, plan, remote, push))
+        return transport
+
+    def _bind(self, remote: RemoteCache, plan: Plan, push: bool) -> Prepared:
+        return Prepared(remote, plan, self._bound().prepare(self, plan, remote, push))
 
     def _plan(self, key: Union[CacheRef, RemoteCache], planner: Callable[[RemoteCache], Plan], push: bool,
               deadline: float, cached: bool) -> Optional[tuple[Prepared, bool]]:

@@ -29,6 +29,7 @@ class FakeChannel:
         self.sent: List[Tuple[wire.Message, Optional[Plan]]] = []
         self.broken: Optional[str] = None
         self.peer_alive = peer_alive
+        self.pending: Deque[wire.Message] = deque()  # answers to requests sent, not yet read
 
     def _next(self, msg: wire.Message, plan: Optional[Plan]) -> wire.Message:
         if not self.answers:
@@ -43,7 +44,12 @@ class FakeChannel:
         self.sent.append((msg, send_plan))
         return self._next(msg, send_plan)
 
+    def send_request(self, msg: wire.Message | bytes, deadline: float, send_plan: Optional[Plan] = None) -> None:
+        self.pending.append(self.rpc(msg, deadline, send_plan))
+
     def read_reply(self, deadline: float) -> wire.Message:
+        if self.pending:
+            return self.pending.popleft()
         return self._next(wire.Reply(), None)
 
     def mark_broken(self, reason: str) -> None:

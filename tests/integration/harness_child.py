@@ -333,6 +333,10 @@ class _Child:
         """``run(*args)`` of the handle kept as ``name``."""
         self.handles[name].run(*self._resolve(args))
 
+    def op_run_batch(self, name: str, pairs: Sequence[Tuple[List[int], List[int]]]) -> None:
+        """``run_batch(pairs)`` of the handle kept as ``name``."""
+        self.handles[name].run_batch([tuple(p) for p in pairs])
+
     def op_transfer_async(self, name: str, src: str, configs: Sequence[Key], *, gate: bool = True,
                           **kwargs: Any) -> None:
         """``transfer_cache_async`` of cache ``src`` with a fresh :class:`_Gate` (``gate=False``:

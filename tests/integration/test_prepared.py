@@ -139,3 +139,43 @@ def test_a_handle_follows_the_link_down_and_up_again(pair: Pair) -> None:
     pair.prompt.cm("push_blocks", blocks_key(DECODER_ID, 3), Ref("src"), [3], [4])
     want = expect_blocks(dst, src, [3, 5], [4, 6], BLOCKS.row_bytes)
     np.testing.assert_array_equal(pair.decoder.read("dst"), want)
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_a_batch_moves_every_pair(pair: Pair, direction: str) -> None:
+    src, dst, _ = _caches(pair, 17, 18)
+    pairs = [([0], [7]), ([1, 2], [5, 6]), ([3], [0]), ([0], [7])]
+    if direction == "push":
+        pair.prompt.call("prepare", "h", "prepare_push_blocks", [blocks_key(DECODER_ID, 3), Ref("src")], {})
+        for _ in range(2):  # the second time from the plans kept
+            pair.prompt.call("run_batch", "h", pairs)
+    else:
+        pair.decoder.call("prepare", "h", "prepare_pull_blocks", [blocks_key(PROMPT_ID, 3), Ref("dst")], {})
+        pair.decoder.call("run_batch", "h", pairs)
+    want = expect_blocks(dst, src, [0, 1, 2, 3], [7, 5, 6, 0], BLOCKS.row_bytes)
+    np.testing.assert_array_equal(pair.decoder.read("dst"), want)
+
+
+def test_a_batch_checks_every_pair_before_moving_any(pair: Pair) -> None:
+    _caches(pair, 19, 20)
+    before = pair.decoder.read("dst")
+    pair.prompt.call("prepare", "h", "prepare_push_blocks", [blocks_key(DECODER_ID, 3), Ref("src")], {})
+    with expect_llm(S.LLM_PARAM_INVALID):
+        pair.prompt.call("run_batch", "h", [([0], [1]), ([1], [8])])  # block 8 is outside the 8 blocks
+    with expect_llm(S.LLM_PARAM_INVALID):
+        pair.prompt.call("run_batch", "h", [])
+    with expect_exc("TypeError"):
+        pair.prompt.call("run_batch", "h", [([0], [1], [2])])
+    np.testing.assert_array_equal(pair.decoder.read("dst"), before)
+
+
+def test_a_batch_after_the_peer_replaced_its_cache_writes_the_new_one(pair: Pair) -> None:
+    src, _, _ = _caches(pair, 21, 22)
+    pair.prompt.call("prepare", "h", "prepare_push_blocks", [blocks_key(DECODER_ID, 3), Ref("src")], {})
+    pairs = [([4], [1]), ([5], [2])]
+    pair.prompt.call("run_batch", "h", pairs)
+    pair.decoder.call("free", "dst")
+    pair.decoder.alloc("dst", BLOCKS, blocks=True, bkey=blocks_key(DECODER_ID, 3))
+    dst = pair.decoder.fill("dst", BLOCKS, 23)
+    pair.prompt.call("run_batch", "h", pairs)
+    np.testing.assert_array_equal(pair.decoder.read("dst"), expect_blocks(dst, src, [4, 5], [1, 2], BLOCKS.row_bytes))

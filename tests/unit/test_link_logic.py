@@ -112,3 +112,39 @@ def test_an_unexpected_frame_breaks_the_channel() -> None:
     with pytest.raises(EngineError) as caught:
         TcpTransport().push(channel, plan, remote, deadline=1e18)
     assert caught.value.fault == Fault.LINK_FAILED and channel.broken == "unexpected Resolved frame"
+
+
+def test_tcp_pushes_in_a_batch_go_out_before_any_answer_is_read() -> None:
+    src = np.arange(4 * BLOCK, dtype=np.uint8)
+    remote = RemoteCache(cache_id=5, row=0, num_tensors=1, tensor_size=4 * BLOCK, batch_size=4, is_blocks=True,
+                         dtype="", addrs=np.array([0x7000_0000], np.uint64), epoch=9)
+    plans = [plan_units([src.ctypes.data], [b * BLOCK], [0x7000_0000], [b * BLOCK], BLOCK) for b in range(3)]
+    channel = FakeChannel(answers=(wire.Reply(), wire.Reply(status=STALE, message="caches changed"),
+                                   wire.Reply(status=int(Fault.PARAM_INVALID), message="outside cache 5")))
+    events: list[str] = []
+    send, read = channel.send_request, channel.read_reply
+    channel.send_request = lambda *a, **k: (events.append("send"), send(*a, **k))[1]  # type: ignore[method-assign]
+    channel.read_reply = lambda *a, **k: (events.append("read"), read(*a, **k))[1]  # type: ignore[method-assign]
+    transport = TcpTransport()
+    steps = [transport.prepare(channel, plan, remote, push=True) for plan in plans]
+    outcomes = transport.run_batch(channel, steps, deadline=1e18)
+    assert events == ["send"] * 3 + ["read"] * 3
+    assert outcomes[0] is True and isinstance(outcomes[1], StaleLookup)
+    assert isinstance(outcomes[2], EngineError) and outcomes[2].fault == Fault.PARAM_INVALID
+    assert [m.arrays[1].tolist() for m, _ in channel.sent] == [[0], [BLOCK], [2 * BLOCK]]
+
+
+def test_a_batch_redoes_a_stale_plan_alone_and_raises_the_first_other_error_last() -> None:
+    src = np.arange(4 * BLOCK, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    # Step outcomes in order: ok, stale (redone alone: ok), param invalid, ok.
+    transport = FakeTransport(failures=(None, StaleLookup("changed"), EngineError(Fault.PARAM_INVALID, "no"), None,
+                                        None))
+    link = _link(transport)
+    with pytest.raises(EngineError) as caught:
+        link.transfer_batch(_remote(dst), [_planner(src, [b]) for b in range(4)], True, [None] * 4)
+    assert caught.value.fault == Fault.PARAM_INVALID
+    assert dst[:2 * BLOCK].tolist() == src[:2 * BLOCK].tolist() and dst[3 * BLOCK:].tolist() == src[3 * BLOCK:].tolist()
+    assert not dst[2 * BLOCK:3 * BLOCK].any()
+    link.transfer(_remote(dst), _planner(src, [2]), push=True)  # the lock was released
+    assert dst.tolist() == src.tolist()

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn, Optional, Protocol
 
 import numpy as np
 
-from ..errors import Fault, fail
+from ..errors import EngineError, Fault, fail
 from .. import wire
 from ..layout import Plan
 
@@ -68,6 +68,10 @@ class Channel(Protocol):
     def rpc(self, msg: wire.Message | bytes, deadline: float, send_plan: Optional[Plan] = None) -> wire.Message:
         """Send ``msg`` (or its frame, encoded before; then ``send_plan``'s bytes) and read
         the reply, before ``deadline``."""
+
+    def send_request(self, msg: wire.Message | bytes, deadline: float, send_plan: Optional[Plan] = None) -> None:
+        """The first half of :meth:`rpc`: send without reading the reply (pipelined
+        requests read their replies in order afterwards, with :meth:`read_reply`)."""
 
     def read_reply(self, deadline: float) -> wire.Message:
         """Read one more reply to the request in flight."""
@@ -156,6 +160,19 @@ class Transport(abc.ABC):
             return True
 
         return pull
+
+    def run_batch(self, link: Channel, steps: list[Step], deadline: float) -> list[bool | Exception]:
+        """Run prepared steps of one link, in order: for each, what it returned or the
+        :class:`StaleLookup` / :class:`~datadist.engine.errors.EngineError` it raised
+        (any other exception propagates).  Transports that can pipeline requests send
+        them back to back and read the answers after."""
+        outcomes: list[bool | Exception] = []
+        for step in steps:
+            try:
+                outcomes.append(step(deadline))
+            except (StaleLookup, EngineError) as exc:
+                outcomes.append(exc)
+        return outcomes
 
     def close(self) -> None:
         """Release what the transport holds (mappings); idempotent."""
