@@ -417,10 +417,16 @@ class _Route:
             return False
         return True
 
-    def send(self, src: _Source, layer: int) -> None:
-        """Send source layer ``layer`` to this config's destination (raises on failure)."""
-        target, planner = self._layer(src, layer)
-        self.link.transfer(target, planner, True, self._prepared.pop(layer, None))
+    def send(self, src: _Source, layers: List[int]) -> None:
+        """Send source ``layers`` to this config's destination (raises on failure): several
+        layers to one peer cache go as one batch (over a socket, one round trip)."""
+        if len(layers) > 1 and isinstance(self.target, CacheRef):
+            self.link.transfer_batch(self.target, [self._layer(src, layer)[1] for layer in layers], True,
+                                     [self._prepared.pop(layer, None) for layer in layers])
+            return
+        for layer in layers:
+            target, planner = self._layer(src, layer)
+            self.link.transfer(target, planner, True, self._prepared.pop(layer, None))
 
 
 # ------------------------------------------------------------------------ the task
@@ -500,10 +506,16 @@ class _Task:
         # sync_kv_timeout and always ends with None.
         try:
             while (item := self._next(inbox, routes)) is not None:
-                layer, verdict = item
+                items, more = [item], True
+                while more and not inbox.empty():  # layers computed while the last ones were sent
+                    nxt = inbox.get()
+                    more = nxt is not None
+                    if nxt is not None:
+                        items.append(nxt)
                 for r in routes:
-                    if layer in r.layers and not r.result.done():
-                        self._send_layer(r, layer, verdict)
+                    self._send_layers(r, items)
+                if not more:
+                    return
         finally:
             for r in routes:
                 if not r.result.done():  # the task was cut short before this config's last layer
@@ -516,18 +528,28 @@ class _Task:
             pass
         return inbox.get()
 
-    def _send_layer(self, route: _Route, layer: int, verdict: LLMStatusCode) -> None:
-        if verdict == _S.LLM_SUCCESS:
+    def _send_layers(self, route: _Route, items: List[Tuple[int, LLMStatusCode]]) -> None:
+        """Send ``route`` its layers among ``items`` (layers and verdicts, in order): the
+        computed ones up to the first that is not, in one batch; then that verdict ends
+        the route."""
+        mine = [(layer, verdict) for layer, verdict in items if layer in route.layers]
+        if not mine or route.result.done():
+            return
+        ok = [layer for layer, verdict in mine if verdict == _S.LLM_SUCCESS]
+        verdict = next((v for _, v in mine if v != _S.LLM_SUCCESS), _S.LLM_SUCCESS)
+        if verdict != _S.LLM_SUCCESS:
+            ok = ok[:[v for _, v in mine].index(verdict)]
+        if ok:
             try:
                 self._check_src()
-                route.send(self._src, layer)
+                route.send(self._src, ok)
             except Exception as exc:  # this config fails; the others go on
                 verdict = status_of(exc)
-                log.warning("transfer_cache_async: transfer_configs[%d] failed at layer %d: %s",
-                            route.index, layer, exc)
+                log.warning("transfer_cache_async: transfer_configs[%d] failed at layers %s: %s",
+                            route.index, ok, exc)
         if verdict != _S.LLM_SUCCESS:
             route.result.set_result(verdict)
-        elif layer == route.layers[-1]:
+        elif mine[-1][0] == route.layers[-1]:
             route.result.set_result(_S.LLM_SUCCESS)
 
 
