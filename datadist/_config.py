@@ -29,7 +29,8 @@ from ._option_keys import (DEFAULT_LINK_RETRY_COUNT, DEFAULT_LINK_TOTAL_TIME_S, 
                            OPTION_LISTEN_IP_INFO, OPTION_LOCAL_COMM_RES, OPTION_MEMORY_UTILIZATION,
                            OPTION_MEM_POOL_CONFIG, OPTION_OUTPUT_MAX_SIZE, OPTION_RDMA_SERVICE_LEVEL,
                            OPTION_RDMA_TRAFFIC_CLASS, OPTION_SESSION_DEVICE_ID, OPTION_SYNC_KV_TIMEOUT,
-                           OPTION_TRANSFER_BACKEND, TRANSFER_BACKENDS, TRANSFER_BACKEND_ALIASES)
+                           OPTION_TLS_CA_FILE, OPTION_TLS_CERT_FILE, OPTION_TLS_KEY_FILE, OPTION_TRANSFER_BACKEND,
+                           TRANSFER_BACKENDS, TRANSFER_BACKEND_ALIASES)
 from ._options import (EngineOptions, KNOWN_OPTION_KEYS, PoolConfig, parse_listen_ip_info, parse_options)
 
 __all__ = [
@@ -62,6 +63,9 @@ __all__ = [
     "OPTION_LINK_SECRET",
     "OPTION_LINK_SECRET_FILE",
     "ENV_LINK_SECRET",
+    "OPTION_TLS_CERT_FILE",
+    "OPTION_TLS_KEY_FILE",
+    "OPTION_TLS_CA_FILE",
 ]
 
 _log = logging.getLogger(__name__)
@@ -191,12 +195,18 @@ class LLMConfig:
                           doc="Shared secret: links are mutually authenticated (never shown in repr)")
     link_secret_file = _Option(OPTION_LINK_SECRET_FILE, str, default="", empty_is_unset=True,
                                doc="File holding the link secret (used when link_secret is unset)")
+    tls_cert_file = _Option(OPTION_TLS_CERT_FILE, str, default="", empty_is_unset=True,
+                            doc="PEM certificate this engine presents on TLS links (with tls_key_file, tls_ca_file)")
+    tls_key_file = _Option(OPTION_TLS_KEY_FILE, str, default="", empty_is_unset=True,
+                           doc="PEM private key of tls_cert_file (unencrypted; its contents are never shown)")
+    tls_ca_file = _Option(OPTION_TLS_CA_FILE, str, default="", empty_is_unset=True,
+                          doc="PEM CA certificate(s) that a peer's certificate must chain to (the trust anchor)")
 
     _OPTIONS = (device_id, sync_kv_timeout, listen_ip_info, enable_cache_manager, enable_remote_cache_accessible,
                 mem_pool_cfg, host_mem_pool_cfg, link_total_time, link_retry_count, local_comm_res,
                 rdma_traffic_class, rdma_service_level, transfer_backend, device_type, deploy_res_path,
                 cluster_info, output_max_size, enable_switch_role, mem_utilization, buf_pool_cfg,
-                global_resource_config, link_secret, link_secret_file)
+                global_resource_config, link_secret, link_secret_file, tls_cert_file, tls_key_file, tls_ca_file)
 
     def __init__(self) -> None:
         self._ge_options: Dict[str, str] = {}

@@ -28,10 +28,12 @@ from ._option_keys import (Bad, CANN_INTERNAL_KEYS, DEFAULT_LINK_RETRY_COUNT, DE
                            OPTION_LISTEN_IP_INFO, OPTION_LOCAL_COMM_RES, OPTION_MEMORY_UTILIZATION,
                            OPTION_MEM_POOL_CONFIG, OPTION_OUTPUT_MAX_SIZE, OPTION_RDMA_SERVICE_LEVEL,
                            OPTION_RDMA_TRAFFIC_CLASS, OPTION_SESSION_DEVICE_ID, OPTION_SYNC_KV_TIMEOUT,
-                           OPTION_TRANSFER_BACKEND, PAGE_SHIFT_RANGE, PROPERTY_OF_KEY, RDMA_SERVICE_LEVEL_MAX,
-                           TRANSFER_BACKENDS, TRANSFER_BACKEND_ALIASES, UINT32_MAX, describe_key)
+                           OPTION_TLS_CA_FILE, OPTION_TLS_CERT_FILE, OPTION_TLS_KEY_FILE, OPTION_TRANSFER_BACKEND,
+                           PAGE_SHIFT_RANGE, PROPERTY_OF_KEY, RDMA_SERVICE_LEVEL_MAX, TLS_OPTIONS, TRANSFER_BACKENDS,
+                           TRANSFER_BACKEND_ALIASES, UINT32_MAX, describe_key)
 from ._status import ParamInvalidError
 from .engine.auth import Secret, load_secret
+from .engine.tls import TlsConfig, TlsFileError
 
 __all__ = ["PoolConfig", "EngineOptions", "parse_options", "parse_listen_ip_info", "KNOWN_OPTION_KEYS"]
 
@@ -94,6 +96,11 @@ class EngineOptions:
         link_secret: the shared secret that turns on mutual authentication of links
             (``datadist.LinkSecret``, else the file ``datadist.LinkSecretFile``, else the
             environment ``DATADIST_LINK_SECRET``); None: links are not authenticated.
+        tls: mutual TLS on every link connection (``datadist.TlsCertFile``,
+            ``datadist.TlsKeyFile``, ``datadist.TlsCaFile``: all three or none; else the
+            environment ``DATADIST_TLS_CERT_FILE``, ``..._KEY_FILE``, ``..._CA_FILE``);
+            None: links are plain TCP.  Not with a collective ``transfer_backend``, whose
+            payloads would bypass it.
 
     Constructing one directly validates it the same way (``__post_init__``).
     """
@@ -114,6 +121,7 @@ class EngineOptions:
     rdma_traffic_class: Optional[int] = None
     rdma_service_level: Optional[int] = None
     link_secret: Optional[Secret] = None
+    tls: Optional[TlsConfig] = None
 
     def __post_init__(self) -> None:
         self._check_int("device_id", 0, INT32_MAX)
@@ -151,6 +159,12 @@ class EngineOptions:
             self._check_int("rdma_service_level", 0, RDMA_SERVICE_LEVEL_MAX)
         if self.link_secret is not None:
             self._check_type("link_secret", Secret)
+        if self.tls is not None:
+            self._check_type("tls", TlsConfig)
+            if self.transfer_backend in ("gloo", "nccl", "hccl"):
+                self._bad("transfer_backend", f"a collective backend moves payloads through torch.distributed, "
+                                              f"outside TLS ({OPTION_TLS_CERT_FILE}, {OPTION_TLS_KEY_FILE}, "
+                                              f"{OPTION_TLS_CA_FILE} are set): use auto, shm or tcp with TLS")
 
     # -- derived views
 
@@ -368,6 +382,12 @@ def _secret_text(raw: Any) -> str:
     return raw
 
 
+def _path_text(raw: Any) -> str:
+    if not isinstance(raw, str) or not raw:
+        raise Bad("expected a non-empty string (a file path)")
+    return raw
+
+
 def _checked(convert: Callable[[Any], Any]) -> Callable[[Any], Dict[str, Any]]:
     """Parser of an option that is validated but sets nothing (no effect in this library)."""
     def parse(raw: Any) -> Dict[str, Any]:
@@ -401,6 +421,9 @@ _PARSERS: Dict[str, Callable[[Any], Dict[str, Any]]] = {
     OPTION_DEVICE_TYPE: _fields("device_type", convert=_to_choice(DEVICE_TYPES)),
     OPTION_LINK_SECRET: _checked(_secret_text),       # resolved with the file and the environment
     OPTION_LINK_SECRET_FILE: _checked(_secret_text),  # in parse_options, first set wins
+    OPTION_TLS_CERT_FILE: _checked(_path_text),       # the three together, in parse_options
+    OPTION_TLS_KEY_FILE: _checked(_path_text),
+    OPTION_TLS_CA_FILE: _checked(_path_text),
     OPTION_SESSION_DEVICE_ID: _checked(_to_int),
     OPTION_DEPLOY_RES_PATH: _checked(_to_text),
     OPTION_CLUSTER_INFO: _checked(_to_json_text),
@@ -434,6 +457,27 @@ def _link_secret(options: Mapping[str, Any]) -> Optional[Secret]:
         return load_secret(options.get(OPTION_LINK_SECRET), options.get(OPTION_LINK_SECRET_FILE), ENV_LINK_SECRET)
     except ValueError as exc:  # names the file, never its contents
         raise ParamInvalidError(f"{describe_key(OPTION_LINK_SECRET_FILE)} is invalid: {exc}") from None
+
+
+def _tls(options: Mapping[str, Any]) -> Optional[TlsConfig]:
+    """TLS from the three file options (all or none), else from the three environment
+    variables (all or none); None when neither gives any.  An incomplete set or an
+    unusable file is a ParamInvalidError naming the option (or variable) and the path,
+    never a file's contents."""
+    from_options = any(options.get(key) for key, _, _ in TLS_OPTIONS)
+    named = [(describe_key(key), options.get(key)) if from_options else
+             (f"environment variable {env}", os.environ.get(env) or None) for key, env, _ in TLS_OPTIONS]
+    if not any(path for _, path in named):
+        return None
+    missing = [name for name, path in named if not path]
+    if missing:
+        raise ParamInvalidError(f"TLS needs a certificate, its key and a CA file: {', '.join(missing)} "
+                                f"{'is' if len(missing) == 1 else 'are'} not set (set all three, or none)")
+    try:
+        return TlsConfig(*(str(path) for _, path in named))
+    except TlsFileError as exc:
+        name = next(n for (n, _), (_, _, role) in zip(named, TLS_OPTIONS) if role == exc.role)
+        raise ParamInvalidError(f"{name} = {exc.path!r} is invalid: the file {exc.why}") from None
 
 
 def parse_options(options: Mapping[str, Any], base: Optional[EngineOptions] = None) -> EngineOptions:
@@ -476,6 +520,9 @@ def parse_options(options: Mapping[str, Any], base: Optional[EngineOptions] = No
     secret = _link_secret(options)
     if secret is not None:
         fields["link_secret"] = secret
+    tls = _tls(options)
+    if tls is not None:
+        fields["tls"] = tls
     if base is None:
         fields.setdefault("link_total_time_s", _default_link_total_time())
         return EngineOptions(**fields)

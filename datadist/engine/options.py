@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional, Protocol
 
 from .auth import Secret
+from .tls import TlsConfig
 
 __all__ = ["PoolSettings", "EngineSettings"]
 
@@ -59,3 +60,6 @@ class EngineSettings(Protocol):
 
     @property
     def link_secret(self) -> Optional[Secret]: ...
+
+    @property
+    def tls(self) -> Optional[TlsConfig]: ...
