@@ -6,6 +6,11 @@ threads).  Requests are served in order on this thread: lookups, key releases, a
 socket transport's payloads, which stream straight between the socket and cache memory.
 End of stream on a ``serve_sock`` means the peer died or unlinked: the link is marked
 broken and its sockets are shut down, which also wakes any call blocked on them.
+
+With TLS (:mod:`.tls`) every accepted connection takes its TLS handshake in the selector
+too, non-blocking, within the deadline of its first frame; a link's TLS socket may hold
+decrypted requests that the selector cannot see, so a served link is served again while
+it does (:func:`.tls.buffered`).
 """
 from __future__ import annotations
 
@@ -15,16 +20,18 @@ import logging
 import queue
 import selectors
 import socket
+import ssl
 import threading
+import time
 from typing import TYPE_CHECKING, Callable, Optional, Union, cast
 
 import numpy as np
 
-from . import native, npu, wire
+from . import native, npu, tls, wire
 from .errors import Fault
 from .auth import Secret
 from .handshake import REFUSAL, ServerAuth
-from .incoming import Incoming, Pending, RateLimitedLog
+from .incoming import Incoming, NotTls, Pending, RateLimitedLog, tls_refusal
 from .layout import Plan
 from .link import Link
 from .requests import OK, SERVED, RequestHandler
@@ -45,6 +52,8 @@ _NO_PAYLOAD = Plan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
 _SPIN_US = native.SPIN_US // 2
 #: Spins that caught nothing before the agent spins only every ``_PROBE``-th request.
 _MISSES, _PROBE = 4, 8
+#: More than a frame that opens a link may hold (taken from a refused plaintext peer).
+_OPENING_BYTES = 1 << 17
 
 
 _warned_open = False
@@ -60,16 +69,17 @@ def _refusal() -> wire.HelloAck:
     return wire.HelloAck(status=int(Fault.LINK_FAILED), message=REFUSAL)
 
 
-def warn_if_unauthenticated(addr: tuple[str, int], secret: object) -> None:
-    """Once per process: listening beyond loopback without a link secret lets anyone who
-    reaches the address link, read and write this engine's caches."""
+def warn_if_unauthenticated(addr: tuple[str, int], secret: object, tls_config: object = None) -> None:
+    """Once per process: listening beyond loopback without a link secret or TLS (whose
+    peers prove a certificate of the CA) lets anyone who reaches the address link, read
+    and write this engine's caches."""
     global _warned_open
-    if secret is not None or _warned_open or ipaddress.ip_address(addr[0]).is_loopback:
+    if secret is not None or tls_config is not None or _warned_open or ipaddress.ip_address(addr[0]).is_loopback:
         return
     _warned_open = True
-    log.warning("listening on %s:%d without a link secret: any host that reaches it can link and read or "
-                "write registered caches; set LLMConfig.link_secret (or DATADIST_LINK_SECRET) on every engine",
-                addr[0], addr[1])
+    log.warning("listening on %s:%d without a link secret or TLS: any host that reaches it can link and read "
+                "or write registered caches; set LLMConfig.link_secret (or DATADIST_LINK_SECRET), or "
+                "LLMConfig.tls_cert_file, tls_key_file and tls_ca_file, on every engine", addr[0], addr[1])
 
 
 class Agent:
@@ -116,7 +126,7 @@ class Agent:
             ls.close()
             raise
         bound: tuple[str, int] = ls.getsockname()[:2]
-        warn_if_unauthenticated(bound, self.engine.options.link_secret)
+        warn_if_unauthenticated(bound, self.engine.options.link_secret, self.engine.options.tls)
         self.listeners[bound] = ls
         self._sel.register(ls, selectors.EVENT_READ, "listen")
         return bound
@@ -251,7 +261,7 @@ class Agent:
             sock, _ = listener.accept()
         except (BlockingIOError, OSError):
             return
-        pend, evicted = self._incoming.admit(sock)
+        pend, evicted = self._incoming.admit(sock, self.engine.options.tls)
         if evicted is not None:
             self._close_pending(evicted, f"{self._incoming.max_pending} connections were opening a link; "
                                          "closed the one waiting longest")
@@ -267,8 +277,16 @@ class Agent:
 
     def _first_frame(self, pend: Pending) -> None:
         try:
-            msg = pend.feed()
-        except (OSError, wire.WireError) as exc:
+            msg = pend.feed() if pend.tls is None or self._tls_opened(pend) else None
+        except NotTls as exc:
+            with contextlib.suppress(OSError):  # one small frame into an empty buffer; best effort
+                pend.sock.send(tls_refusal())
+                # Take what the peer sent: closing with unread bytes would reset the
+                # connection, and the peer might lose the refusal before reading it.
+                pend.sock.recv(_OPENING_BYTES)
+            self._close_pending(pend, exc)
+            return
+        except (OSError, wire.WireError) as exc:  # ssl.SSLError is an OSError
             self._close_pending(pend, exc)
             return
         if msg is None:
@@ -292,6 +310,21 @@ class Agent:
             link = self.engine.links.get((msg.cluster_id, False))
             if link is not None:
                 self.engine.linker.after_attach(link)
+
+    def _tls_opened(self, pend: Pending) -> bool:
+        """Advance ``pend``'s TLS handshake; True once done (its first frame is read next,
+        through TLS).  Errors as :meth:`Pending.open_tls`."""
+        raw = pend.sock
+        try:
+            events = pend.open_tls()
+        finally:
+            if pend.sock is not raw:  # wrapped: the same descriptor as a TLS socket
+                self._sel.unregister(raw)
+                self._sel.register(pend.sock, pend.events, pend)
+        if (events or selectors.EVENT_READ) != pend.events:
+            pend.events = events or selectors.EVENT_READ
+            self._sel.modify(pend.sock, pend.events, pend)
+        return not events
 
     def _answer_first(self, pend: Pending, msg: wire.Message, sock: socket.socket) -> Optional[wire.Message]:
         """The answer to a connection's first frame (an ATTACH, a HELLO, or with a link
@@ -343,12 +376,14 @@ class Agent:
         catches a request again.  A spin polls without the GIL; other links wait at most
         that long."""
         self._serve(link)
+        while tls.buffered(link.serve_sock) and link.broken is None and not self._stop:
+            self._serve(link)  # requests already decrypted: the selector would not wake for them
         link.spin_turn += 1
         if link.spin_misses >= _MISSES and link.spin_turn % _PROBE:
             return
         sock = link.serve_sock
         while not self._stop and link.broken is None and sock is not None and sock.fileno() >= 0:
-            if not native.spin_readable(sock.fileno(), _SPIN_US):
+            if not (tls.buffered(sock) or native.spin_readable(sock.fileno(), _SPIN_US)):
                 link.spin_misses += 1
                 return
             link.spin_misses = 0
@@ -368,8 +403,7 @@ class Agent:
                     self._unregister(link)
                     self.engine.drop_link(link, notify=False)
                 if reply is not None:  # a pull's payload follows its reply in the same writev
-                    native.sock_send(sock.fileno(), self._requests.payload or _NO_PAYLOAD, self.engine.timeout_ms,
-                                     wire.OK_FRAME if reply is OK else wire.encode(reply))
+                    self._answer(sock, reply)
         except Exception as exc:  # a bad request ends this link only, never the agent thread
             self._unregister(link)
             if not isinstance(exc, (OSError, RuntimeError, wire.WireError, ValueError)):
@@ -378,3 +412,12 @@ class Agent:
             link.retire("peer closed the connection" if isinstance(exc, ConnectionError) else str(exc))
         finally:
             self._requests.payload = None
+
+    def _answer(self, sock: socket.socket, reply: wire.Message) -> None:
+        """Send ``reply`` and the payload of a pull right behind it."""
+        frame = wire.OK_FRAME if reply is OK else wire.encode(reply)
+        payload = self._requests.payload or _NO_PAYLOAD
+        if isinstance(sock, ssl.SSLSocket):
+            tls.send_plan(sock, payload, time.monotonic() + self.engine.timeout_ms / 1000.0, frame)
+        else:
+            native.sock_send(sock.fileno(), payload, self.engine.timeout_ms, frame)

@@ -5,7 +5,9 @@ Each link has two TCP connections, both opened by the client at link time: on
 the peer sends requests and this side's agent serves them.  A connection therefore has one
 initiator and one server, and no reply ever has to be matched to a request.  The agent
 watches ``serve_sock``: end of stream there means the peer is gone, and the link is
-marked broken at once, so waiting and later calls fail fast.
+marked broken at once, so waiting and later calls fail fast.  With TLS both connections
+are ``ssl.SSLSocket``s: payloads then go through :mod:`.tls`, and a wait for a reply
+first asks the socket for bytes it has decrypted already.
 
 Thread rules: public calls hold ``lock`` for the whole transfer (one transfer per link at a
 time; ``unlink`` during a transfer is ``LLM_LINK_BUSY``).  The agent thread touches only
@@ -18,11 +20,12 @@ import logging
 import socket
 import threading
 import time
+from ssl import SSLSocket
 from typing import TYPE_CHECKING, Callable, NoReturn, Optional, Sequence, Union
 
 from .errors import EngineError, Fault, fail
 from .transports.base import ANY_CACHE, Prepared, RemoteCache, StaleLookup, Transport
-from . import native, wire
+from . import native, tls, wire
 from .cuda import IpcRegion
 from .keys import CacheRef, RefKind
 from .layout import Plan, tensor_span
@@ -142,7 +145,9 @@ class Link:
         sock = self._request_sock()
         try:
             frame = msg if isinstance(msg, bytes) else wire.encode(msg)
-            if send_plan is not None:
+            if send_plan is not None and isinstance(sock, SSLSocket):
+                tls.send_plan(sock, send_plan, deadline, frame)
+            elif send_plan is not None:
                 native.sock_send(sock.fileno(), send_plan, native.ms_until(deadline), frame)
             else:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
@@ -154,7 +159,8 @@ class Link:
         """Read the next frame from the request connection before ``deadline``."""
         sock = self._request_sock()
         try:
-            native.wait_readable(sock.fileno(), native.ms_until(deadline))
+            if not (isinstance(sock, SSLSocket) and sock.pending()):  # TLS: bytes poll() cannot see
+                native.wait_readable(sock.fileno(), native.ms_until(deadline))
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             return wire.read_answer(sock)
         except (OSError, wire.WireError) as exc:  # TimeoutError is an OSError

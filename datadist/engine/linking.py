@@ -10,6 +10,9 @@ with ``ATTACH``.  Server side (the agent thread): :meth:`Linker.accept_hello` an
 proves it is the very process that answered), else ``tcp``; a forced ``shm`` that cannot
 map fails the link; collective backends (``gloo``/``nccl``/``hccl``) join a two-member
 process group once both connections are up.
+
+With TLS configured (:mod:`.tls`), both connections of every link this engine opens are
+TLS, handshake first, whatever the transport; the server side does the same in the agent.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import hmac
 import logging
 import secrets
 import socket
+import ssl
 import time
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -25,7 +29,7 @@ import numpy as np
 
 from . import cuda, native, wire
 from .errors import EngineError, Fault, fail
-from .handshake import ClientAuth
+from .handshake import REFUSAL, ClientAuth
 from .layout import Plan
 from .link import Link
 from .memory import PeerArena
@@ -242,10 +246,10 @@ class Linker:
         link, or the server's refusal."""
         hello_sock = opening.keep(self._connect_retrying(ip, port, deadline))
         hello = wire.Hello(remote_cluster_id=remote_cluster_id, **self._hello_fields())
-        if self.engine.options.link_secret is not None and not self._authenticate(hello_sock, hello,
-                                                                                   remote_cluster_id):
-            log.warning("link to cluster %d at %s:%d refused: the peer did not prove it holds the link "
-                        "secret (or refused ours)", remote_cluster_id, ip, port)
+        refused = self._authenticate(hello_sock, hello, remote_cluster_id) \
+            if self.engine.options.link_secret is not None else None
+        if refused is not None:
+            log.warning("link to cluster %d at %s:%d refused: %s", remote_cluster_id, ip, port, refused)
             return Fault.LINK_FAILED
         hello_sock.sendall(wire.encode(hello))
         ack = wire.read_message(hello_sock)
@@ -273,23 +277,26 @@ class Linker:
             self._join_group(link, store, rank=1)
         return link
 
-    def _authenticate(self, sock: socket.socket, hello: wire.Hello, remote_cluster_id: int) -> bool:
+    def _authenticate(self, sock: socket.socket, hello: wire.Hello, remote_cluster_id: int) -> Optional[str]:
         """The client's half of an authenticated opening (:mod:`datadist.engine.handshake`):
-        on success ``hello`` carries the nonce and proof and may be sent; nothing of this
-        engine's memory has been sent before."""
+        None on success (``hello`` then carries the nonce and proof and may be sent), else
+        why the opening failed; nothing of this engine's memory has been sent before."""
         secret = self.engine.options.link_secret
         assert secret is not None  # only called with a link secret (_dial)
         state = ClientAuth(secret, str(self.engine.cluster_id).encode(), str(remote_cluster_id).encode())
         sock.sendall(wire.encode(wire.Hello(cluster_id=self.engine.cluster_id, remote_cluster_id=remote_cluster_id,
                                             nonce=state.nonce_hex)))
         challenge = wire.read_message(sock)
+        unproven = "the peer did not prove it holds the link secret (or refused ours)"
+        if isinstance(challenge, wire.HelloAck) and challenge.status and challenge.message != REFUSAL:
+            return challenge.message or unproven  # refused before any proof (e.g. this engine lacks TLS)
         if not isinstance(challenge, wire.HelloAck) or not challenge.challenge or challenge.status:
-            return False
+            return unproven
         proof = state.answer(challenge.nonce, challenge.proof)
         if proof is None:
-            return False
+            return unproven
         hello.nonce, hello.proof = state.nonce_hex, proof
-        return True
+        return None
 
     def _connect_retrying(self, ip: str, port: int, deadline: float) -> socket.socket:
         """Connect, trying ``link_retry_count`` times in all while the deadline allows (a
@@ -305,8 +312,8 @@ class Linker:
                 time.sleep(min(0.05 * attempt, max(0.0, deadline - time.monotonic())))  # back off
         raise AssertionError("unreachable")
 
-    @staticmethod
-    def _connect(ip: str, port: int, deadline: float) -> socket.socket:
+    def _connect(self, ip: str, port: int, deadline: float) -> socket.socket:
+        """A connection to the server, TLS (handshake done) when this engine has TLS."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("link timeout passed")
@@ -314,4 +321,12 @@ class Linker:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(max(0.001, deadline - time.monotonic()))
-        return sock
+        tls = self.engine.options.tls
+        if tls is None:
+            return sock
+        try:
+            return tls.connect(sock)  # closes the socket if the handshake fails
+        except (ssl.SSLError, ConnectionError) as exc:  # a peer without TLS closes on our handshake
+            why = getattr(exc, "reason", None) or exc
+            raise ConnectionError(f"TLS handshake with {ip}:{port} failed ({why}); the peer must have TLS on, "
+                                  "with a certificate signed by this engine's CA, and trust ours") from None

@@ -16,9 +16,10 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 from enum import IntEnum
+from ssl import SSLSocket
 from typing import Any, ClassVar, Collection, Dict, List, Optional
 
-from . import native
+from . import native, tls
 from .codec import HEADER_SIZE, U64, Buffer, FrameFormat, WireError
 
 __all__ = [
@@ -231,9 +232,12 @@ OK_FRAME = encode(OK)
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     """``n`` bytes from ``sock`` within its timeout.  The C loop polls only when no data is
     waiting; Python's timeout mode would poll before every read (one system call more per
-    read, on the path of every small transfer)."""
+    read, on the path of every small transfer).  A TLS socket is read through TLS."""
     buf = bytearray(n)
     timeout = sock.gettimeout()
+    if isinstance(sock, SSLSocket):
+        tls.recv_exact(sock, buf, timeout)
+        return buf
     native.recv_exact(sock.fileno(), buf, 1 << 40 if timeout is None else max(1, int(timeout * 1000)))
     return buf
 

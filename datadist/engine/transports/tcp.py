@@ -10,14 +10,20 @@ agent runs for those requests once they are validated
 (:mod:`datadist.engine.requests`).  Device memory cannot be read or written by
 the socket calls: such a side is staged through one host buffer on either end
 (:func:`~datadist.engine.transports.local.host_side`).
+
+A link whose sockets are TLS (:mod:`datadist.engine.tls`) moves the same bytes in the same
+order through a staging buffer instead (``tls.send_plan`` / ``tls.recv_plan``): the C
+loops write raw descriptors, which would bypass TLS.
 """
 from __future__ import annotations
 
 import contextlib
 import socket
+import time
+from ssl import SSLSocket
 
 from ..errors import EngineError, Fault, fail
-from .. import native, wire
+from .. import native, tls, wire
 from ..layout import Plan
 from .base import Channel, RemoteCache, StaleLookup, Step, Transport, check_reply
 from .local import host_side
@@ -82,7 +88,10 @@ class TcpTransport(Transport):
         if sock is None:
             fail(Fault.NOT_LINKED, f"link to cluster {link.remote_cluster_id} is not ready yet")
         try:
-            native.sock_recv(sock.fileno(), plan, native.ms_until(deadline))
+            if isinstance(sock, SSLSocket):
+                tls.recv_plan(sock, plan, deadline)
+            else:
+                native.sock_recv(sock.fileno(), plan, native.ms_until(deadline))
         except TimeoutError:
             link.mark_broken("deadline passed mid-pull")
             fail(Fault.TIMEOUT,
@@ -124,7 +133,10 @@ def serve_push(sock: socket.socket, plan: Plan, timeout_ms: int) -> None:
     """Receive a pushed payload from ``sock`` into the local runs of ``plan`` (a device
     cache through one host staging buffer)."""
     with host_side(plan, local_is_src=False) as host_plan:
-        native.sock_recv(sock.fileno(), host_plan, timeout_ms)
+        if isinstance(sock, SSLSocket):
+            tls.recv_plan(sock, host_plan, time.monotonic() + timeout_ms / 1000.0)
+        else:
+            native.sock_recv(sock.fileno(), host_plan, timeout_ms)
 
 
 def pull_payload(plan: Plan, scope: contextlib.ExitStack) -> Plan:
@@ -135,6 +147,9 @@ def pull_payload(plan: Plan, scope: contextlib.ExitStack) -> Plan:
 
 def drain(sock: socket.socket, nbytes: int, timeout_ms: int) -> None:
     """Read and discard a refused push's payload, keeping the stream in step."""
+    if isinstance(sock, SSLSocket):
+        tls.discard(sock, nbytes, time.monotonic() + timeout_ms / 1000.0)
+        return
     scratch = memoryview(bytearray(min(nbytes, _DRAIN_CHUNK)))
     left = nbytes
     while left > 0:
