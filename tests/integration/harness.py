@@ -52,6 +52,8 @@ CALL_TIMEOUT_S = 20.0
 #: Spawning a child means importing torch, which takes seconds on a loaded 2-core box.
 START_TIMEOUT_S = 45.0
 EXIT_TIMEOUT_S = 15.0
+#: How long a frozen child may take until all its threads have stopped.
+STOP_TIMEOUT_S = 5.0
 
 _CTX = multiprocessing.get_context("spawn")
 
@@ -208,9 +210,12 @@ class Peer:
         return self
 
     def stop(self) -> None:
-        """Freeze the child (SIGSTOP)."""
+        """Freeze the child (SIGSTOP), and return once every thread of it has stopped: a
+        thread running on another core (an agent polling for its next request) would
+        otherwise still serve a request sent right after."""
         os.kill(self.pid, signal.SIGSTOP)
         self._stopped = True
+        wait_until(lambda: _all_stopped(self.pid), STOP_TIMEOUT_S, f"{self.name} (pid {self.pid}) stopped")
 
     def cont(self) -> None:
         """Resume a frozen child (SIGCONT)."""
@@ -471,6 +476,19 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) << 10
     raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def _all_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (state ``T`` in ``/proc``)."""
+    task = f"/proc/{pid}/task"
+    try:
+        states = []
+        for tid in os.listdir(task):
+            with open(f"{task}/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+    except FileNotFoundError:  # a thread ended meanwhile: look again
+        return False
+    return bool(states) and all(state in ("T", "t") for state in states)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
