@@ -10,8 +10,12 @@ Workloads (see PERF.md):
   inorder-256k  1024 blocks x 256 KiB, block i -> block i, one tensor
   scatter-32k   2048 blocks x 32 KiB, destination order a random permutation
   small-4k      one 4 KiB block per call, repeated (latency)
-  kv-7b         32 layers x K,V of 16-token blocks (128 KiB per tensor block), 32 blocks
-                pushed layer by layer (one push_blocks per layer, tensor_num_per_layer=2)
+  kv-7b         a 7B model's cache: 32 layers x K,V (64 tensors) of 16-token blocks (128 KiB per
+                tensor block), caches of 128 blocks; 8 requests at once (a thread each, started
+                behind a barrier), each pushing its own 16 blocks to scattered destinations one
+                layer per push_blocks (2 tensors x 16 blocks = 4 MiB a call), in layer order.
+                batch_ms / gbps: the whole batch (8 x 32 calls); p50_us / p99_us: one layer
+                call, over all calls of all rounds.  --requests and --layers shrink it.
   plan          validation + plan building for 4096 blocks x 64 tensors (all 32 layers, in
                 order and scattered), in one process; p50/p99 per plan
   --sweep       32 MiB in order at block sizes 4 KiB .. 1 MiB
@@ -34,7 +38,9 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, replace
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -50,7 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._cache_manager import CacheManager
     from ._objects import Cache, CacheDesc
 
-__all__ = ["main", "WORKLOADS", "run"]
+__all__ = ["main", "WORKLOADS", "run", "sized"]
 
 #: One result row (:func:`datadist.benchrecord.record`).
 Row = Dict[str, Any]
@@ -60,23 +66,33 @@ Row = Dict[str, Any]
 class Workload:
     name: str
     block_bytes: int
-    blocks: int            # blocks moved per batch
+    blocks: int            # blocks per call: per batch, or per request and layer (layerwise)
     cache_blocks: int      # blocks in each cache
     num_tensors: int
     scatter: bool
     layerwise: bool = False
     rounds: int = 5
+    requests: int = 1      # layerwise: requests pushing at once, a thread each
+
+    @property
+    def layers(self) -> int:
+        return self.num_tensors // 2 if self.layerwise else 1
+
+    @property
+    def batch_blocks(self) -> int:
+        """Blocks of each tensor a batch moves (all requests together)."""
+        return self.blocks * self.requests
 
     @property
     def batch_bytes(self) -> int:
-        return self.block_bytes * self.blocks * self.num_tensors
+        return self.block_bytes * self.batch_blocks * self.num_tensors
 
 
 WORKLOADS = {
     "inorder-256k": Workload("inorder-256k", 256 << 10, 1024, 1024, 1, False),
     "scatter-32k": Workload("scatter-32k", 32 << 10, 2048, 2048, 1, True),
     "small-4k": Workload("small-4k", 4 << 10, 1, 16, 1, False, rounds=2000),
-    "kv-7b": Workload("kv-7b", 128 << 10, 32, 64, 64, True, layerwise=True),
+    "kv-7b": Workload("kv-7b", 128 << 10, 16, 128, 64, True, layerwise=True, rounds=5, requests=8),
 }
 #: ``--sweep``: 32 MiB in order at each block size, for GB/s against block size (``--plot``).
 SWEEP_KIB = (4, 16, 64, 256, 1024)
@@ -87,12 +103,33 @@ DEVICES = ("cpu", "cuda")
 PLAN_BLOCKS, PLAN_TENSORS = 4096, 64
 
 
+def sized(workload: str, rounds: Optional[int] = None, requests: Optional[int] = None,
+          layers: Optional[int] = None) -> Workload:
+    """The workload ``workload`` with fewer (or more) rounds, requests or layers.
+
+    Raises ``ValueError`` for requests or layers of a workload that is not layer-wise, or
+    for more blocks than a cache holds."""
+    w = WORKLOADS[workload]
+    if (requests is not None or layers is not None) and not w.layerwise:
+        raise ValueError(f"requests and layers apply to layer-wise workloads, not to {workload}")
+    w = replace(w, rounds=w.rounds if rounds is None else rounds,
+                requests=w.requests if requests is None else requests,
+                num_tensors=w.num_tensors if layers is None else 2 * layers)
+    if min(w.rounds, w.requests, w.num_tensors) < 1:
+        raise ValueError(f"{workload}: rounds, requests and layers must be at least 1")
+    if w.batch_blocks > w.cache_blocks:
+        raise ValueError(f"{workload}: {w.requests} requests x {w.blocks} blocks do not fit caches of "
+                         f"{w.cache_blocks} blocks")
+    return w
+
+
 def _blocks(w: Workload) -> Tuple[List[int], List[int]]:
-    src = list(range(w.blocks))
+    """Source and destination blocks of a batch; request r owns the r-th ``w.blocks`` of each."""
+    src = list(range(w.batch_blocks))
     if w.scatter:
-        dst = [int(b) for b in np.random.default_rng(7).permutation(w.cache_blocks)[: w.blocks]]
+        dst = [int(b) for b in np.random.default_rng(7).permutation(w.cache_blocks)[: w.batch_blocks]]
     else:
-        dst = list(range(w.blocks))
+        dst = list(range(w.batch_blocks))
     return src, dst
 
 
@@ -135,11 +172,10 @@ def _pool_bytes(w: Workload) -> int:
     return w.block_bytes * w.cache_blocks * w.num_tensors + (1 << 20)
 
 
-def _decoder(conn: Connection, workload: str, transport: str, port: int, device: str) -> None:
+def _decoder(conn: Connection, w: Workload, transport: str, port: int, device: str) -> None:
     """Child: own the destination cache, link to the prompt, report digests on request."""
     from datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole
 
-    w = WORKLOADS[workload]
     engine = LLMDataDist(LLMRole.DECODER, 2)
     try:
         engine.init(_config(transport, _pool_bytes(w), device=device))
@@ -166,6 +202,7 @@ def _memcpy(w: Workload, src_blocks: List[int], dst_blocks: List[int], device: s
         return _torch_copy(w, src_blocks, dst_blocks)
     src = np.ones((w.num_tensors * w.cache_blocks, w.block_bytes), np.uint8)
     dst = np.zeros_like(src)
+    n = len(src_blocks)
     times = []
     for _ in range(min(w.rounds, 20) + 1):
         t = time.perf_counter()
@@ -175,7 +212,7 @@ def _memcpy(w: Workload, src_blocks: List[int], dst_blocks: List[int], device: s
                 for i, j in zip(src_blocks, dst_blocks):
                     dst[off + j] = src[off + i]
             else:
-                np.copyto(dst[off: off + w.blocks], src[off: off + w.blocks])
+                np.copyto(dst[off: off + n], src[off: off + n])
         times.append(time.perf_counter() - t)
     return statistics.median(times[1:])
 
@@ -196,7 +233,7 @@ def _torch_copy(w: Workload, src_blocks: List[int], dst_blocks: List[int]) -> fl
             if w.scatter:
                 dst[off: off + w.cache_blocks].index_copy_(0, di, src[off: off + w.cache_blocks].index_select(0, si))
             else:
-                dst[off: off + w.blocks].copy_(src[off: off + w.blocks])
+                dst[off: off + len(src_blocks)].copy_(src[off: off + len(src_blocks)])
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return statistics.median(times[1:])
@@ -205,10 +242,10 @@ def _torch_copy(w: Workload, src_blocks: List[int], dst_blocks: List[int]) -> fl
 class _Decoder:
     """The spawned DECODER process of a run (:func:`_decoder`) and the pipe to it."""
 
-    def __init__(self, workload: str, transport: str, port: Optional[int], device: str) -> None:
+    def __init__(self, w: Workload, transport: str, port: Optional[int], device: str) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_decoder, args=(child_conn, workload, transport, port, device))
+        self.process = ctx.Process(target=_decoder, args=(child_conn, w, transport, port, device))
 
     def link(self) -> None:
         """Start the process and wait until it has linked to this one."""
@@ -219,9 +256,12 @@ class _Decoder:
         if msg[0] != "linked" or msg[1] != 0:
             raise RuntimeError(f"decoder failed to link: {msg}")
 
-    def digest(self) -> str:
-        """The digest of the destination blocks, then let the process end."""
+    def ask_digest(self) -> None:
+        """Let the process hash its destination blocks (while this one hashes the source)."""
         self.conn.send("digest")
+
+    def digest(self) -> str:
+        """The digest :meth:`ask_digest` asked for, then let the process end."""
         if not self.conn.poll(120):
             raise RuntimeError("decoder did not report its digest")
         reply = self.conn.recv()
@@ -237,34 +277,96 @@ class _Decoder:
 
 
 def _filled_source(cm: "CacheManager", w: Workload, device: str) -> "Cache":
-    """The source blocks cache (``BlocksCacheKey(1, 0)``), filled with seeded random data."""
+    """The source blocks cache (``BlocksCacheKey(1, 0)``), filled with seeded random data:
+    one random tensor, xor-ed with each tensor's index (every block differs from every other,
+    at a fraction of the cost of drawing each tensor)."""
     import torch
     from datadist import BlocksCacheKey
 
     src = cm.allocate_blocks_cache(_desc(w, device), BlocksCacheKey(1, 0))
-    gen = torch.Generator().manual_seed(1)
-    for tensor in cm.get_cache_tensors(src):
-        tensor.view(torch.int16).copy_(torch.randint(-2**15, 2**15, tensor.shape, dtype=torch.int16, generator=gen))
+    tensors = cm.get_cache_tensors(src)
+    base = torch.randint(-2**15, 2**15, tuple(tensors[0].shape), dtype=torch.int16,
+                         generator=torch.Generator().manual_seed(1))
+    for k, tensor in enumerate(tensors):
+        tensor.view(torch.int16).copy_(base ^ k)
     return src
 
 
-def _push_batch(cm: "CacheManager", src: "Cache", w: Workload, src_blocks: List[int],
+def _push_batch(cm: "CacheManager", src: "Cache", src_blocks: List[int],
                 dst_blocks: List[int]) -> Callable[[], None]:
-    """One batch to the decoder's cache: one push_blocks, or one per layer (``layerwise``)."""
+    """One batch to the decoder's cache: one push_blocks of every block of every tensor."""
     from datadist import BlocksCacheKey
 
     key = BlocksCacheKey(2, 0)
-    layers = w.num_tensors // 2
 
     def one_batch() -> None:
-        if w.layerwise:
-            for layer in range(layers):
-                r = range(layer, layer + 1)
-                cm.push_blocks(key, src, src_blocks, dst_blocks, src_layer_range=r, dst_layer_range=r)
-        else:
-            cm.push_blocks(key, src, src_blocks, dst_blocks, tensor_num_per_layer=1)
+        cm.push_blocks(key, src, src_blocks, dst_blocks, tensor_num_per_layer=1)
 
     return one_batch
+
+
+def _push_layer(cm: "CacheManager", src: "Cache", src_blocks: List[int], dst_blocks: List[int],
+                layer: range) -> None:
+    from datadist import BlocksCacheKey
+
+    cm.push_blocks(BlocksCacheKey(2, 0), src, src_blocks, dst_blocks, src_layer_range=layer, dst_layer_range=layer)
+
+
+#: What one request's thread reports: its start (after the barrier), its end, each call's seconds.
+_RequestTimes = Tuple[float, float, List[float]]
+
+
+def _one_request(push: Callable[[range], None], layers: int, barrier: threading.Barrier,
+                 out: List[_RequestTimes], errors: List[BaseException]) -> None:
+    """A request's thread: wait for the others, then push its layers in order, one call each."""
+    try:
+        barrier.wait()
+        start = time.perf_counter()
+        calls = []
+        for layer in range(layers):
+            t = time.perf_counter()
+            push(range(layer, layer + 1))
+            calls.append(time.perf_counter() - t)
+        out.append((start, time.perf_counter(), calls))
+    except BaseException as exc:  # raised again by the thread that started this one
+        errors.append(exc)
+        barrier.abort()
+
+
+def _layerwise_round(pushes: List[Callable[[range], None]], layers: int) -> Tuple[float, List[float]]:
+    """One batch: every request's thread started behind one barrier; returns the wall time
+    from the first request's start to the last one's end, and the seconds of every call."""
+    barrier = threading.Barrier(len(pushes), timeout=60)
+    out: List[_RequestTimes] = []
+    errors: List[BaseException] = []
+    threads = [threading.Thread(target=_one_request, args=(push, layers, barrier, out, errors), daemon=True)
+               for push in pushes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:  # the first real failure, not the broken barrier it left to the others
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    wall = max(end for _, end, _ in out) - min(start for start, _, _ in out)
+    return wall, [c for _, _, calls in out for c in calls]
+
+
+def _layerwise_timed(cm: "CacheManager", src: "Cache", w: Workload, src_blocks: List[int],
+                     dst_blocks: List[int]) -> Tuple[List[float], List[float]]:
+    """Seconds of each of ``w.rounds`` batches and of each layer call in them, after one
+    warm-up batch (lookups, plans, page faults)."""
+    n = w.blocks
+    pushes: List[Callable[[range], None]] = [
+        partial(_push_layer, cm, src, src_blocks[r * n: (r + 1) * n], dst_blocks[r * n: (r + 1) * n])
+        for r in range(w.requests)]
+    _layerwise_round(pushes, w.layers)
+    batches: List[float] = []
+    calls: List[float] = []
+    for _ in range(w.rounds):
+        wall, call_times = _layerwise_round(pushes, w.layers)
+        batches.append(wall)
+        calls.extend(call_times)
+    return batches, calls
 
 
 def _timed(one_batch: Callable[[], None], rounds: int) -> List[float]:
@@ -278,24 +380,34 @@ def _timed(one_batch: Callable[[], None], rounds: int) -> List[float]:
     return times
 
 
-def _result(w: Workload, workload: str, transport: str, device: str, times: List[float], src_blocks: List[int],
-            dst_blocks: List[int]) -> Row:
-    """The row of a verified run: its timings next to a raw copy of the same blocks."""
-    med = statistics.median(times)
+def _result(w: Workload, transport: str, device: str, batches: List[float], calls: List[float],
+            src_blocks: List[int], dst_blocks: List[int]) -> Row:
+    """The row of a verified run: its timings (of each batch, of each call) next to a raw
+    copy of the same blocks; a layer-wise workload adds its shape."""
+    med = statistics.median(batches)
     memcpy_s = _memcpy(w, src_blocks, dst_blocks, device)
-    us = sorted(t * 1e6 for t in times)
-    return record(system=f"datadist-{transport}" + ("-cuda" if device == "cuda" else ""), workload=workload,
+    us = sorted(t * 1e6 for t in calls)
+    extra: Row = {}
+    if w.layerwise:
+        per_batch = len(calls) // len(batches)
+        extra = {"requests": w.requests, "layers": w.layers, "calls": per_batch, "rounds": len(batches),
+                 "call_mib": w.batch_bytes / per_batch / (1 << 20)}
+    return record(system=f"datadist-{transport}" + ("-cuda" if device == "cuda" else ""), workload=w.name,
                   gbps=w.batch_bytes / med / 1e9, batch_ms=med * 1e3, p50_us=us[len(us) // 2],
                   p99_us=us[min(len(us) - 1, int(len(us) * 0.99))], block_kib=w.block_bytes >> 10, blocks=w.blocks,
                   scatter=w.scatter, raw_copy_gbps=w.batch_bytes / memcpy_s / 1e9, verified=True,
-                  executor=executor(), device=device, transport=transport)
+                  executor=executor(), device=device, transport=transport, **extra)
 
 
-def run(workload: str, transport: str, device: str = "cpu") -> Row:
-    """Run one workload over one transport; returns the result row (raises on bad data)."""
+def run(workload: str, transport: str, device: str = "cpu", *, rounds: Optional[int] = None,
+        requests: Optional[int] = None, layers: Optional[int] = None) -> Row:
+    """Run one workload over one transport; returns the result row (raises on bad data).
+
+    ``rounds``, ``requests`` and ``layers`` resize it (:func:`sized`).  Over ``local`` a
+    batch is one ``swap_blocks`` of all its blocks (it takes no layer range)."""
     from datadist import LLMDataDist, LLMRole
 
-    w = WORKLOADS[workload]
+    w = sized(workload, rounds, requests, layers)
     src_blocks, dst_blocks = _blocks(w)
     local = transport == "local"
     engine = LLMDataDist(LLMRole.PROMPT if not local else LLMRole.MIX, 1)
@@ -307,15 +419,16 @@ def run(workload: str, transport: str, device: str = "cpu") -> Row:
         src = _filled_source(cm, w, device)
         if local:
             dst = cm.allocate_blocks_cache(_desc(w, device))
-            mapping = dict(zip(src_blocks, dst_blocks))
-
-            def one_batch() -> None:
-                cm.swap_blocks(src, dst, mapping)
+            batches = calls = _timed(partial(cm.swap_blocks, src, dst, dict(zip(src_blocks, dst_blocks))), w.rounds)
         else:
-            decoder = _Decoder(workload, transport, engine.listen_port, device)
+            decoder = _Decoder(w, transport, engine.listen_port, device)
             decoder.link()
-            one_batch = _push_batch(cm, src, w, src_blocks, dst_blocks)
-        times = _timed(one_batch, w.rounds)
+            if w.layerwise:
+                batches, calls = _layerwise_timed(cm, src, w, src_blocks, dst_blocks)
+            else:
+                batches = calls = _timed(_push_batch(cm, src, src_blocks, dst_blocks), w.rounds)
+        if decoder is not None:
+            decoder.ask_digest()
         expected = _digest(cm.get_cache_tensors(src), src_blocks)
         got = _digest(cm.get_cache_tensors(dst), dst_blocks) if decoder is None else decoder.digest()
         if got != expected:
@@ -324,7 +437,7 @@ def run(workload: str, transport: str, device: str = "cpu") -> Row:
         engine.finalize()
         if decoder is not None:
             decoder.join()
-    return _result(w, workload, transport, device, times, src_blocks, dst_blocks)
+    return _result(w, transport, device, batches, calls, src_blocks, dst_blocks)
 
 
 def plan_rows(rounds: int = 200) -> List[Row]:
@@ -366,7 +479,17 @@ def _parser() -> argparse.ArgumentParser:
                     help="where both caches live (cuda: GPU memory; the raw copy is a torch copy on the GPU)")
     ap.add_argument("--executor", choices=EXECUTORS, default=None,
                     help="copy executor of both processes (default: DATADIST_EXECUTOR, else host)")
+    ap.add_argument("--rounds", type=_positive, metavar="N", help="timed batches (default: the workload's own)")
+    ap.add_argument("--requests", type=_positive, metavar="N",
+                    help="kv-7b: requests pushing at once (default 8; at most 8 fit its caches)")
+    ap.add_argument("--layers", type=_positive, metavar="N", help="kv-7b: layers of the model (default 32)")
     return ap
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
+    return int(text)
 
 
 def _apply(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -385,25 +508,29 @@ def _apply(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--plot needs matplotlib: pip install 'datadist[plot]'")
 
 
-def _print_plan_rows(as_json: bool) -> None:
-    for row in plan_rows():
+def _print_plan_rows(as_json: bool, rounds: Optional[int]) -> None:
+    for row in plan_rows(rounds or 200):
         print(json.dumps(row) if as_json else
               f"{'plan':14s} {row['transport']:9s} {'':>8s} {'':>9s} {row['p50_us']:9.1f} {row['p99_us']:9.1f}"
               f"   ({row['runs']} runs)", flush=True)
 
 
-def _run_workload(wl: str, transports: Sequence[str], device: str, as_json: bool) -> List[Row]:
+def _run_workload(wl: str, transports: Sequence[str], args: argparse.Namespace) -> List[Row]:
     """Run ``wl`` over each transport, printing each row as it comes."""
     rows = []
+    shape = {"requests": args.requests, "layers": args.layers} if WORKLOADS[wl].layerwise else {}
     for tr in transports:
-        row = run(wl, tr, device)
+        row = run(wl, tr, args.device, rounds=args.rounds, **shape)
         rows.append(row)
-        if as_json:
+        if args.json:
             print(json.dumps(row), flush=True)
-        else:
-            print(f"{wl:14s} {tr:9s} {row['gbps']:8.2f} {row['batch_ms']:9.3f} {row['p50_us']:9.1f} "
-                  f"{row['p99_us']:9.1f} {row['raw_copy_gbps']:13.2f} {row['ratio']:6.2f}",
-                  flush=True)
+            continue
+        calls = "" if "calls" not in row else (
+            f"   ({row['requests']} requests x {row['layers']} layers: {row['calls']} calls of "
+            f"{row['call_mib']:g} MiB a batch; p50/p99 of one call)" if row["calls"] > 1 else
+            f"   (one call of {row['call_mib']:g} MiB a batch)")
+        print(f"{wl:14s} {tr:9s} {row['gbps']:8.2f} {row['batch_ms']:9.3f} {row['p50_us']:9.1f} "
+              f"{row['p99_us']:9.1f} {row['raw_copy_gbps']:13.2f} {row['ratio']:6.2f}{calls}", flush=True)
     return rows
 
 
@@ -416,29 +543,42 @@ def _plot(rows: List[Row], out: str, sweep: bool) -> None:
         print(f"# plot written to {path}", file=sys.stderr)
 
 
-def _selection(args: argparse.Namespace) -> Tuple[List[str], List[str]]:
+def _selection(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Tuple[List[str], List[str]]:
     """The workloads and the transports to run (defaults: all that apply)."""
     standard = [w for w in WORKLOADS if not w.startswith("sweep-")] + ["plan"]
     sweep = [f"sweep-{k}k" for k in SWEEP_KIB]
     workloads: List[str] = sweep if args.sweep else (args.workload or standard)
     transports: List[str] = args.transport or [t for t in TRANSPORTS if t != "nccl" or args.device == "cuda"]
+    _check_sizes(ap, args, workloads)
     return workloads, transports
+
+
+def _check_sizes(ap: argparse.ArgumentParser, args: argparse.Namespace, workloads: Sequence[str]) -> None:
+    """Refuse ``--requests`` / ``--layers`` without a layer-wise workload, or too large."""
+    layerwise = [w for w in workloads if w in WORKLOADS and WORKLOADS[w].layerwise]
+    if (args.requests or args.layers) and not layerwise:
+        ap.error("--requests and --layers apply to kv-7b, which is not among the workloads")
+    for wl in layerwise:
+        try:
+            sized(wl, args.rounds, args.requests, args.layers)
+        except ValueError as exc:
+            ap.error(f"--requests {args.requests}: {exc}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     _apply(ap, args)
-    workloads, transports = _selection(args)
+    workloads, transports = _selection(ap, args)
     rows: List[Row] = []
     if not args.json:
         print(f"{'workload':14s} {'transport':9s} {'GB/s':>8s} {'batch ms':>9s} {'p50 us':>9s} {'p99 us':>9s} "
               f"{'raw copy GB/s':>13s} {'x raw':>6s}", flush=True)
     for wl in workloads:
         if wl == "plan":
-            _print_plan_rows(args.json)
+            _print_plan_rows(args.json, args.rounds)
         else:
-            rows.extend(_run_workload(wl, transports, args.device, args.json))
+            rows.extend(_run_workload(wl, transports, args))
     if args.plot:
         _plot(rows, args.plot, args.sweep)
     return 0

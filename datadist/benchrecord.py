@@ -21,8 +21,12 @@ systems' bench), so rows of ours and of the peers compare field by field:
 ``device``                where the caches lived (``cpu``, ``cuda``)
 ========================  ======================================================================
 
-Workloads with layers (``kv-7b``) add ``layers`` and per-layer ``layer_p50_us`` /
-``layer_p99_us``; others may add fields of their own after these.
+The layer-wise workload (``kv-7b``: several requests at once, each pushing one layer per
+call) reads ``gbps`` and ``batch_ms`` as the whole batch (every call of every request, wall
+time from the first request's start to the last one's end), ``p50_us`` / ``p99_us`` as one
+layer call over all calls of all rounds, and ``blocks`` as blocks per call; it adds
+``requests``, ``layers``, ``calls`` (calls in a batch), ``rounds`` (timed batches) and
+``call_mib`` (payload of one call).  Other rows may add fields of their own after these.
 """
 from __future__ import annotations
 
