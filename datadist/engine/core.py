@@ -224,6 +224,9 @@ class Engine:
                 except Exception as exc:  # the peer may be gone; the local end goes anyway
                     log.warning("unlink of cluster %d: peer did not confirm (%s)", cluster_id, exc)
         finally:
+            # Transfers queued behind the unlink fail fast instead of moving into a peer
+            # that has let go of this link.
+            link.forget("the link was unlinked")
             link.lock.release()
         self.drop_link(link, notify=False)
         return Fault.OK

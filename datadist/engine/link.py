@@ -10,8 +10,9 @@ are ``ssl.SSLSocket``s: payloads then go through :mod:`.tls`, and a wait for a r
 first asks the socket for bytes it has decrypted already.
 
 Thread rules: public calls hold ``lock`` for the whole transfer (one transfer per link at a
-time; ``unlink`` during a transfer is ``LLM_LINK_BUSY``).  The agent thread touches only
-``serve_sock``, ``broken`` and the ``spin_*`` counters.
+time, taken in arrival order; a prepared transfer that finds the link busy is run by the
+holder, see :mod:`.turns`; ``unlink`` during a transfer is ``LLM_LINK_BUSY``).  The agent
+thread touches only ``serve_sock``, ``broken`` and the ``spin_*`` counters.
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ import socket
 import threading
 import time
 from ssl import SSLSocket
-from typing import TYPE_CHECKING, Callable, NoReturn, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, NamedTuple, NoReturn, Optional, Sequence, Union
 
 from .errors import EngineError, Fault, fail
 from .transports.base import ANY_CACHE, Prepared, RemoteCache, StaleLookup, Transport
+from .turns import Turns, Unserved
 from . import native, tls, wire
 from .cuda import IpcRegion
 from .keys import CacheRef, RefKind
@@ -48,6 +50,16 @@ def _retry(outcome: bool | Exception, from_cache: bool) -> bool:
     cached lookup can cause)."""
     return isinstance(outcome, StaleLookup) or (
         from_cache and isinstance(outcome, EngineError) and outcome.fault in _RETRYABLE)
+
+
+class _Job(NamedTuple):
+    """A transfer as :meth:`Link.transfer` takes it, with its deadline."""
+
+    key: Union[CacheRef, RemoteCache]
+    planner: Callable[[RemoteCache], Plan]
+    push: bool
+    known: Optional[Prepared]
+    deadline: float
 
 
 class Link:
@@ -76,7 +88,7 @@ class Link:
         self.peer_epoch_addr = peer_epoch_addr   # mapped epoch page of a same-host peer
         self.store: Optional[TCPStore] = None    # collective links: the server's TCPStore
         self.attach_token = attach_token         # server side: what the peer's ATTACH must carry
-        self.lock = threading.Lock()
+        self.lock: Turns[_Job] = Turns(self._serve_jobs)
         self.broken: Optional[str] = None
         self.ready = threading.Event()
         self._lookups: dict[CacheRef, RemoteCache] = {}
@@ -229,16 +241,29 @@ class Link:
         without a lookup or a plan.  ``key`` may also be a :class:`RemoteCache` that
         describes raw peer addresses (``cache_id`` ``ANY_CACHE``,
         ``transfer_cache_async``): nothing is looked up, and the peer checks the plan
-        against all its caches."""
+        against all its caches.
+
+        Transfers take turns on the link in arrival order; a ``known`` transfer of host
+        memory that has to wait is run by the thread ahead of it (:mod:`.turns`)."""
         deadline = time.monotonic() + self.timeout_ms / 1000.0
-        self._acquire(deadline)
+        if known is not None and known.plan.on_host:
+            if not self.lock.acquire(blocking=False):
+                try:
+                    served, outcome = self.lock.submit(_Job(key, planner, push, known, deadline),
+                                                       max(0.0, deadline - time.monotonic()))
+                except Unserved:
+                    self._busy()
+                if served:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                    return outcome  # type: ignore[no-any-return]
+        else:
+            self._acquire(deadline)
         try:
             self.check_alive()
             return self._transfer_locked(key, planner, push, deadline, known)
         finally:
-            self.lock.release()
-            if self._close_when_idle:
-                self.retire(self.broken or "peer gone")
+            self._let_go()
 
     def transfer_batch(self, key: Union[CacheRef, RemoteCache], planners: Sequence[Callable[[RemoteCache], Plan]],
                        push: bool, known: Sequence[Optional[Prepared]]) -> list[Prepared]:
@@ -252,35 +277,70 @@ class Link:
         self._acquire(deadline)
         try:
             self.check_alive()
-            ready = [self._reuse_or_plan(key, planner, push, deadline, hint) for planner, hint in zip(planners, known)]
-            outcomes = self._bound().run_batch(self, [r.step for r, _ in ready], deadline)
+            jobs = [_Job(key, planner, push, hint, deadline) for planner, hint in zip(planners, known)]
+            ready = [self._reuse_or_plan(job) for job in jobs]
             done: list[Prepared] = []
-            first_error: Optional[EngineError] = None
-            for planner, (r, from_cache), outcome in zip(planners, ready, outcomes):
-                if _retry(outcome, from_cache):
-                    done.append(self._transfer_locked(key, planner, push, deadline, None))
-                    continue
-                error = self._settle(r, outcome, push)
-                if error is None:
-                    done.append(r)
-                first_error = first_error or error
+            first_error: Optional[BaseException] = None
+            for outcome in self._move(jobs, ready, deadline):
+                if isinstance(outcome, Prepared):
+                    done.append(outcome)
+                else:
+                    first_error = first_error or outcome
             if first_error is not None:
                 raise first_error
             return done
         finally:
-            self.lock.release()
-            if self._close_when_idle:
-                self.retire(self.broken or "peer gone")
+            self._let_go()
 
-    def _reuse_or_plan(self, key: Union[CacheRef, RemoteCache], planner: Callable[[RemoteCache], Plan], push: bool,
-                       deadline: float, hint: Optional[Prepared]) -> tuple[Prepared, bool]:
-        """``hint`` while the peer's cache is as it was planned against, else a new plan;
-        with whether it rests on a cached lookup.  A planner that refuses a cached lookup
-        is asked again with a fresh one, and what it refuses then is raised, before
-        anything of the batch moves."""
+    def _serve_jobs(self, jobs: list[_Job]) -> list[Union[Prepared, BaseException]]:
+        """What the link's holder runs for the transfers queued behind it (:mod:`.turns`):
+        one outcome per job, each planned (if its plan went stale) and moved as
+        :meth:`transfer` would, the moves in one batch.  Never raises."""
+        outcomes: list[Union[Prepared, BaseException]] = []
+        try:
+            self.check_alive()
+            ready: list[Union[tuple[Prepared, bool], BaseException]] = []
+            for job in jobs:
+                try:
+                    ready.append(self._reuse_or_plan(job))
+                except Exception as exc:
+                    ready.append(exc)
+            planned = [(job, r) for job, r in zip(jobs, ready) if not isinstance(r, BaseException)]
+            moved = iter(self._move([j for j, _ in planned], [r for _, r in planned],
+                                    min(job.deadline for job in jobs)))
+            outcomes = [r if isinstance(r, BaseException) else next(moved) for r in ready]
+        except Exception as exc:
+            outcomes += [exc] * (len(jobs) - len(outcomes))
+        return outcomes
+
+    def _move(self, jobs: Sequence[_Job], ready: Sequence[tuple[Prepared, bool]],
+              deadline: float) -> list[Union[Prepared, Exception]]:
+        """Run prepared transfers as one batch of the transport (the link held): each one's
+        prepared transfer, or its error.  A step refused as stale, or failing in a way a
+        cached lookup can cause, is looked up, planned and run again on its own."""
+        outcomes = self._bound().run_batch(self, [r.step for r, _ in ready], deadline)
+        done: list[Union[Prepared, Exception]] = []
+        for job, (r, from_cache), outcome in zip(jobs, ready, outcomes):
+            if _retry(outcome, from_cache):
+                try:
+                    done.append(self._transfer_locked(job.key, job.planner, job.push, job.deadline, None))
+                except Exception as exc:
+                    done.append(exc)
+                continue
+            error = self._settle(r, outcome, job.push)
+            done.append(r if error is None else error)
+        return done
+
+    def _reuse_or_plan(self, job: _Job) -> tuple[Prepared, bool]:
+        """The job's prepared transfer while the peer's cache is as it was planned against,
+        else a new plan; with whether it rests on a cached lookup.  A planner that refuses
+        a cached lookup is asked again with a fresh one, and what it refuses then is
+        raised, before anything moves."""
+        hint = job.known
         if hint is not None and self._current(hint.remote):
             return hint, True
-        got = self._plan(key, planner, push, deadline, True) or self._plan(key, planner, push, deadline, False)
+        got = self._plan(job.key, job.planner, job.push, job.deadline, True) or \
+            self._plan(job.key, job.planner, job.push, job.deadline, False)
         assert got is not None  # a fresh lookup's refusal raises
         return got
 
@@ -308,9 +368,18 @@ class Link:
     def _acquire(self, deadline: float) -> None:
         if not self.lock.acquire(blocking=False) and \
                 not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            fail(Fault.TIMEOUT,
-                        f"link to cluster {self.remote_cluster_id} stayed busy with another transfer "
-                        f"for sync_kv_timeout ({self.timeout_ms} ms)")
+            self._busy()
+
+    def _busy(self) -> NoReturn:
+        fail(Fault.TIMEOUT, f"link to cluster {self.remote_cluster_id} stayed busy with other transfers "
+                            f"for sync_kv_timeout ({self.timeout_ms} ms)")
+
+    def _let_go(self) -> None:
+        """Let go of the link after a transfer (serving the transfers queued behind it);
+        a link whose peer went away meanwhile is closed now."""
+        self.lock.release()
+        if self._close_when_idle:
+            self.retire(self.broken or "peer gone")
 
     def _current(self, remote: RemoteCache) -> bool:
         """Whether a plan made against ``remote`` may run again without a new lookup:

@@ -322,6 +322,35 @@ class _Child:
                 self.conn.send(("note", "running"))
         return {"iterations": done, "error": None, "t_error": None}
 
+    def op_concurrent(self, method: str, calls: Sequence[Tuple[Sequence[Any], Dict[str, Any]]],
+                      repeat: int = 1) -> List[Optional[Dict[str, Any]]]:
+        """Each call of ``calls`` (``cache_manager.<method>(*args, **kwargs)``) in a thread
+        of its own, all started behind one barrier, ``repeat`` times in a row; per call,
+        None or the first error it raised."""
+        fn = getattr(self.engine.cache_manager, method)
+        resolved = [(self._resolve(tuple(a)), self._resolve(k)) for a, k in calls]
+        barrier = threading.Barrier(len(resolved), timeout=30)
+        errors: List[Optional[Dict[str, Any]]] = [None] * len(resolved)
+
+        def one(i: int) -> None:
+            args, kwargs = resolved[i]
+            barrier.wait()
+            for _ in range(repeat):
+                try:
+                    fn(*args, **kwargs)
+                except Exception as exc:
+                    errors[i] = _exc_report(exc)
+                    return
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(resolved))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+            if t.is_alive():
+                raise TimeoutError("a concurrent call did not return within 60 s")
+        return errors
+
     def op_prepare(self, name: str, method: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
         """Keep the transfer handle ``cache_manager.<method>(*args, **kwargs)`` returns
         (``prepare_push_blocks`` / ``prepare_pull_blocks``) as ``name``; returns its repr."""
