@@ -5,7 +5,8 @@ A :class:`TransferHandle` (``CacheManager.prepare_push_blocks`` / ``prepare_pull
 is what NIXL calls a prepared transfer: ``run(src_blocks, dst_blocks)`` then costs a look
 at what may have changed (the local cache still registered, the link still up, the peer's
 cache as it was) and the copy itself.  Each handle remembers the plans of the last block
-lists it ran (:data:`PLANS_PER_HANDLE`), so a repeated call shape skips planning too, and
+lists it ran (at most :data:`PLANS_PER_HANDLE`, together at most :data:`PLAN_BLOCKS_PER_HANDLE`
+entries long), so a repeated call shape skips planning too, and
 the plain ``push_blocks`` / ``pull_blocks`` calls run through handles the cache manager
 keeps per call shape (:func:`call_ident`): the public calls get the same fast path.
 
@@ -18,7 +19,7 @@ peer refuses a stale request, which is then looked up and planned again).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Hashable, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Hashable, Optional, Sequence, Sized, Tuple, Union
 
 from ._objects import BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex
 from ._planning import (BlockList, Side, block_list_arg, blocks_plan, cache_ref, check_nonempty,
@@ -26,7 +27,7 @@ from ._planning import (BlockList, Side, block_list_arg, blocks_plan, cache_ref,
 from ._status import LLMStatusCode, api_class, raise_error
 from .engine import native
 from .engine.layout import Plan
-from .engine.memo import remember
+from .engine.memo import Weighed
 from .engine.transports.base import Prepared, RemoteCache
 
 if TYPE_CHECKING:
@@ -34,14 +35,15 @@ if TYPE_CHECKING:
     from .engine.link import Link
     from .engine.registry import CacheRecord, Registry
 
-__all__ = ["TransferHandle", "call_ident", "PLANS_PER_HANDLE", "MAX_BATCH"]
+__all__ = ["TransferHandle", "call_ident", "PLANS_PER_HANDLE", "PLAN_BLOCKS_PER_HANDLE", "MAX_BATCH"]
 
 #: Block lists whose plans a handle remembers (the most recent ones).
 PLANS_PER_HANDLE = 32
 #: Most block-list pairs one ``run_batch`` takes (their answers must fit the socket's buffers).
 MAX_BATCH = 256
-#: Longest block list whose plan is remembered (the key holds the list).
-_MEMO_BLOCKS = 1024
+#: Entries of the block lists whose plans a handle remembers, all together: a plan and its
+#: key take about 40 bytes per entry, so a handle holds at most about 1.3 MiB of them.
+PLAN_BLOCKS_PER_HANDLE = 32768
 
 PeerKey = Union[BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex]
 _PUSH_KEYS = (BlocksCacheKey, CacheKeyByIdAndIndex)
@@ -49,11 +51,18 @@ _PULL_KEYS = (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex)
 
 
 def _blocks_ident(blocks: object) -> Optional[Hashable]:
-    """A block list as a dict key: a range as itself, a list or tuple of ints as a tuple;
-    None for anything else (arrays, long lists, floats: those are planned every time)."""
+    """A block list as a dict key: a range as itself, a list or tuple of ints as an
+    ``IntKey`` (one C pass; a memcmp to compare); None for anything else (arrays, floats:
+    those are planned every time)."""
     if type(blocks) is range:
         return blocks
-    return native.int_tuple(blocks, _MEMO_BLOCKS)
+    return native.int_key(blocks, PLAN_BLOCKS_PER_HANDLE)
+
+
+def _weight(src_blocks: Sized, dst_blocks: Sized) -> int:
+    """What remembering the plan of two block lists costs (entries: plan arrays and key
+    grow with them)."""
+    return len(src_blocks) + len(dst_blocks)
 
 
 def _peer_ident(key: object) -> Optional[Hashable]:
@@ -108,7 +117,7 @@ class TransferHandle:
         self._ref = cache_ref(peer_key)
         self._ranges = (src_layer_range, dst_layer_range)
         self._tnpl = tensor_num_per_layer
-        self._plans: dict[Hashable, Prepared] = {}
+        self._plans: Weighed[Hashable, Prepared] = Weighed(PLANS_PER_HANDLE, PLAN_BLOCKS_PER_HANDLE)
         self._given: Optional[Tuple[BlockList, BlockList]] = None
         self._given_plan: Optional[Prepared] = None
         self._registry: Registry
@@ -174,9 +183,10 @@ class TransferHandle:
             known.append(hit)
         link = self._live()
         planners = [functools.partial(self._plan, sb, db) for sb, db in block_lists]
-        for key, hint, ready in zip(keys, known, link.transfer_batch(self._ref, planners, self._push, known)):
+        done = link.transfer_batch(self._ref, planners, self._push, known)
+        for key, hint, ready, pair in zip(keys, known, done, block_lists):
             if key is not None and ready is not hint:
-                remember(self._plans, key, ready, PLANS_PER_HANDLE)
+                self._plans.put(key, ready, _weight(*pair))
 
     @property
     def is_push(self) -> bool:
@@ -200,7 +210,7 @@ class TransferHandle:
         link = self._live()
         ready = link.transfer(self._ref, functools.partial(self._plan, src_blocks, dst_blocks), self._push, known)
         if key is not None and ready is not known:
-            remember(self._plans, key, ready, PLANS_PER_HANDLE)
+            self._plans.put(key, ready, _weight(src_blocks, dst_blocks))
 
     @staticmethod
     def _key(src_blocks: object, dst_blocks: object) -> Optional[Hashable]:
@@ -217,7 +227,7 @@ class TransferHandle:
                         f"cache {self._cache_id} is not (or no longer) known to this engine")
         link = self._link
         if link.broken is not None:
-            self._plans = {}
+            self._plans.clear()
             self._given_plan = None
             self._bind()
             if self._record is not None and self._registry.get(self._cache_id) is not self._record:

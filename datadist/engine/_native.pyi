@@ -30,8 +30,13 @@ def peer_closed(fd: int, /) -> bool:
 def spin_readable(fd: int, spin_us: int, /) -> bool:
     """Whether ``fd`` becomes readable within ``spin_us`` (polled without sleeping)."""
 
-def int_tuple(seq: object, limit: int, /) -> tuple[int, ...] | None:
-    """A list or tuple of exact ints (at most ``limit``) as a tuple; None otherwise."""
+class IntKey:
+    """A list of exact ints as a hashable key (its values as int64 and their hash)."""
+    def __hash__(self) -> int: ...
+    def __eq__(self, other: object) -> bool: ...
+
+def int_key(seq: object, limit: int, /) -> IntKey | None:
+    """A list or tuple of exact ints (at most ``limit``) as an :class:`IntKey`; None otherwise."""
 
 def index_array(seq: object, /) -> tuple[bytearray, int, int] | None:
     """``(int64 bytes, min, max)`` of an exact ``list`` or ``tuple`` of ints (``min > max``

@@ -1,13 +1,15 @@
 """Bounded memories of the small-call fast paths (handles per call shape, plans per block
 list, admitted request frames): plain dicts in insertion order, the oldest entry dropped
-when full.  Lookups are one ``dict.get`` and need no lock; entries are immutable, so a
-race between threads at worst drops or adds one entry more."""
+when full (:func:`remember`), or when the entries' weights would pass a budget
+(:class:`Weighed`: plans of long block lists hold arrays as long as their lists).  Lookups
+are one ``dict.get`` and need no lock; entries are immutable, so a race between threads at
+worst drops or adds one entry more."""
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import TypeVar
+from typing import Generic, Optional, TypeVar
 
-__all__ = ["remember"]
+__all__ = ["remember", "Weighed"]
 
 _K = TypeVar("_K", bound=Hashable)
 _V = TypeVar("_V")
@@ -23,3 +25,41 @@ def remember(memory: dict[_K, _V], key: _K, value: _V, limit: int) -> None:
         except (KeyError, RuntimeError, StopIteration):
             pass
     memory[key] = value
+
+
+class Weighed(Generic[_K, _V]):
+    """At most ``limit`` entries whose weights add up to at most ``budget``; the oldest go
+    first.  An entry heavier than the whole budget is not kept."""
+
+    __slots__ = ("values", "_weights", "limit", "budget")
+
+    def __init__(self, limit: int, budget: int) -> None:
+        self.values: dict[_K, _V] = {}
+        self._weights: dict[_K, int] = {}
+        self.limit = limit
+        self.budget = budget
+
+    def get(self, key: _K) -> Optional[_V]:
+        return self.values.get(key)
+
+    def put(self, key: _K, value: _V, weight: int) -> None:
+        if weight > self.budget:
+            return
+        try:
+            self._weights.pop(key, None)
+            total = sum(self._weights.values()) + weight
+            while self._weights and (total > self.budget or len(self._weights) >= self.limit):
+                oldest = next(iter(self._weights))
+                total -= self._weights.pop(oldest)
+                self.values.pop(oldest, None)
+        except (KeyError, RuntimeError, StopIteration):
+            pass  # another thread changed it meanwhile: at worst one entry too many or too few
+        self._weights[key] = weight
+        self.values[key] = value
+
+    def clear(self) -> None:
+        self.values.clear()
+        self._weights.clear()
+
+    def __len__(self) -> int:
+        return len(self.values)

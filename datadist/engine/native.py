@@ -11,6 +11,7 @@ import errno
 import functools
 import os
 import time
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 import numpy as np
@@ -33,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["ms_until", "peer_closed", "int_tuple", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "sum_blocks", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "spin_readable", "COPY_THREADS",
+__all__ = ["ms_until", "peer_closed", "int_key", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "sum_blocks", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "spin_readable", "COPY_THREADS",
            "SPIN_US"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
@@ -66,11 +67,12 @@ def index_array(seq: object) -> Optional[Tuple[NDArray[np.int64], int, int]]:
     return np.frombuffer(raw, dtype=np.int64), lo, hi
 
 
-def int_tuple(seq: object, limit: int) -> Optional[Tuple[int, ...]]:
-    """``seq`` as a hashable key: a list or tuple of at most ``limit`` exact ints as a
-    tuple, in one C pass; None for anything else (floats and bools compare equal to ints
-    but are not indices, so they never share an int list's key)."""
-    return _native.int_tuple(seq, limit)
+def int_key(seq: object, limit: int) -> Optional[Hashable]:
+    """``seq`` as a hashable key: a list or tuple of at most ``limit`` exact ints as an
+    ``IntKey`` (the values as int64 and their hash, made in one C pass; equal keys compare
+    with one memcmp); None for anything else (floats and bools compare equal to ints but
+    are not indices, so they never share an int list's key)."""
+    return _native.int_key(seq, limit)
 
 
 def bind_copy(plan: Plan, threads: int = COPY_THREADS) -> Callable[[int], int]:

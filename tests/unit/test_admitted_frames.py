@@ -97,14 +97,33 @@ def test_spin_readable_sees_data_and_times_out() -> None:
         assert native.spin_readable(a.fileno(), 10_000) is True
 
 
-def test_int_tuple_keys_only_exact_ints() -> None:
-    assert native.int_tuple([1, 2, 3], 8) == (1, 2, 3)
-    t = (4, 5)
-    assert native.int_tuple(t, 8) is t
-    for not_ints in ([1.0], [True], [1, "2"], [np.int64(1)], range(3), np.arange(3), "12", None):
-        assert native.int_tuple(not_ints, 8) is None
-    assert native.int_tuple(list(range(9)), 8) is None
-    assert native.int_tuple([], 8) == ()
+def test_int_keys_are_equal_exactly_for_equal_lists_of_exact_ints() -> None:
+    k = native.int_key([1, 2, 3], 8)
+    assert k is not None
+    assert k == native.int_key((1, 2, 3), 8) and hash(k) == hash(native.int_key((1, 2, 3), 8))
+    assert {k: "plan"}.get(native.int_key([1, 2, 3], 8)) == "plan"
+    for other in ([1, 2, 4], [1, 2], [3, 2, 1], [1, 2, 3, 0], [-1, 2, 3]):
+        assert native.int_key(other, 8) != k
+    assert native.int_key([1 << 40, -(1 << 40), -7], 8) == native.int_key([1 << 40, -(1 << 40), -7], 8)
+    assert native.int_key([-7], 8) != native.int_key([7], 8)
+    assert native.int_key([], 8) == native.int_key((), 8)
+    assert k != (1, 2, 3) and k != [1, 2, 3]
+    for not_ints in ([1.0], [True], [1, "2"], [np.int64(1)], [1 << 70], range(3), np.arange(3), "12", None):
+        assert native.int_key(not_ints, 8) is None
+    assert native.int_key(list(range(9)), 8) is None
+
+
+def test_int_keys_of_long_lists_tell_one_changed_entry() -> None:
+    base = list(range(4096))
+    seen = {native.int_key(base, 1 << 16)}
+    for i in (0, 1, 2047, 4095):
+        changed = list(base)
+        changed[i] += 4096
+        assert native.int_key(changed, 1 << 16) not in seen
+    swapped = list(base)
+    swapped[10], swapped[11] = swapped[11], swapped[10]
+    assert native.int_key(swapped, 1 << 16) not in seen  # order matters
+    assert native.int_key(list(base), 1 << 16) in seen
 
 
 def test_read_answer_reads_no_byte_past_its_frame() -> None:
