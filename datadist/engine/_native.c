@@ -14,6 +14,7 @@
 #include <Python.h>
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -515,6 +516,7 @@ static int64_t dd_sock_plan(int fd, int send, int64_t timeout_ms, size_t nt, con
 
 /* dd_spin_readable: poll fd without sleeping for up to spin_us: 1 once readable (or hung
  * up), 0 if not by then, or -errno.
+ * The spin yields the CPU between polls (a thread that shares it runs; none: the poll goes on at once).
  * dd_wait_readable: wait until fd is readable: poll without sleeping for up to spin_us first (a reply on a
  * loopback or fast link usually arrives within tens of microseconds, and a sleeping
  * thread pays a wake-up that costs about as much), then sleep in poll until timeout_ms.
@@ -530,6 +532,9 @@ static int64_t dd_spin_readable(int fd, int64_t spin_us) {
         clock_gettime(CLOCK_MONOTONIC, &t);
         int64_t us = (int64_t)(t.tv_sec - t0.tv_sec) * 1000000 + (t.tv_nsec - t0.tv_nsec) / 1000;
         if (us >= spin_us) return 0;
+        /* Let a thread that shares this CPU run: on a machine with few cores it is often
+         * the one that will make fd readable (the peer, or this process's caller). */
+        sched_yield();
     }
 }
 
