@@ -17,7 +17,8 @@ Workloads (see PERF.md):
                 batch_ms / gbps: the whole batch (8 x 32 calls); p50_us / p99_us: one layer
                 call, over all calls of all rounds.  --requests and --layers shrink it.
   plan          validation + plan building for 4096 blocks x 64 tensors (all 32 layers, in
-                order and scattered), in one process; p50/p99 per plan
+                order and scattered), in one process; p50/p99 per plan; "cached": the same
+                call repeated, finding its plan (keys of both lists, one lookup)
   --sweep       32 MiB in order at block sizes 4 KiB .. 1 MiB
 
 ``--plot OUT`` draws whatever ran into ``OUT.png`` and ``OUT.svg`` (matplotlib, extra
@@ -442,8 +443,12 @@ def run(workload: str, transport: str, device: str = "cpu", *, rounds: Optional[
 
 def plan_rows(rounds: int = 200) -> List[Row]:
     """Time ``push_blocks``-style validation and planning (no data moves): 4096 blocks over
-    64 tensors with a layer range covering every layer, in-order and scattered lists."""
+    64 tensors with a layer range covering every layer, in-order and scattered lists; and
+    the same call shape repeated (``cached``): what a plain call then spends to find the
+    plan it made before (both block lists as keys, one lookup in its handle's memory)."""
+    from ._handles import PLAN_BLOCKS_PER_HANDLE, PLANS_PER_HANDLE, TransferHandle
     from ._planning import Side, blocks_plan
+    from .engine.memo import Weighed
 
     base = np.arange(PLAN_TENSORS, dtype=np.uint64) * np.uint64(1 << 30) + np.uint64(1 << 40)
     src = Side(base, PLAN_TENSORS, PLAN_BLOCKS * 4096, PLAN_BLOCKS)
@@ -453,15 +458,27 @@ def plan_rows(rounds: int = 200) -> List[Row]:
     for name, dst_blocks in (("in order", list(range(PLAN_BLOCKS))),
                              ("scattered", np.random.default_rng(7).permutation(PLAN_BLOCKS).tolist())):
         src_blocks = list(range(PLAN_BLOCKS))
-        times = []
-        for _ in range(rounds + 1):
-            t = time.perf_counter()
-            plan = blocks_plan(src, dst, src_blocks, dst_blocks, 2, layers, layers)
-            times.append(time.perf_counter() - t)
-        us = sorted(t * 1e6 for t in times[1:])
-        rows.append({"workload": "plan", "transport": name, "system": "datadist-plan", "runs": plan.nruns,
-                     "p50_us": us[len(us) // 2], "p99_us": us[min(len(us) - 1, int(len(us) * 0.99))],
-                     "blocks": PLAN_BLOCKS, "tensors": PLAN_TENSORS, "scatter": name == "scattered"})
+        plan = blocks_plan(src, dst, src_blocks, dst_blocks, 2, layers, layers)
+        memo: Weighed[object, object] = Weighed(PLANS_PER_HANDLE, PLAN_BLOCKS_PER_HANDLE)
+        memo.put(TransferHandle._key(src_blocks, dst_blocks), plan, 2 * PLAN_BLOCKS)
+        # the lists as a later call gives them: equal, but other list objects
+        again_src, again_dst = list(src_blocks), list(dst_blocks)
+        steps: List[Tuple[bool, Callable[[], object]]] = [
+            (False, partial(blocks_plan, src, dst, src_blocks, dst_blocks, 2, layers, layers)),
+            (True, lambda: memo.get(TransferHandle._key(again_src, again_dst)))]
+        for cached, step in steps:
+            times = []
+            for _ in range(rounds + 1):
+                t = time.perf_counter()
+                got = step()
+                times.append(time.perf_counter() - t)
+            if got is None:
+                raise RuntimeError("a repeated call shape did not find its plan")
+            us = sorted(t * 1e6 for t in times[1:])
+            rows.append({"workload": "plan", "transport": name + (", cached" if cached else ""),
+                         "system": "datadist-plan", "runs": plan.nruns, "cached": cached,
+                         "p50_us": us[len(us) // 2], "p99_us": us[min(len(us) - 1, int(len(us) * 0.99))],
+                         "blocks": PLAN_BLOCKS, "tensors": PLAN_TENSORS, "scatter": name == "scattered"})
     return rows
 
 
@@ -511,7 +528,7 @@ def _apply(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def _print_plan_rows(as_json: bool, rounds: Optional[int]) -> None:
     for row in plan_rows(rounds or 200):
         print(json.dumps(row) if as_json else
-              f"{'plan':14s} {row['transport']:9s} {'':>8s} {'':>9s} {row['p50_us']:9.1f} {row['p99_us']:9.1f}"
+              f"{'plan':14s} {row['transport']:28s} {row['p50_us']:9.1f} {row['p99_us']:9.1f}"
               f"   ({row['runs']} runs)", flush=True)
 
 
