@@ -834,6 +834,158 @@ static PyObject *py_index_array(PyObject *self, PyObject *const *args, Py_ssize_
     return Py_BuildValue("(NLL)", out, (long long)lo, (long long)hi);
 }
 
+/* request(fd, head, base, off, len, answer_len, spin_us, timeout_ms): one request of a link
+ * and the first bytes of its answer, in one call without the GIL: writev of the frame head
+ * and the runs (base x off, len; base None: no payload), a wait for the answer (spinning
+ * spin_us first), and exactly answer_len bytes of it, returned as bytes.  OSError ETIMEDOUT
+ * at the deadline (timeout_ms for the whole call), ECONNRESET at end of stream. */
+static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "request(fd, head, base, off, len, answer_len, spin_us, timeout_ms)");
+        return NULL;
+    }
+    long fd = PyLong_AsLong(args[0]);
+    Py_ssize_t answer_len = PyLong_AsSsize_t(args[5]);
+    long long spin_us = PyLong_AsLongLong(args[6]), timeout_ms = PyLong_AsLongLong(args[7]);
+    if (PyErr_Occurred()) return NULL;
+    if (answer_len < 1 || answer_len > 4096) {
+        PyErr_SetString(PyExc_ValueError, "request: answer_len must be in [1, 4096]");
+        return NULL;
+    }
+    plan_args a;
+    a.held = 0;
+    size_t counts[3] = {0, 0, 0};
+    if (args[2] != Py_None) {
+        PyObject *const objs[3] = {args[2], args[3], args[4]};
+        for (int i = 0; i < 3; i++) {
+            if (get_u64(objs[i], &a.v[i], &counts[i]) < 0) { release_plan(&a); return NULL; }
+            a.held++;
+        }
+        if (counts[1] != counts[2] || (counts[0] && !counts[1])) {
+            release_plan(&a);
+            PyErr_SetString(PyExc_ValueError, "plan arrays disagree in length");
+            return NULL;
+        }
+    }
+    Py_buffer head;
+    if (PyObject_GetBuffer(args[1], &head, PyBUF_SIMPLE) < 0) { release_plan(&a); return NULL; }
+    PyObject *answer = PyBytes_FromStringAndSize(NULL, answer_len);
+    if (answer == NULL) { PyBuffer_Release(&head); release_plan(&a); return NULL; }
+    uint64_t addr = (uint64_t)(uintptr_t)PyBytes_AS_STRING(answer), len = (uint64_t)answer_len, zero = 0;
+    int64_t r;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t deadline = now_ms() + timeout_ms;
+    r = dd_sock_plan((int)fd, 1, timeout_ms, counts[0], a.held ? U64P(a, 0) : NULL, counts[1],
+                     a.held ? U64P(a, 1) : NULL, a.held ? U64P(a, 2) : NULL, (const char *)head.buf, (size_t)head.len);
+    if (r >= 0) r = dd_wait_readable((int)fd, spin_us, deadline - now_ms());
+    if (r >= 0) r = dd_sock_plan((int)fd, 0, deadline - now_ms(), 1, &addr, 1, &zero, &len, NULL, 0);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&head);
+    release_plan(&a);
+    if (r < 0) { Py_DECREF(answer); return result_or_oserror(r); }
+    return answer;
+}
+
+/* serve_known(fd, known, epoch, header_size, limit, timeout_ms, answer): the agent's fast
+ * path for a transfer request that repeats one it checked and admitted before.
+ *
+ * Reads the next frame's header (header_size bytes; a frame header ends with its two
+ * little-endian uint32 lengths, body and arrays) and, if the whole frame is at most limit
+ * bytes, the rest of it.  When those bytes are a key of the dict known whose value is a
+ * tuple (admitted_epoch, is_push, admitted, bases, offs, lens) and admitted_epoch equals
+ * epoch (the registry has not changed since the frame was checked), the request is served
+ * here without the GIL: a push's payload is read into the runs (bases x offs, lens) and
+ * answer is sent; a pull is answered with answer followed by the runs' bytes.  Nothing of
+ * the frame is trusted before it matched a frame checked in full: lengths only bound what
+ * is read, never more than limit.
+ *
+ * Returns (0, admitted) when served, (1, header) when the frame is longer than limit
+ * (nothing past its header read), (2, frame) when it was read whole but is not served
+ * here; OSError (ETIMEDOUT, ECONNRESET, ...) when the socket fails. */
+static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "serve_known(fd, known, epoch, header_size, limit, timeout_ms, answer)");
+        return NULL;
+    }
+    long fd = PyLong_AsLong(args[0]);
+    PyObject *known = args[1], *epoch = args[2];
+    Py_ssize_t hsize = PyLong_AsSsize_t(args[3]), limit = PyLong_AsSsize_t(args[4]);
+    long long timeout_ms = PyLong_AsLongLong(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if (!PyDict_Check(known) || !PyBytes_Check(args[6]) || hsize < 8 || hsize > 64 || limit < hsize) {
+        PyErr_SetString(PyExc_ValueError, "serve_known: a dict, a header of 8..64 bytes, limit >= header, bytes answer");
+        return NULL;
+    }
+    unsigned char head[64];
+    uint64_t addr = (uint64_t)(uintptr_t)head, len = (uint64_t)hsize, zero = 0;
+    int64_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = dd_sock_plan((int)fd, 0, timeout_ms, 1, &addr, 1, &zero, &len, NULL, 0);
+    Py_END_ALLOW_THREADS
+    if (r < 0) return result_or_oserror(r);
+    const unsigned char *l = head + hsize - 8;
+    uint64_t blen = (uint64_t)l[0] | (uint64_t)l[1] << 8 | (uint64_t)l[2] << 16 | (uint64_t)l[3] << 24;
+    uint64_t alen = (uint64_t)l[4] | (uint64_t)l[5] << 8 | (uint64_t)l[6] << 16 | (uint64_t)l[7] << 24;
+    if ((uint64_t)hsize + blen + alen > (uint64_t)limit)
+        return Py_BuildValue("(iy#)", 1, (const char *)head, hsize);
+    Py_ssize_t total = hsize + (Py_ssize_t)(blen + alen);
+    PyObject *frame = PyBytes_FromStringAndSize(NULL, total);
+    if (frame == NULL) return NULL;
+    char *fb = PyBytes_AS_STRING(frame);
+    memcpy(fb, head, (size_t)hsize);
+    if (total > hsize) {  /* this bytes object is not shared yet: filled without the GIL */
+        addr = (uint64_t)(uintptr_t)(fb + hsize);
+        len = blen + alen;
+        Py_BEGIN_ALLOW_THREADS
+        r = dd_sock_plan((int)fd, 0, timeout_ms, 1, &addr, 1, &zero, &len, NULL, 0);
+        Py_END_ALLOW_THREADS
+        if (r < 0) { Py_DECREF(frame); return result_or_oserror(r); }
+    }
+    PyObject *value = PyDict_GetItemWithError(known, frame);  /* borrowed */
+    if (value == NULL && PyErr_Occurred()) { Py_DECREF(frame); return NULL; }
+    int same = 0;
+    if (value != NULL && PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 6) {
+        same = PyObject_RichCompareBool(PyTuple_GET_ITEM(value, 0), epoch, Py_EQ);
+        if (same < 0) { Py_DECREF(frame); return NULL; }
+    }
+    if (!same) return Py_BuildValue("(iN)", 2, frame);
+    Py_INCREF(value);  /* the dict may change once the GIL is released */
+    int push = PyObject_IsTrue(PyTuple_GET_ITEM(value, 1));
+    plan_args a;
+    a.held = 0;
+    size_t counts[3];
+    for (int i = 0; i < 3; i++) {
+        if (get_u64(PyTuple_GET_ITEM(value, 3 + i), &a.v[i], &counts[i]) < 0) {
+            release_plan(&a); Py_DECREF(value); Py_DECREF(frame); return NULL;
+        }
+        a.held++;
+    }
+    if (counts[1] != counts[2] || counts[1] == 0 || counts[0] == 0) {  /* not a plan to serve here */
+        release_plan(&a);
+        Py_DECREF(value);
+        return Py_BuildValue("(iN)", 2, frame);
+    }
+    const char *ans = PyBytes_AS_STRING(args[6]);
+    size_t ans_len = (size_t)PyBytes_GET_SIZE(args[6]);
+    Py_BEGIN_ALLOW_THREADS
+    if (push) {
+        r = dd_sock_plan((int)fd, 0, timeout_ms, counts[0], U64P(a, 0), counts[1], U64P(a, 1), U64P(a, 2), NULL, 0);
+        if (r >= 0) r = dd_sock_plan((int)fd, 1, timeout_ms, 0, NULL, 0, NULL, NULL, ans, ans_len);
+    } else {
+        r = dd_sock_plan((int)fd, 1, timeout_ms, counts[0], U64P(a, 0), counts[1], U64P(a, 1), U64P(a, 2),
+                         ans, ans_len);
+    }
+    Py_END_ALLOW_THREADS
+    release_plan(&a);
+    Py_DECREF(frame);
+    if (r < 0) { Py_DECREF(value); return result_or_oserror(r); }
+    PyObject *out = Py_BuildValue("(iO)", 0, PyTuple_GET_ITEM(value, 2));
+    Py_DECREF(value);
+    return out;
+}
+
 /* spin_readable(fd, spin_us): whether fd becomes readable within spin_us, polling without
  * sleeping (and without the GIL) meanwhile. */
 static PyObject *py_spin_readable(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -962,6 +1114,11 @@ static PyMethodDef methods[] = {
      "peer_closed(fd) -> whether the stream has ended (no wait)"},
     {"spin_readable", (PyCFunction)(void (*)(void))py_spin_readable, METH_FASTCALL,
      "spin_readable(fd, spin_us) -> whether fd became readable within spin_us (polled without sleeping)"},
+    {"request", (PyCFunction)(void (*)(void))py_request, METH_FASTCALL,
+     "request(fd, head, base, off, len, answer_len, spin_us, timeout_ms) -> the answer's first answer_len bytes"},
+    {"serve_known", (PyCFunction)(void (*)(void))py_serve_known, METH_FASTCALL,
+     "serve_known(fd, known, epoch, header_size, limit, timeout_ms, answer) -> (0, admitted) served | "
+     "(1, header) | (2, frame) read, not served"},
     {"int_key", (PyCFunction)(void (*)(void))py_int_key, METH_FASTCALL,
      "int_key(seq, limit) -> a list or tuple of exact ints as a hashable IntKey; None otherwise or if longer than limit"},
     {"index_array", (PyCFunction)(void (*)(void))py_index_array, METH_FASTCALL,

@@ -85,3 +85,11 @@ def sock_plan(fd: int, send: bool, timeout_ms: int, base: _U64Array, off: _U64Ar
     """Send (``head`` first, if given) or receive the runs, in order, over the non-blocking
     socket ``fd`` within ``timeout_ms``; returns the payload bytes moved.  ``ValueError``
     for a ``head`` when receiving; ``OSError`` ETIMEDOUT, ECONNRESET... on failure."""
+
+def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, limit: int, timeout_ms: int,
+                answer: bytes, /) -> tuple[int, Any]:
+    """Serve the next frame on ``fd`` if it is a key of ``known`` of the current ``epoch``."""
+
+def request(fd: int, head: Buffer, base: _U64Array | None, off: _U64Array | None, len: _U64Array | None,
+            answer_len: int, spin_us: int, timeout_ms: int, /) -> bytes:
+    """Write ``head`` and the runs, wait for the answer, return its first ``answer_len`` bytes."""

@@ -34,7 +34,7 @@ from .handshake import REFUSAL, ServerAuth
 from .incoming import Incoming, NotTls, Pending, RateLimitedLog, tls_refusal
 from .layout import Plan
 from .link import Link
-from .requests import OK, SERVED, RequestHandler
+from .requests import OK, RequestHandler
 
 if TYPE_CHECKING:
     from .core import Engine
@@ -393,10 +393,12 @@ class Agent:
         sock = link.serve_sock
         try:
             assert sock is not None  # only a link with a serve_sock is registered (_register)
+            frame = self._requests.serve_known(link, sock)
+            if frame is None:  # a transfer admitted before: served already
+                return
             with contextlib.ExitStack() as scope:  # staging buffers of this request
-                cls, data, blen = wire.read_frame(sock, SERVED)
-                reply = self._requests.handle_frame(link, cls, data, blen, sock, scope)
-                if cls is wire.Unlink:
+                reply = self._requests.handle_frame(link, frame, sock, scope)
+                if frame.cls is wire.Unlink:
                     # Forgotten before it is confirmed: once the peer's unlink returns, this
                     # end has no link either (a switch_role right after must not see one).
                     # The socket itself closes on the next turn of the loop, after the reply.

@@ -34,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["ms_until", "peer_closed", "int_key", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "sum_blocks", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "spin_readable", "COPY_THREADS",
+__all__ = ["ms_until", "peer_closed", "int_key", "request", "serve_known", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "sum_blocks", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "spin_readable", "COPY_THREADS",
            "SPIN_US"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
@@ -73,6 +73,32 @@ def int_key(seq: object, limit: int) -> Optional[Hashable]:
     with one memcmp); None for anything else (floats and bools compare equal to ints but
     are not indices, so they never share an int list's key)."""
     return _native.int_key(seq, limit)
+
+
+def request(fd: int, head: bytes, plan: Optional[Plan], answer_len: int, timeout_ms: int,
+            spin_us: int = SPIN_US) -> bytes:
+    """One request on a non-blocking socket ``fd`` in one call: ``head`` (a frame) and the
+    plan's source runs written, the answer awaited (polling ``spin_us`` before sleeping)
+    and its first ``answer_len`` bytes returned.  ``TimeoutError`` after ``timeout_ms``,
+    ``ConnectionResetError`` if the stream ends."""
+    if plan is None:
+        got: bytes = _native.request(fd, head, None, None, None, answer_len, spin_us, int(timeout_ms))
+    else:
+        got = _native.request(fd, head, plan.src_bases, plan.src_offs, plan.lens, answer_len, spin_us,
+                              int(timeout_ms))
+    return got
+
+
+def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, limit: int, timeout_ms: int,
+                answer: bytes) -> tuple[int, Any]:
+    """The agent's fast path for a request frame admitted before, in one C call (see
+    ``_native.c``): reads the next frame from ``fd`` and, if its bytes are a key of
+    ``known`` whose value ``(epoch, is_push, admitted, bases, offs, lens)`` is of the current
+    ``epoch``, serves it (a push's payload in, ``answer`` out; a pull's ``answer`` and
+    payload out).  Returns ``(0, admitted)`` when served, ``(1, header)`` for a frame longer
+    than ``limit`` (only its header read), ``(2, frame)`` for one read whole but not served."""
+    got: tuple[int, Any] = _native.serve_known(fd, known, epoch, header_size, limit, int(timeout_ms), answer)
+    return got
 
 
 def bind_copy(plan: Plan, threads: int = COPY_THREADS) -> Callable[[int], int]:

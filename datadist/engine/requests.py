@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
+from ssl import SSLSocket
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Union
 
 import numpy as np
 import numpy.typing as npt
 
-from . import wire
+from . import native, wire
 from .arrivals import Notice
 from .errors import EngineError, Fault
 from .layout import Plan, tensor_span
@@ -44,7 +45,7 @@ _U64 = npt.NDArray[np.uint64]
 
 #: The answer to a request that went through (sent as ``wire.OK_FRAME``).
 OK = wire.OK
-#: Transfer frames remembered once admitted, and the largest remembered (body and arrays).
+#: Transfer frames remembered once admitted, and the largest remembered (whole frame).
 _ADMIT_MEMO = 256
 _ADMIT_FRAME = 4096
 
@@ -57,6 +58,21 @@ class _Admitted(NamedTuple):
     rec: Optional[CacheRecord]
     msg: wire.Push
     plan: Plan
+
+    def known(self) -> "Union[_Admitted, _Served]":
+        """What the memory of admitted frames keeps for this request: for a host plan the
+        tuple the C fast path serves from (:func:`native.serve_known`), else itself (the
+        Python path serves it, staging device memory)."""
+        plan, push = self.plan, not isinstance(self.msg, wire.Pull)
+        bases, offs = (plan.dst_bases, plan.dst_offs) if push else (plan.src_bases, plan.src_offs)
+        if not plan.on_host or not plan.lens.shape[0] or not bases.shape[0]:
+            return self
+        return (self.epoch, push, self, bases, offs, plan.lens)
+
+
+#: ``(epoch, is_push, admitted, bases, offs, lens)``: an admitted host-memory transfer as
+#: the C fast path serves it.
+_Served = tuple[int, bool, _Admitted, np.ndarray, np.ndarray, np.ndarray]
 _Handler = Callable[[Link, wire.Message, socket.socket], Optional[wire.Message]]
 
 
@@ -72,8 +88,8 @@ class RequestHandler:
         self._scope: Optional[contextlib.ExitStack] = None
         #: The socket transfer the current request was admitted as (set by ``_transfer``).
         self._admitted: Optional[_Admitted] = None
-        #: Transfer frames admitted before, by their bytes (:meth:`handle_frame`).
-        self._admitted_frames: dict[tuple[type[wire.Message], bytes], _Admitted] = {}
+        #: Transfer frames admitted before, by their bytes (:meth:`serve_known`, :meth:`handle_frame`).
+        self._known: dict[bytes, Union[_Admitted, _Served]] = {}
         self._table: dict[type[wire.Message], _Handler] = {
             wire.Resolve: self._resolve, wire.ReleaseKey: self._release_key, wire.Push: self._transfer,
             wire.Pull: self._transfer, wire.Unlink: self._unlink, wire.Notify: self._notify, wire.Note: self._note,
@@ -89,27 +105,43 @@ class RequestHandler:
             raise wire.WireError(f"unexpected request {type(msg).__name__}")
         return handler(link, msg, sock)
 
-    def handle_frame(self, link: Link, cls: type[wire.Message], data: bytearray, blen: int, sock: socket.socket,
+    def serve_known(self, link: Link, sock: socket.socket) -> Optional[wire.Frame]:
+        """Serve the next request of ``link`` if it is a socket transfer whose frame is byte
+        for byte one admitted before, while this engine's caches have not changed since
+        (the frame names the registry's epoch it was planned at, and every change of the
+        caches moves it): in one C call, the frame read, recognized and its payload moved
+        (a repeated small transfer then costs the agent little more than its system calls).
+        Returns None when served, else the frame as read, for :meth:`handle_frame`.  TLS
+        links read their frame here and are served by :meth:`handle_frame`."""
+        if isinstance(sock, SSLSocket):
+            return wire.read_frame(sock, SERVED, keep=_ADMIT_FRAME)
+        status, got = native.serve_known(sock.fileno(), self._known, self.registry.epoch, wire.HEADER_SIZE,
+                                         _ADMIT_FRAME, self.timeout_ms, wire.OK_FRAME)
+        if status == 0:
+            admitted: _Admitted = got
+            if not isinstance(admitted.msg, wire.Pull):
+                self._arrived(link, admitted.rec, admitted.msg)
+            return None
+        return wire.read_frame(sock, SERVED, got=got, keep=_ADMIT_FRAME)
+
+    def handle_frame(self, link: Link, frame: wire.Frame, sock: socket.socket,
                      scope: contextlib.ExitStack) -> Optional[wire.Message]:
-        """:meth:`handle` of a frame as read (:func:`wire.read_frame`).  A socket transfer
-        whose frame is byte for byte one admitted before, while this engine's caches have
-        not changed since (the frame names the registry's epoch it was planned at, and
-        every change of the caches moves it), is served without decoding or checking it
-        again: a repeated small transfer then costs the agent little more than its
-        system calls."""
-        key = None
-        if (cls is wire.Push or cls is wire.Pull) and len(data) <= _ADMIT_FRAME:
-            key = (cls, bytes(data))
-            hit = self._admitted_frames.get(key)
-            if hit is not None and hit.epoch == self.registry.epoch:
+        """:meth:`handle` of a frame as read (:meth:`serve_known`).  A socket transfer whose
+        frame was admitted before, while the caches have not changed since, is served
+        without decoding or checking it again; one admitted now is remembered."""
+        cls, key = frame.cls, frame.raw
+        if key is not None and (cls is wire.Push or cls is wire.Pull):
+            hit = self._known.get(key)
+            admitted = hit if hit is None or isinstance(hit, _Admitted) else hit[2]
+            if admitted is not None and admitted.epoch == self.registry.epoch:
                 self.payload, self._scope = None, scope
-                return self._serve_socket(link, hit, sock)
-        msg = wire.decode_frame(cls, data, blen)
+                return self._serve_socket(link, admitted, sock)
+        msg = wire.decode_frame(cls, frame.data, frame.blen)
         self._admitted = None
         reply = self.handle(link, msg, sock, scope)
         admitted = self._admitted
         if key is not None and admitted is not None and admitted.msg.cache_id != ANY_CACHE:
-            remember(self._admitted_frames, key, admitted, _ADMIT_MEMO)
+            remember(self._known, key, admitted.known(), _ADMIT_MEMO)
         return reply
 
     # -- lookups -------------------------------------------------------------------------

@@ -17,14 +17,14 @@ import socket
 from dataclasses import dataclass, field
 from enum import IntEnum
 from ssl import SSLSocket
-from typing import Any, ClassVar, Collection, Dict, List, Optional
+from typing import Any, ClassVar, Collection, Dict, List, NamedTuple, Optional
 
 from . import native, tls
 from .codec import HEADER_SIZE, U64, Buffer, FrameFormat, WireError
 
 __all__ = [
     "VERSION", "U64", "MsgType", "Message", "Hello", "HelloAck", "Attach", "Resolve", "Resolved",
-    "ReleaseKey", "Push", "Pull", "Reply", "Unlink", "Notify", "Note", "encode", "read_message", "read_frame", "read_answer", "OK", "OK_FRAME", "WireError",
+    "ReleaseKey", "Push", "Pull", "Reply", "Unlink", "Notify", "Note", "encode", "read_message", "read_frame", "Frame", "read_answer", "finish_answer", "OK", "OK_FRAME", "WireError",
     "PRE_LINK", "HEADER_SIZE", "parse_header", "decode_frame", "FORMAT",
 ]
 
@@ -263,8 +263,8 @@ def read_message(sock: socket.socket, allowed: Optional[Collection[int]] = None)
     deadline and :class:`WireError` for a foreign, oversized or malformed frame, or one
     whose type is not in ``allowed``.
     """
-    cls, data, blen = read_frame(sock, allowed)
-    return FORMAT.decode_frame(cls, data, blen)
+    frame = read_frame(sock, allowed)
+    return FORMAT.decode_frame(frame.cls, frame.data, frame.blen)
 
 
 def read_answer(sock: socket.socket) -> Message:
@@ -273,7 +273,12 @@ def read_answer(sock: socket.socket) -> Message:
     they are ``OK_FRAME`` the answer is :data:`OK` without decoding; a shorter frame is
     not an answer (``WireError``), and nothing past the frame is read (a pull's payload
     follows it)."""
-    head = _recv_exact(sock, len(OK_FRAME))
+    return finish_answer(sock, _recv_exact(sock, len(OK_FRAME)))
+
+
+def finish_answer(sock: socket.socket, head: bytes | bytearray) -> Message:
+    """The answer whose first ``len(OK_FRAME)`` bytes are ``head`` (the rest, if any, read
+    from ``sock`` within its timeout); errors as :func:`read_answer`."""
     if head == OK_FRAME:
         return OK
     cls, blen, alen = FORMAT.parse_header(head[:HEADER_SIZE])
@@ -284,8 +289,26 @@ def read_answer(sock: socket.socket) -> Message:
     return FORMAT.decode_frame(cls, data, blen)
 
 
-def read_frame(sock: socket.socket, allowed: Optional[Collection[int]] = None) -> tuple[type[Message], bytearray, int]:
-    """Read one frame without decoding it: its class, its body and array section (for
-    :func:`decode_frame`) and the body's length; errors as :func:`read_message`."""
-    cls, blen, alen = FORMAT.parse_header(_recv_exact(sock, HEADER_SIZE), allowed)
-    return cls, _recv_exact(sock, blen + alen), blen
+class Frame(NamedTuple):
+    """A frame read but not decoded: its class, its body and array section (for
+    :func:`decode_frame`), the body's length, and the whole frame's bytes when it is small
+    enough to be remembered by them (``keep`` of :func:`read_frame`), else None."""
+
+    cls: type[Message]
+    data: Buffer
+    blen: int
+    raw: Optional[bytes]
+
+
+def read_frame(sock: socket.socket, allowed: Optional[Collection[int]] = None, *, got: bytes = b"",
+               keep: int = 0) -> Frame:
+    """Read one frame without decoding it; errors as :func:`read_message`.  ``got``: its
+    first bytes, read already (its header, or all of it); the header is checked before
+    anything more is read.  ``raw`` is kept for frames of at most ``keep`` bytes."""
+    head = got[:HEADER_SIZE] if got else _recv_exact(sock, HEADER_SIZE)
+    cls, blen, alen = FORMAT.parse_header(head, allowed)
+    size = HEADER_SIZE + blen + alen
+    if len(got) == size:
+        return Frame(cls, memoryview(got)[HEADER_SIZE:], blen, got if size <= keep else None)
+    data = _recv_exact(sock, blen + alen)
+    return Frame(cls, data, blen, bytes(head) + data if size <= keep else None)
