@@ -40,8 +40,8 @@ import pytest
 #: ``datadist._plot`` is an entry point although ``datadist._*`` is the API layer).
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("entry points and adapters", (
-        "datadist.integrations", "datadist.integrations.*", "datadist.bench", "datadist.benchrecord",
-        "datadist._plot", "datadist.__main__", "llm_datadist", "llm_datadist.*",
+        "datadist.integrations", "datadist.integrations.*", "datadist.bench", "datadist.benchplan",
+        "datadist.benchrecord", "datadist._plot", "datadist.__main__", "llm_datadist", "llm_datadist.*",
     )),
     ("API", ("datadist", "datadist._*")),
     ("planning", ("datadist._planning",)),
