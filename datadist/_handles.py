@@ -19,7 +19,7 @@ peer refuses a stale request, which is then looked up and planned again).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Hashable, Optional, Sequence, Sized, Tuple, Union
+from typing import TYPE_CHECKING, Any, Hashable, Optional, Sequence, Sized, Tuple, Union, cast
 
 from ._objects import BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex
 from ._planning import (BlockList, Side, block_list_arg, blocks_plan, cache_ref, check_nonempty,
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .engine.link import Link
     from .engine.registry import CacheRecord, Registry
 
-__all__ = ["TransferHandle", "call_ident", "PLANS_PER_HANDLE", "PLAN_BLOCKS_PER_HANDLE", "MAX_BATCH"]
+__all__ = ["TransferHandle", "PlanMemory", "call_ident", "PLANS_PER_HANDLE", "PLAN_BLOCKS_PER_HANDLE", "MAX_BATCH"]
 
 #: Block lists whose plans a handle remembers (the most recent ones).
 PLANS_PER_HANDLE = 32
@@ -57,6 +57,46 @@ def _blocks_ident(blocks: object) -> Optional[Hashable]:
     if type(blocks) is range:
         return blocks
     return native.int_key(blocks, PLAN_BLOCKS_PER_HANDLE)
+
+
+class PlanMemory:
+    """The plans a handle ran, by their block lists: first by the identity of the lists'
+    entries (``RefKey``: the lists' pointer arrays, no entry visited, 2 us for two lists of
+    4096), then by their values (``IntKey`` pairs, ranges), which a later call with equal
+    lists of other int objects finds (13 us at 4096 + 4096: every entry read).  A plan is
+    kept under both."""
+
+    __slots__ = ("_memo",)
+
+    def __init__(self) -> None:
+        self._memo: Weighed[Hashable, Prepared] = Weighed(PLANS_PER_HANDLE, PLAN_BLOCKS_PER_HANDLE)
+
+    def find(self, src_blocks: Any, dst_blocks: Any) -> tuple[Optional[Prepared], object]:
+        """The plan remembered for these block lists (None if none), and what :meth:`keep`
+        needs to remember a new one (None: nothing to remember)."""
+        probe = native.ref_key(src_blocks, dst_blocks, PLAN_BLOCKS_PER_HANDLE)
+        if probe is not None:
+            hit = self._memo.get(probe)
+            if hit is not None:
+                return hit, None
+        sb, db = _blocks_ident(src_blocks), _blocks_ident(dst_blocks)
+        key = (sb, db) if sb is not None and db is not None else None
+        hit = self._memo.get(key) if key is not None else None
+        return (hit, None) if hit is not None else (None, (probe, key))
+
+    def keep(self, keys: object, ready: Prepared, src_blocks: Sized, dst_blocks: Sized) -> None:
+        """Remember ``ready`` under the keys :meth:`find` gave (nothing if it gave None)."""
+        if keys is None:
+            return
+        probe, key = cast(Tuple[Any, Optional[Hashable]], keys)
+        if key is not None:
+            self._memo.put(key, ready, _weight(src_blocks, dst_blocks))
+        pinned = probe.pinned() if probe is not None else None
+        if pinned is not None:  # every entry an exact int
+            self._memo.put(pinned, ready, _weight(src_blocks, dst_blocks))
+
+    def clear(self) -> None:
+        self._memo.clear()
 
 
 def _weight(src_blocks: Sized, dst_blocks: Sized) -> int:
@@ -117,7 +157,7 @@ class TransferHandle:
         self._ref = cache_ref(peer_key)
         self._ranges = (src_layer_range, dst_layer_range)
         self._tnpl = tensor_num_per_layer
-        self._plans: Weighed[Hashable, Prepared] = Weighed(PLANS_PER_HANDLE, PLAN_BLOCKS_PER_HANDLE)
+        self._plans = PlanMemory()
         self._given: Optional[Tuple[BlockList, BlockList]] = None
         self._given_plan: Optional[Prepared] = None
         self._registry: Registry
@@ -170,13 +210,12 @@ class TransferHandle:
         if not 0 < len(block_lists) <= MAX_BATCH:
             raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                         f"block_lists has {len(block_lists)} pairs; give 1 to {MAX_BATCH}")
-        keys: list[Optional[Hashable]] = []
+        keys: list[object] = []
         known: list[Optional[Prepared]] = []
         for i, pair in enumerate(block_lists):
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
                 raise TypeError(f"block_lists[{i}] must be a (src_blocks, dst_blocks) pair")
-            key = self._key(*pair)
-            hit = self._plans.get(key) if key is not None else None
+            hit, key = self._plans.find(*pair)
             if hit is None:
                 self._check_blocks(*pair)
             keys.append(key)
@@ -184,9 +223,9 @@ class TransferHandle:
         link = self._live()
         planners = [functools.partial(self._plan, sb, db) for sb, db in block_lists]
         done = link.transfer_batch(self._ref, planners, self._push, known)
-        for key, hint, ready, pair in zip(keys, known, done, block_lists):
-            if key is not None and ready is not hint:
-                self._plans.put(key, ready, _weight(*pair))
+        for key, hint, ready, (sb, db) in zip(keys, known, done, block_lists):
+            if ready is not hint:
+                self._plans.keep(key, ready, sb, db)
 
     @property
     def is_push(self) -> bool:
@@ -203,20 +242,13 @@ class TransferHandle:
     # -- the call --------------------------------------------------------------------------
     def _run(self, src_blocks: BlockList, dst_blocks: BlockList) -> None:
         """``run`` with block lists, for the public calls (no API wrapper of its own)."""
-        key = self._key(src_blocks, dst_blocks)
-        known = self._plans.get(key) if key is not None else None
+        known, key = self._plans.find(src_blocks, dst_blocks)
         if known is None:
             self._check_blocks(src_blocks, dst_blocks)
         link = self._live()
         ready = link.transfer(self._ref, functools.partial(self._plan, src_blocks, dst_blocks), self._push, known)
-        if key is not None and ready is not known:
-            self._plans.put(key, ready, _weight(src_blocks, dst_blocks))
-
-    @staticmethod
-    def _key(src_blocks: object, dst_blocks: object) -> Optional[Hashable]:
-        """The two block lists as a key of the plans remembered (None: not kept)."""
-        sb, db = _blocks_ident(src_blocks), _blocks_ident(dst_blocks)
-        return (sb, db) if sb is not None and db is not None else None
+        if ready is not known:
+            self._plans.keep(key, ready, src_blocks, dst_blocks)
 
     def _live(self) -> Link:
         """The link, after checking that the cache is still the one checked; a link that

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import numpy as np
 
@@ -23,39 +22,43 @@ def plan_rows(rounds: int = 200) -> List[Row]:
     64 tensors with a layer range covering every layer, in-order and scattered lists; and
     the same call shape repeated (``cached``): what a plain call then spends to find the
     plan it made before (both block lists as keys, one lookup in its handle's memory)."""
-    from ._handles import PLAN_BLOCKS_PER_HANDLE, PLANS_PER_HANDLE, TransferHandle
+    from ._handles import PlanMemory
     from ._planning import Side, blocks_plan
-    from .engine.memo import Weighed
+    from .engine.transports.base import Prepared, RemoteCache
 
     base = np.arange(PLAN_TENSORS, dtype=np.uint64) * np.uint64(1 << 30) + np.uint64(1 << 40)
     src = Side(base, PLAN_TENSORS, PLAN_BLOCKS * 4096, PLAN_BLOCKS)
     dst = Side(base + np.uint64(1 << 36), PLAN_TENSORS, PLAN_BLOCKS * 4096, PLAN_BLOCKS)
     layers = range(0, PLAN_TENSORS // 2)
     rows = []
-    for name, dst_blocks in (("in order", list(range(PLAN_BLOCKS))),
-                             ("scattered", np.random.default_rng(7).permutation(PLAN_BLOCKS).tolist())):
-        src_blocks = list(range(PLAN_BLOCKS))
+    for name, make_dst in (("in order", lambda: list(range(PLAN_BLOCKS))),
+                           ("scattered", lambda: np.random.default_rng(7).permutation(PLAN_BLOCKS).tolist())):
+        src_blocks, dst_blocks = list(range(PLAN_BLOCKS)), make_dst()
         plan = blocks_plan(src, dst, src_blocks, dst_blocks, 2, layers, layers)
-        memo: Weighed[object, object] = Weighed(PLANS_PER_HANDLE, PLAN_BLOCKS_PER_HANDLE)
-        memo.put(TransferHandle._key(src_blocks, dst_blocks), plan, 2 * PLAN_BLOCKS)
-        # the lists as a later call gives them: equal, but other list objects
-        again_src, again_dst = list(src_blocks), list(dst_blocks)
-        steps: List[Tuple[bool, Callable[[], object]]] = [
-            (False, partial(blocks_plan, src, dst, src_blocks, dst_blocks, 2, layers, layers)),
-            (True, lambda: memo.get(TransferHandle._key(again_src, again_dst)))]
-        for cached, step in steps:
+        memory = PlanMemory()
+        ready = Prepared(cast(RemoteCache, None), plan, lambda deadline: True)
+        memory.keep(memory.find(src_blocks, dst_blocks)[1], ready, src_blocks, dst_blocks)
+        # the lists as a later call gives them: the same int objects in other lists, and
+        # equal values in new int objects (fresh ones for every round)
+        same = (list(src_blocks), list(dst_blocks))
+        fresh = [(list(range(PLAN_BLOCKS)), make_dst()) for _ in range(min(rounds, 50) + 1)]
+        steps: List[Tuple[str, int, Callable[[int], object]]] = [
+            ("", rounds, lambda i: blocks_plan(src, dst, src_blocks, dst_blocks, 2, layers, layers)),
+            (", cached", rounds, lambda i: memory.find(*same)[0]),
+            (", cached, new ints", len(fresh) - 1, lambda i: memory.find(*fresh[i])[0])]
+        for label, n, step in steps:
             times = []
-            for _ in range(rounds + 1):
+            for i in range(n + 1):
                 t = time.perf_counter()
-                got = step()
+                got = step(i)
                 times.append(time.perf_counter() - t)
             if got is None:
                 raise RuntimeError("a repeated call shape did not find its plan")
             us = sorted(t * 1e6 for t in times[1:])
-            rows.append({"workload": "plan", "transport": name + (", cached" if cached else ""),
-                         "system": "datadist-plan", "runs": plan.nruns, "cached": cached,
-                         "p50_us": us[len(us) // 2], "p99_us": us[min(len(us) - 1, int(len(us) * 0.99))],
-                         "blocks": PLAN_BLOCKS, "tensors": PLAN_TENSORS, "scatter": name == "scattered"})
+            rows.append({"workload": "plan", "transport": name + label, "system": "datadist-plan",
+                         "runs": plan.nruns, "cached": bool(label), "p50_us": us[len(us) // 2],
+                         "p99_us": us[min(len(us) - 1, int(len(us) * 0.99))], "blocks": PLAN_BLOCKS,
+                         "tensors": PLAN_TENSORS, "scatter": name == "scattered"})
     return rows
 
 

@@ -93,3 +93,15 @@ def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, 
 def request(fd: int, head: Buffer, base: _U64Array | None, off: _U64Array | None, len: _U64Array | None,
             answer_len: int, spin_us: int, timeout_ms: int, /) -> bytes:
     """Write ``head`` and the runs, wait for the answer, return its first ``answer_len`` bytes."""
+
+class RefKey:
+    """Two block lists as a hashable key by the identity of their entries."""
+    def pinned(self) -> RefKey | None: ...
+    def __hash__(self) -> int: ...
+    def __eq__(self, other: object) -> bool: ...
+
+def ref_key(a: object, b: object, limit: int, /) -> RefKey | None:
+    """A probe key of two lists or tuples (at most ``limit`` entries together); None otherwise."""
+
+def coalesce(src: _U64Array, dst: _U64Array, lens: _U64Array, /) -> tuple[bytearray, bytearray, bytearray]:
+    """The runs with empty ones dropped and neighbours that continue each other merged."""

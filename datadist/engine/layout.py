@@ -18,6 +18,8 @@ from typing import Any, Sequence
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from . import _native
+
 __all__ = ["Plan", "plan_units", "coalesce", "block_offsets", "layer_tensor_indices", "tensor_span"]
 
 _U64 = np.uint64
@@ -108,19 +110,8 @@ def coalesce(src: ArrayLike, dst: ArrayLike, lens: ArrayLike) -> Plan:
 
 
 def _coalesce(src: U64Array, dst: U64Array, lens: U64Array) -> tuple[U64Array, U64Array, U64Array]:
-    keep = lens != 0
-    if not keep.all():
-        src, dst, lens = src[keep], dst[keep], lens[keep]
-    n = lens.shape[0]
-    if n <= 1:
-        return src, dst, lens
-    starts = np.empty(n, dtype=bool)
-    starts[0] = True
-    np.logical_or(src[:-1] + lens[:-1] != src[1:], dst[:-1] + lens[:-1] != dst[1:], out=starts[1:])
-    first = np.flatnonzero(starts)
-    if first.shape[0] == n:
-        return src, dst, lens
-    return src[first], dst[first], np.add.reduceat(lens, first).astype(_U64, copy=False)
+    s, d, n = _native.coalesce(src, dst, lens)  # one pass in C (numpy needs several temporaries)
+    return np.frombuffer(s, dtype=_U64), np.frombuffer(d, dtype=_U64), np.frombuffer(n, dtype=_U64)
 
 
 def plan_units(

@@ -34,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["ms_until", "peer_closed", "int_key", "request", "serve_known", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "sum_blocks", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "spin_readable", "COPY_THREADS",
+__all__ = ["ms_until", "peer_closed", "int_key", "ref_key", "request", "serve_known", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "sum_blocks", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "spin_readable", "COPY_THREADS",
            "SPIN_US"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
@@ -73,6 +73,14 @@ def int_key(seq: object, limit: int) -> Optional[Hashable]:
     with one memcmp); None for anything else (floats and bools compare equal to ints but
     are not indices, so they never share an int list's key)."""
     return _native.int_key(seq, limit)
+
+
+def ref_key(src: object, dst: object, limit: int) -> Optional[Any]:
+    """Two lists or tuples (at most ``limit`` entries together) as a hashable ``RefKey`` by
+    the identity of their entries, never visiting one (None for anything else): equal to
+    the ``pinned()`` key of lists holding the very same int objects.  ``pinned()`` holds a
+    reference to every entry (None unless all are exact ints), which is what a memory keeps."""
+    return _native.ref_key(src, dst, limit)
 
 
 def request(fd: int, head: bytes, plan: Optional[Plan], answer_len: int, timeout_ms: int,
