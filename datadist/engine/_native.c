@@ -1361,20 +1361,14 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
                                     "Executors of datadist copy plans.", -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) {
-    if (PyType_Ready(&IntKeyType) < 0 || PyType_Ready(&RefKeyType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    Py_INCREF(&IntKeyType);
-    if (PyModule_AddObject(m, "IntKey", (PyObject *)&IntKeyType) < 0) {
-        Py_DECREF(&IntKeyType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&RefKeyType);
-    if (PyModule_AddObject(m, "RefKey", (PyObject *)&RefKeyType) < 0) {
-        Py_DECREF(&RefKeyType);
-        Py_DECREF(m);
-        return NULL;
+    PyTypeObject *types[] = {&IntKeyType, &RefKeyType};
+    for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
+        if (PyModule_AddType(m, types[i]) < 0) {  /* readies the type, and adds a reference */
+            Py_DECREF(m);
+            return NULL;
+        }
     }
     return m;
 }

@@ -23,29 +23,19 @@ def _requests() -> list[tuple[list[int], list[int], range]]:
             for r in range(THREADS)]
 
 
-def test_concurrent_pushes_on_one_link_each_land_their_own_blocks(pair: Pair) -> None:
+@pytest.mark.parametrize("push", [True, False], ids=["push", "pull"])
+def test_concurrent_transfers_on_one_link_each_move_their_own_blocks(pair: Pair, push: bool) -> None:
     pair.prompt.alloc("src", CACHE, blocks=True, bkey=blocks_key(PROMPT_ID, 5))
     src = pair.prompt.fill("src", CACHE, 21)
     pair.decoder.alloc("dst", CACHE, blocks=True, bkey=blocks_key(DECODER_ID, 5))
     dst = pair.decoder.fill("dst", CACHE, 22)
-    calls = [([blocks_key(DECODER_ID, 5), Ref("src"), s, d], {"src_layer_range": layers, "dst_layer_range": layers})
+    # a push from the prompt into the decoder's blocks, or the decoder pulling the same
+    key, local, caller = (blocks_key(DECODER_ID, 5), "src", pair.prompt) if push else \
+        (blocks_key(PROMPT_ID, 5), "dst", pair.decoder)
+    calls = [([key, Ref(local), s, d], {"src_layer_range": layers, "dst_layer_range": layers})
              for s, d, layers in _requests()]
-    errors = pair.prompt.call("concurrent", "push_blocks", calls, 40)
+    errors = caller.call("concurrent", "push_blocks" if push else "pull_blocks", calls, 40)
     assert errors == [None] * THREADS
     for s, d, layers in _requests():
         dst = expect_blocks(dst, src, s, d, CACHE.row_bytes, src_layers=layers, dst_layers=layers)
-    np.testing.assert_array_equal(pair.decoder.read("dst"), dst)
-
-
-def test_concurrent_pulls_on_one_link_each_fill_their_own_blocks(pair: Pair) -> None:
-    pair.prompt.alloc("src", CACHE, blocks=True, bkey=blocks_key(PROMPT_ID, 6))
-    src = pair.prompt.fill("src", CACHE, 23)
-    pair.decoder.alloc("dst", CACHE, blocks=True, bkey=blocks_key(DECODER_ID, 6))
-    dst = pair.decoder.fill("dst", CACHE, 24)
-    calls = [([blocks_key(PROMPT_ID, 6), Ref("dst"), d, s], {"src_layer_range": layers, "dst_layer_range": layers})
-             for s, d, layers in _requests()]
-    errors = pair.decoder.call("concurrent", "pull_blocks", calls, 40)
-    assert errors == [None] * THREADS
-    for s, d, layers in _requests():
-        dst = expect_blocks(dst, src, d, s, CACHE.row_bytes, src_layers=layers, dst_layers=layers)
     np.testing.assert_array_equal(pair.decoder.read("dst"), dst)
