@@ -23,7 +23,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union, cast
 
 import numpy as np
 
@@ -233,16 +233,30 @@ class Agent:
             for key, _ in events:
                 if self._stop:
                     return
-                if key.data == "wake":
-                    self._drain_wake()
-                elif key.data == "listen":
-                    self._accept(cast(socket.socket, key.fileobj))  # registered by _listen_now
-                elif isinstance(key.data, Pending):
-                    if key.data.sock.fileno() >= 0:
-                        self._first_frame(key.data)
-                else:
-                    self._serve_burst(key.data)
-            self._expire_pending()
+                self._guarded(self._dispatch, key)
+            self._guarded(self._expire_pending)
+
+    def _dispatch(self, key: selectors.SelectorKey) -> None:
+        if key.data == "wake":
+            self._drain_wake()
+        elif key.data == "listen":
+            self._accept(cast(socket.socket, key.fileobj))  # registered by _listen_now
+        elif isinstance(key.data, Pending):
+            if key.data.sock.fileno() >= 0:
+                self._first_frame(key.data)
+        else:
+            self._serve_burst(key.data)
+
+    def _guarded(self, step: Callable[..., None], *args: Any) -> None:
+        """Run one step of the loop; whatever it raises is logged (rate-limited) and the
+        loop goes on: this thread answers every link and every new peer of the engine, so
+        nothing one event provokes may end it."""
+        try:
+            step(*args)
+        except Exception as exc:
+            log.debug("agent step %s failed", getattr(step, "__name__", step), exc_info=True)
+            self._refusals.warning("agent: %s in %s: %s", type(exc).__name__,
+                                   getattr(step, "__name__", step), exc)
 
     def _drain_wake(self) -> None:
         try:

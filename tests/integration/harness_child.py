@@ -351,6 +351,17 @@ class _Child:
                 raise TimeoutError("a concurrent call did not return within 60 s")
         return errors
 
+    def op_agent_faults(self, n: int) -> bool:
+        """Queue ``n`` calls that raise on the engine's agent thread; whether it runs."""
+        agent = self.engine._engine_or_raise().live_agent()
+
+        def broken() -> None:
+            raise RuntimeError("a bug in a call queued for the agent")
+
+        for _ in range(n):
+            agent.call(broken)
+        return agent._thread.is_alive()
+
     def op_prepare(self, name: str, method: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
         """Keep the transfer handle ``cache_manager.<method>(*args, **kwargs)`` returns
         (``prepare_push_blocks`` / ``prepare_pull_blocks``) as ``name``; returns its repr."""

@@ -150,3 +150,12 @@ def test_slow_senders_and_idle_floods_delay_nobody(peer_factory: Any) -> None:
             s.close()
     t.serves()
     assert os.path.exists(f"/proc/{t.peer.pid}")
+
+
+def test_nothing_an_agent_step_raises_ends_the_agent(peer_factory: Any) -> None:
+    """An exception escaping one step of the agent's loop (a bug, a call queued from another
+    thread) is logged and the loop goes on: the engine still answers new links."""
+    target = Target(peer_factory)
+    assert target.peer.call("agent_faults", 3)
+    target.serves()
+    assert target.peer.call("agent_faults", 0)  # the agent thread still runs
