@@ -546,6 +546,12 @@ static int64_t dd_wait_readable(int fd, int64_t spin_us, int64_t timeout_ms) {
 
 /* ---------------------------------------------------------------- Python bindings */
 
+/* Fill buf (len bytes) from a non-blocking socket within timeout_ms: bytes read, or -errno. */
+static int64_t dd_recv_exact(int fd, void *buf, uint64_t len, int64_t timeout_ms) {
+    uint64_t addr = (uint64_t)(uintptr_t)buf, zero = 0;
+    return len ? dd_sock_plan(fd, 0, timeout_ms, 1, &addr, 1, &zero, &len, NULL, 0) : 0;
+}
+
 /* Borrow n uint64 arrays (buffers); fails unless each holds a whole number of uint64. */
 static int get_u64(PyObject *obj, Py_buffer *view, size_t *count) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) < 0) return -1;
@@ -741,18 +747,7 @@ static PyObject *py_sock_plan(PyObject *self, PyObject *const *args, Py_ssize_t 
     long long timeout_ms = PyLong_AsLongLong(args[2]);
     if (PyErr_Occurred()) return NULL;
     plan_args a;
-    PyObject *const objs[3] = {args[3], args[4], args[5]};
-    a.held = 0;
-    size_t counts[3];
-    for (int i = 0; i < 3; i++) {
-        if (get_u64(objs[i], &a.v[i], &counts[i]) < 0) { release_plan(&a); return NULL; }
-        a.held++;
-    }
-    if (counts[1] != counts[2]) {
-        release_plan(&a);
-        PyErr_SetString(PyExc_ValueError, "plan arrays disagree in length");
-        return NULL;
-    }
+    if (get_plan(args + 3, 3, &a) < 0) return NULL;
     Py_buffer head = {0};
     if (nargs == 7 && args[6] != Py_None) {
         if (!send) { release_plan(&a); PyErr_SetString(PyExc_ValueError, "head is for sending"); return NULL; }
@@ -760,7 +755,7 @@ static PyObject *py_sock_plan(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
-    r = dd_sock_plan((int)fd, send, timeout_ms, counts[0], U64P(a, 0), counts[1], U64P(a, 1), U64P(a, 2),
+    r = dd_sock_plan((int)fd, send, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2),
                      (const char *)head.buf, head.buf ? (size_t)head.len : 0);
     Py_END_ALLOW_THREADS
     if (head.buf) PyBuffer_Release(&head);
@@ -793,10 +788,9 @@ static PyObject *py_recv_exact(PyObject *self, PyObject *const *args, Py_ssize_t
     if (PyErr_Occurred()) return NULL;
     Py_buffer buf;
     if (PyObject_GetBuffer(args[1], &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    uint64_t addr = (uint64_t)(uintptr_t)buf.buf, len = (uint64_t)buf.len, zero = 0;
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
-    r = len ? dd_sock_plan((int)fd, 0, timeout_ms, 1, &addr, 1, &zero, &len, NULL, 0) : 0;
+    r = dd_recv_exact((int)fd, buf.buf, (uint64_t)buf.len, timeout_ms);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&buf);
     return result_or_oserror(r);
@@ -838,20 +832,16 @@ static PyObject *py_index_array(PyObject *self, PyObject *const *args, Py_ssize_
     int64_t lo = 0, hi = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *x = items[i];
-        int64_t fast;
-        if (dd_exact_int(x, &fast) == 0) {  /* the common case, read straight from the object */
-            v[i] = fast;
-            if (i == 0 || fast < lo) lo = fast;
-            if (i == 0 || fast > hi) hi = fast;
-            continue;
+        int64_t k;
+        if (dd_exact_int(x, &k) < 0) {  /* anything but an exact int that fits, which is read from the object */
+            if (!PyLong_Check(x) || PyBool_Check(x)) {
+                Py_DECREF(out);
+                PyErr_Format(PyExc_TypeError, "entry %zd is %s, not an int", i, Py_TYPE(x)->tp_name);
+                return NULL;
+            }
+            k = PyLong_AsLongLong(x);
+            if (k == -1 && PyErr_Occurred()) { Py_DECREF(out); return NULL; }
         }
-        if (!PyLong_Check(x) || PyBool_Check(x)) {
-            Py_DECREF(out);
-            PyErr_Format(PyExc_TypeError, "entry %zd is %s, not an int", i, Py_TYPE(x)->tp_name);
-            return NULL;
-        }
-        long long k = PyLong_AsLongLong(x);
-        if (k == -1 && PyErr_Occurred()) { Py_DECREF(out); return NULL; }
         v[i] = k;
         if (i == 0 || k < lo) lo = k;
         if (i == 0 || k > hi) hi = k;
@@ -878,16 +868,10 @@ static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "request: answer_len must be in [1, 4096]");
         return NULL;
     }
-    plan_args a;
-    a.held = 0;
-    size_t counts[3] = {0, 0, 0};
+    plan_args a = {.held = 0, .nt = 0, .nu = 0};
     if (args[2] != Py_None) {
-        PyObject *const objs[3] = {args[2], args[3], args[4]};
-        for (int i = 0; i < 3; i++) {
-            if (get_u64(objs[i], &a.v[i], &counts[i]) < 0) { release_plan(&a); return NULL; }
-            a.held++;
-        }
-        if (counts[1] != counts[2] || (counts[0] && !counts[1])) {
+        if (get_plan(args + 2, 3, &a) < 0) return NULL;
+        if (a.nt && !a.nu) {
             release_plan(&a);
             PyErr_SetString(PyExc_ValueError, "plan arrays disagree in length");
             return NULL;
@@ -897,14 +881,14 @@ static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (PyObject_GetBuffer(args[1], &head, PyBUF_SIMPLE) < 0) { release_plan(&a); return NULL; }
     PyObject *answer = PyBytes_FromStringAndSize(NULL, answer_len);
     if (answer == NULL) { PyBuffer_Release(&head); release_plan(&a); return NULL; }
-    uint64_t addr = (uint64_t)(uintptr_t)PyBytes_AS_STRING(answer), len = (uint64_t)answer_len, zero = 0;
+    char *ans = PyBytes_AS_STRING(answer);
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
     int64_t deadline = now_ms() + timeout_ms;
-    r = dd_sock_plan((int)fd, 1, timeout_ms, counts[0], a.held ? U64P(a, 0) : NULL, counts[1],
-                     a.held ? U64P(a, 1) : NULL, a.held ? U64P(a, 2) : NULL, (const char *)head.buf, (size_t)head.len);
+    r = dd_sock_plan((int)fd, 1, timeout_ms, a.nt, a.held ? U64P(a, 0) : NULL, a.nu, a.held ? U64P(a, 1) : NULL,
+                     a.held ? U64P(a, 2) : NULL, (const char *)head.buf, (size_t)head.len);
     if (r >= 0) r = dd_wait_readable((int)fd, spin_us, deadline - now_ms());
-    if (r >= 0) r = dd_sock_plan((int)fd, 0, deadline - now_ms(), 1, &addr, 1, &zero, &len, NULL, 0);
+    if (r >= 0) r = dd_recv_exact((int)fd, ans, (uint64_t)answer_len, deadline - now_ms());
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&head);
     release_plan(&a);
@@ -944,10 +928,9 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     }
     unsigned char head[64];
-    uint64_t addr = (uint64_t)(uintptr_t)head, len = (uint64_t)hsize, zero = 0;
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
-    r = dd_sock_plan((int)fd, 0, timeout_ms, 1, &addr, 1, &zero, &len, NULL, 0);
+    r = dd_recv_exact((int)fd, head, (uint64_t)hsize, timeout_ms);
     Py_END_ALLOW_THREADS
     if (r < 0) return result_or_oserror(r);
     const unsigned char *l = head + hsize - 8;
@@ -960,14 +943,11 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
     if (frame == NULL) return NULL;
     char *fb = PyBytes_AS_STRING(frame);
     memcpy(fb, head, (size_t)hsize);
-    if (total > hsize) {  /* this bytes object is not shared yet: filled without the GIL */
-        addr = (uint64_t)(uintptr_t)(fb + hsize);
-        len = blen + alen;
-        Py_BEGIN_ALLOW_THREADS
-        r = dd_sock_plan((int)fd, 0, timeout_ms, 1, &addr, 1, &zero, &len, NULL, 0);
-        Py_END_ALLOW_THREADS
-        if (r < 0) { Py_DECREF(frame); return result_or_oserror(r); }
-    }
+    /* this bytes object is not shared yet: filled without the GIL */
+    Py_BEGIN_ALLOW_THREADS
+    r = dd_recv_exact((int)fd, fb + hsize, blen + alen, timeout_ms);
+    Py_END_ALLOW_THREADS
+    if (r < 0) { Py_DECREF(frame); return result_or_oserror(r); }
     PyObject *value = PyDict_GetItemWithError(known, frame);  /* borrowed */
     if (value == NULL && PyErr_Occurred()) { Py_DECREF(frame); return NULL; }
     int same = 0;
@@ -979,15 +959,10 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
     Py_INCREF(value);  /* the dict may change once the GIL is released */
     int push = PyObject_IsTrue(PyTuple_GET_ITEM(value, 1));
     plan_args a;
-    a.held = 0;
-    size_t counts[3];
-    for (int i = 0; i < 3; i++) {
-        if (get_u64(PyTuple_GET_ITEM(value, 3 + i), &a.v[i], &counts[i]) < 0) {
-            release_plan(&a); Py_DECREF(value); Py_DECREF(frame); return NULL;
-        }
-        a.held++;
-    }
-    if (counts[1] != counts[2] || counts[1] == 0 || counts[0] == 0) {  /* not a plan to serve here */
+    int planned = get_plan(&PyTuple_GET_ITEM(value, 3), 3, &a);
+    if (planned < 0 && !PyErr_ExceptionMatches(PyExc_ValueError)) { Py_DECREF(value); Py_DECREF(frame); return NULL; }
+    if (planned < 0 || a.nu == 0 || a.nt == 0) {  /* not a plan to serve here */
+        PyErr_Clear();
         release_plan(&a);
         Py_DECREF(value);
         return Py_BuildValue("(iN)", 2, frame);
@@ -996,11 +971,10 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
     size_t ans_len = (size_t)PyBytes_GET_SIZE(args[6]);
     Py_BEGIN_ALLOW_THREADS
     if (push) {
-        r = dd_sock_plan((int)fd, 0, timeout_ms, counts[0], U64P(a, 0), counts[1], U64P(a, 1), U64P(a, 2), NULL, 0);
+        r = dd_sock_plan((int)fd, 0, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2), NULL, 0);
         if (r >= 0) r = dd_sock_plan((int)fd, 1, timeout_ms, 0, NULL, 0, NULL, NULL, ans, ans_len);
     } else {
-        r = dd_sock_plan((int)fd, 1, timeout_ms, counts[0], U64P(a, 0), counts[1], U64P(a, 1), U64P(a, 2),
-                         ans, ans_len);
+        r = dd_sock_plan((int)fd, 1, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2), ans, ans_len);
     }
     Py_END_ALLOW_THREADS
     release_plan(&a);
@@ -1018,18 +992,13 @@ static PyObject *py_coalesce(PyObject *self, PyObject *const *args, Py_ssize_t n
     (void)self;
     if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "coalesce(src, dst, lens)"); return NULL; }
     plan_args a;
-    a.held = 0;
-    size_t counts[3];
-    for (int i = 0; i < 3; i++) {
-        if (get_u64(args[i], &a.v[i], &counts[i]) < 0) { release_plan(&a); return NULL; }
-        a.held++;
-    }
-    if (counts[0] != counts[1] || counts[1] != counts[2]) {
+    if (get_plan(args, 3, &a) < 0) return NULL;
+    if (a.nt != a.nu) {
         release_plan(&a);
         PyErr_SetString(PyExc_ValueError, "coalesce: arrays differ in length");
         return NULL;
     }
-    size_t n = counts[0];
+    size_t n = a.nu;
     PyObject *out[3] = {NULL, NULL, NULL};
     for (int i = 0; i < 3; i++) {
         out[i] = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(n * sizeof(uint64_t)));
