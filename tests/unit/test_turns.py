@@ -50,6 +50,16 @@ def _submitter(turns: Turns[Any], job: Any, results: dict[Any, Any], timeout: fl
     return thread
 
 
+def _queue_jobs(turns: Turns[Any], jobs: list[Any], results: dict[Any, Any]) -> list[threading.Thread]:
+    """A submitter per job, each started once the one before it is queued (arrival order)."""
+    threads = []
+    for job in jobs:
+        queued = len(turns._queue) + 1
+        threads.append(_submitter(turns, job, results))
+        _until(lambda: len(turns._queue) == queued)
+    return threads
+
+
 def test_a_free_lock_is_taken_at_once_and_a_held_one_not_without_blocking() -> None:
     turns: Turns[Any] = Turns(_Recorder())
     assert turns.acquire(blocking=False)
@@ -92,10 +102,7 @@ def test_the_holder_runs_the_queued_jobs_in_its_thread_and_hands_out_the_outcome
     assert turns.submit("mine", 1.0) == (False, None)  # free: the caller runs its own job
     results: dict[Any, Any] = {}
     boom = RuntimeError("this job's own error")
-    threads = []
-    for i, job in enumerate(["a", "b", boom]):
-        threads.append(_submitter(turns, job, results))
-        _until(lambda: len(turns._queue) == i + 1)
+    threads = _queue_jobs(turns, ["a", "b", boom], results)
     turns.release()
     for t in threads:
         t.join(10)
@@ -172,10 +179,7 @@ def test_a_round_takes_at_most_ROUND_jobs() -> None:
     turns: Turns[Any] = Turns(serve)
     turns.acquire()
     results: dict[Any, Any] = {}
-    threads = []
-    for i in range(ROUND + 2):
-        threads.append(_submitter(turns, i, results))
-        _until(lambda: len(turns._queue) == i + 1)
+    threads = _queue_jobs(turns, list(range(ROUND + 2)), results)
     turns.release()
     for t in threads:
         t.join(10)
