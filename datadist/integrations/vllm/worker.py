@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 
 from ... import (BlocksCacheKey, Cache, LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode,
                   TransferHandle)
+from ..affinity import on_instance_cpus
 from ..paged import PagedLayout, paged_layout
 
 if TYPE_CHECKING:
@@ -129,8 +130,12 @@ class DatadistWorker:
         if self.settings.producer:
             config.listen_ip_info = f"{self.settings.host}:{port}"
         role = LLMRole.PROMPT if self.settings.producer else LLMRole.DECODER
-        self._datadist = datadist = LLMDataDist(role, self.cluster_id)
-        datadist.init(config.generate_options())
+        # The agent and the pull thread start on every core of this instance, not only on
+        # the model thread's (see datadist.integrations.affinity).
+        with on_instance_cpus():
+            self._datadist = datadist = LLMDataDist(role, self.cluster_id)
+            datadist.init(config.generate_options())
+            self._pool.submit(lambda: None).result()  # the pull thread starts here
         self._cache = datadist.cache_manager.register_blocks_cache(layout.cache_desc(), list(layout.addrs),
                                                                    BlocksCacheKey(self.cluster_id, 0))
         if self.settings.producer:
