@@ -265,6 +265,9 @@ class Link:
                 except Unserved:
                     self._busy()
                 if served:
+                    if isinstance(outcome, Unserved):  # the thread that took it was interrupted
+                        fail(Fault.FAILED, f"a transfer queued on the link to cluster {self.remote_cluster_id} "
+                                           f"did not run: {outcome}")
                     if isinstance(outcome, BaseException):
                         raise outcome
                     return outcome  # type: ignore[no-any-return]

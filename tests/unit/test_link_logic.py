@@ -1,6 +1,9 @@
 """Link and transport logic on the in-memory fakes (tests/fakes): no sockets, no peer."""
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -148,3 +151,37 @@ def test_a_batch_redoes_a_stale_plan_alone_and_raises_the_first_other_error_last
     assert not dst[2 * BLOCK:3 * BLOCK].any()
     link.transfer(_remote(dst), _planner(src, [2]), push=True)  # the lock was released
     assert dst.tolist() == src.tolist()
+
+
+def test_a_queued_transfer_whose_holder_is_interrupted_fails_with_an_engine_error() -> None:
+    """The thread holding the link runs the transfers queued behind it; if it is
+    interrupted there (KeyboardInterrupt), each queued caller gets LLM_FAILED, not the
+    turn-taking's own exception, and the interruption stays with the holder."""
+    src = np.arange(4 * BLOCK, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    link = _link(FakeTransport())
+    known = link.transfer(_remote(dst), _planner(src, [0]), push=True)
+    assert link.lock.acquire(blocking=False)
+    outcome: list[BaseException] = []
+
+    def queued() -> None:
+        try:
+            link.transfer(_remote(dst), _planner(src, [0]), push=True, known=known)
+        except BaseException as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcome.append(exc)
+
+    def interrupted(jobs: list) -> list:
+        raise KeyboardInterrupt
+
+    caller = threading.Thread(target=queued)
+    caller.start()
+    deadline = time.monotonic() + 10
+    while not link.lock._queue and time.monotonic() < deadline:  # until the caller's job is queued
+        time.sleep(0.001)
+    assert link.lock._queue
+    link.lock._serve = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        link.lock.release()
+    caller.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], EngineError), outcome
+    assert outcome[0].fault == Fault.FAILED and "did not run" in str(outcome[0])
