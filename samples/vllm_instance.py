@@ -8,6 +8,13 @@ call has a deadline; a child that fails sends its traceback, which the call rais
 
 The model is a tiny random Llama (``write_tiny_model``) loaded with dummy weights, so no
 download is needed and two instances of the same config compute the same tokens.
+
+Instances run with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless the environment sets it:
+vLLM's automatic binding pins the worker of every instance on a machine to the same
+cores, and two instances pinned to one core starve each other (the decode worker's
+spinning thread kept the prefill worker's threads, pinned to the same core, from running
+for over a minute; a starved thread that holds the GIL stops the whole worker).  A real
+deployment gives each instance cores of its own; unpinned, the kernel does that here.
 """
 from __future__ import annotations
 
@@ -101,7 +108,8 @@ class Instance:
                  prefix_caching: bool = False, kvcache_gib: int = 1) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        child_env = {"VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib)}
+        child_env = {"VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib),
+                     "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
         self.process = ctx.Process(target=_serve, args=(child, model, max_model_len, kv, prefix_caching, child_env))
         self.process.start()
         child.close()
