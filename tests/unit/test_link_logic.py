@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from datadist.engine.link import Link
 from datadist.engine.transports.base import STALE, RemoteCache, StaleLookup
 from datadist.engine.transports.tcp import TcpTransport
 from fakes import FakeChannel, FakeTransport
+from waiting import until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -175,10 +175,7 @@ def test_a_queued_transfer_whose_holder_is_interrupted_fails_with_an_engine_erro
 
     caller = threading.Thread(target=queued)
     caller.start()
-    deadline = time.monotonic() + 10
-    while not link.lock._queue and time.monotonic() < deadline:  # until the caller's job is queued
-        time.sleep(0.001)
-    assert link.lock._queue
+    until(lambda: bool(link.lock._queue))  # the caller's job is queued behind the holder
     link.lock._serve = interrupted
     with pytest.raises(KeyboardInterrupt):
         link.lock.release()

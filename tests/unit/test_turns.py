@@ -2,24 +2,16 @@
 holder in its thread, outcomes and errors handed to their callers, deadlines in the queue."""
 from __future__ import annotations
 
-import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
 from datadist.engine.turns import ROUND, Turns, Unserved
+from waiting import until
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Yield the CPU until ``predicate`` holds (a thread reached its wait); fail at ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        os.sched_yield()
 
 
 class _Recorder:
@@ -56,7 +48,7 @@ def _queue_jobs(turns: Turns[Any], jobs: list[Any], results: dict[Any, Any]) -> 
     for job in jobs:
         queued = len(turns._queue) + 1
         threads.append(_submitter(turns, job, results))
-        _until(lambda: len(turns._queue) == queued)
+        until(lambda: len(turns._queue) == queued)
     return threads
 
 
@@ -88,7 +80,7 @@ def test_the_lock_is_handed_out_in_arrival_order() -> None:
     for i in range(6):
         threads.append(threading.Thread(target=waiter, args=(i,), daemon=True))
         threads[-1].start()
-        _until(lambda: len(turns._queue) == i + 1)
+        until(lambda: len(turns._queue) == i + 1)
     turns.release()
     for t in threads:
         t.join(10)
@@ -117,7 +109,7 @@ def test_a_round_stops_at_a_waiter_that_needs_the_lock_itself() -> None:
     turns.acquire()
     results: dict[Any, Any] = {}
     first = _submitter(turns, "before", results)
-    _until(lambda: len(turns._queue) == 1)
+    until(lambda: len(turns._queue) == 1)
     got_lock = threading.Event()
     leave = threading.Event()
 
@@ -128,9 +120,9 @@ def test_a_round_stops_at_a_waiter_that_needs_the_lock_itself() -> None:
 
     plain_thread = threading.Thread(target=plain, name="plain", daemon=True)
     plain_thread.start()
-    _until(lambda: len(turns._queue) == 2)
+    until(lambda: len(turns._queue) == 2)
     after = _submitter(turns, "after", results)
-    _until(lambda: len(turns._queue) == 3)
+    until(lambda: len(turns._queue) == 3)
     turns.release()  # serves "before", then hands the lock to the plain waiter
     assert got_lock.wait(10)
     first.join(10)
@@ -159,12 +151,12 @@ def test_waiters_arriving_during_a_round_get_the_lock_afterwards() -> None:
     turns.acquire()
     results: dict[Any, Any] = {}
     t1 = _submitter(turns, 1, results)
-    _until(lambda: len(turns._queue) == 1)
+    until(lambda: len(turns._queue) == 1)
     releaser = threading.Thread(target=turns.release, daemon=True)
     releaser.start()
     assert entered.wait(10)
     t2 = _submitter(turns, 2, results)  # queued while round [1] runs
-    _until(lambda: len(turns._queue) == 1)
+    until(lambda: len(turns._queue) == 1)
     gate.set()
     for t in (releaser, t1, t2):
         t.join(10)
@@ -211,7 +203,7 @@ def test_callers_are_woken_even_when_serve_breaks() -> None:
     turns.acquire()
     results: dict[Any, Any] = {}
     t = _submitter(turns, "x", results)
-    _until(lambda: len(turns._queue) == 1)
+    until(lambda: len(turns._queue) == 1)
     with pytest.raises(KeyboardInterrupt):
         turns.release()
     t.join(10)
