@@ -9,7 +9,7 @@ of bytes (numpy, one process) is timed once per round, right after that round's 
 sees the same machine conditions; like every row it is the median over the rounds (as
 ``peer_bench.py`` reports its memcpy).
 
-Rows (table, or ``--json`` lines) are :mod:`datadist.benchrecord` records, the one schema of
+Rows (table, or ``--json`` lines) are :mod:`datadist.bench.record` records, the one schema of
 both benches and the peers' bench: ``workload`` is the operation (save, load, exists),
 ``raw_copy_gbps`` the raw copy, plus ``bytes`` per call.
 """
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from datadist.benchrecord import record
+from datadist.bench.record import record
 from datadist.engine.executor import executor
 
 from . import __version__

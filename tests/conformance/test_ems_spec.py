@@ -133,5 +133,5 @@ def test_perf_bench_smoke():
     import json
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["workload"] for r in rows] == ["save", "load", "exists"]
-    from datadist.benchrecord import FIELDS
+    from datadist.bench.record import FIELDS
     assert all(set(FIELDS) <= set(r) for r in rows)  # the one record schema of both benches

@@ -10,8 +10,8 @@ from typing import List
 import pytest
 from ems_helpers import ENV
 
-from datadist import bench
-from datadist.benchrecord import FIELDS
+from datadist.bench import core as bench
+from datadist.bench.record import FIELDS
 
 pytestmark = pytest.mark.timeout(60)
 

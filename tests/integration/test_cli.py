@@ -126,7 +126,7 @@ def test_bad_config_files_are_one_line(tmp_path, text: str, named: str) -> None:
 
 @pytest.mark.parametrize("executor", ["host", "torch"])
 def test_datadist_bench_rows_have_the_one_record_schema(executor: str) -> None:
-    from datadist.benchrecord import FIELDS
+    from datadist.bench.record import FIELDS
 
     proc = _run("-m", "datadist.bench", "--workload", "inorder-256k", "--transport", "shm", "--json",
                 "--executor", executor, timeout=240)

@@ -37,11 +37,11 @@ import pytest
 #: lower one.  Patterns are ``fnmatch`` globs on dotted module names (a package is named by
 #: its ``__init__``: ``datadist.engine``).  A module takes the layer of its most specific
 #: matching pattern: an exact name beats any glob, a longer glob a shorter one (so
-#: ``datadist._plot`` is an entry point although ``datadist._*`` is the API layer).
+#: ``datadist.engine.link`` is the engine although ``datadist.engine.*`` is the engine base).
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("entry points and adapters", (
-        "datadist.integrations", "datadist.integrations.*", "datadist.bench", "datadist.benchplan",
-        "datadist.benchrecord", "datadist._plot", "datadist.__main__", "llm_datadist", "llm_datadist.*",
+        "datadist.integrations", "datadist.integrations.*", "datadist.bench", "datadist.bench.*",
+        "datadist.__main__", "llm_datadist", "llm_datadist.*",
     )),
     ("API", ("datadist", "datadist._*")),
     ("planning", ("datadist._planning",)),
@@ -312,7 +312,7 @@ def test_the_checkers_themselves() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "x": {"y"}, "y": {"x"}}
     assert _cycles(graph) == [["a", "b", "c", "a"], ["x", "y", "x"]]
     assert _cycles({"a": {"b"}, "b": {"c"}}) == []
-    assert _layer_of("datadist._plot") == 0 and _layer_of("llm_datadist.v2.llm_types") == 0
+    assert _layer_of("datadist.bench.plot") == 0 and _layer_of("llm_datadist.v2.llm_types") == 0
     assert _layer_of("datadist") == 1 and _layer_of("datadist._cache_manager") == 1
     assert _layer_of("datadist._planning") == 2
     assert _layer_of("datadist._status") == 3 and _layer_of("datadist._objects") == 3

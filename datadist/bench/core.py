@@ -47,20 +47,20 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 
 import numpy as np
 
-from . import __version__
-from .benchplan import print_plan_rows
-from .benchrecord import record
-from .engine.executor import EXECUTORS, executor, set_executor
+from .. import __version__
+from .plan import print_plan_rows
+from .record import record
+from ..engine.executor import EXECUTORS, executor, set_executor
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from ._cache_manager import CacheManager
-    from ._objects import Cache, CacheDesc
+    from .._cache_manager import CacheManager
+    from .._objects import Cache, CacheDesc
 
 __all__ = ["main", "WORKLOADS", "run", "sized"]
 
-#: One result row (:func:`datadist.benchrecord.record`).
+#: One result row (:func:`datadist.bench.record.record`).
 Row = Dict[str, Any]
 
 
@@ -474,7 +474,7 @@ def _apply(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         os.environ["DATADIST_EXECUTOR"] = args.executor  # the spawned decoder reads it at import
         set_executor(args.executor)
     if args.device == "cuda":
-        from .engine import cuda
+        from ..engine import cuda
 
         if not cuda.available():
             ap.error("--device cuda: torch sees no CUDA device here")
@@ -504,7 +504,7 @@ def _run_workload(wl: str, transports: Sequence[str], args: argparse.Namespace) 
 
 
 def _plot(rows: List[Row], out: str, sweep: bool) -> None:
-    from ._plot import plot_rows
+    from .plot import plot_rows
 
     title = ("datadist: 32 MiB pushed between two processes" if sweep
              else "datadist: workloads between two processes")
@@ -552,6 +552,3 @@ def main(argv: Optional[List[str]] = None) -> int:
         _plot(rows, args.plot, args.sweep)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

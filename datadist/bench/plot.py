@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 __all__ = ["plot_rows"]
 
-#: One row of :mod:`datadist.benchrecord`.
+#: One row of :mod:`datadist.bench.record`.
 Row = Dict[str, Any]
 
 
@@ -53,7 +53,7 @@ def _bars(ax: Any, moved: Sequence[Row], workloads: Sequence[str], systems: Sequ
 
 
 def plot_rows(rows: Sequence[Row], out: str, title: str) -> List[str]:
-    """Draw ``rows`` (:mod:`datadist.benchrecord` records) into ``out`` with both the
+    """Draw ``rows`` (:mod:`datadist.bench.record` records) into ``out`` with both the
     ``.png`` and the ``.svg`` suffix; returns the files written.  Raises ``ImportError``
     naming the extra when matplotlib is missing."""
     plt = _pyplot()

@@ -1,0 +1,6 @@
+"""``python -m datadist.bench``."""
+import sys
+
+from . import main
+
+sys.exit(main())
