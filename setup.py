@@ -27,7 +27,10 @@ setup(
         "redis": ["redis>=5"],
         "plot": ["matplotlib"],
         "progress": ["tqdm"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "redis>=5", "matplotlib", "tqdm", "radon", "mypy"],
+        # setuptools and wheel: test_wheel builds the wheel without build isolation (offline);
+        # ninja: the fake NPU's C++ extension (torch.utils.cpp_extension) builds with it.
+        "test": ["pytest", "pytest-timeout", "hypothesis", "redis>=5", "matplotlib", "tqdm", "radon", "mypy",
+                 "setuptools>=64", "wheel", "ninja"],
     },
     classifiers=[
         "Development Status :: 4 - Beta",

@@ -1,6 +1,7 @@
 """What pip installs: the wheel and the sdist build, the wheel installs into a fresh virtual
-environment (using the torch already on the machine, never replacing it), and the installed
-packages import and run their doctor there."""
+environment (using the torch of the environment running the tests, never replacing it), and
+the installed packages import and run their doctor there.  The same from the machine's
+Python, a venv, or a uv-made venv (:mod:`venvs`)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import venvs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,9 +31,14 @@ def _ok(cmd: list, **kw) -> subprocess.CompletedProcess:
 
 
 def test_wheel_and_sdist_install_into_a_fresh_venv(tmp_path: Path) -> None:
+    # Built and installed with the new environment's own pip: the environment running the
+    # tests may have none (uv makes venvs without pip).
+    py = str(venvs.make(tmp_path / "venv"))
+    venv = tmp_path / "venv"
+    torch_before = _ok([py, "-c", "import torch; print(torch.__version__)"]).stdout
     dist = tmp_path / "dist"
-    _ok([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(ROOT)])
-    _ok([sys.executable, "setup.py", "-q", "sdist", "-d", str(dist)], cwd=ROOT)
+    _ok([py, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(ROOT)])
+    _ok([py, "setup.py", "-q", "sdist", "-d", str(dist)], cwd=ROOT)
     wheel = next(dist.glob("datadist-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     for needed in ("datadist/py.typed", "ems/py.typed", "llm_datadist/__init__.py", "LICENSE",
@@ -41,10 +48,6 @@ def test_wheel_and_sdist_install_into_a_fresh_venv(tmp_path: Path) -> None:
     sdist = next(dist.glob("datadist-*.tar.gz"))
     assert any(n.endswith("datadist/engine/_native.c") for n in tarfile.open(sdist).getnames())
 
-    venv = tmp_path / "venv"
-    _ok([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
-    py = str(venv / "bin" / "python")
-    torch_before = _ok([py, "-c", "import torch; print(torch.__version__)"]).stdout
     _ok([py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)])
     out = _ok([py, "-c", "import datadist, ems, llm_datadist, torch; print(datadist.__file__); print(torch.__version__)"],
               cwd=tmp_path).stdout.split()
@@ -54,3 +57,15 @@ def test_wheel_and_sdist_install_into_a_fresh_venv(tmp_path: Path) -> None:
     assert facts["native_extension"] == "ok"
     meta = _ok([py, "-m", "pip", "show", "datadist"]).stdout
     assert "Apache-2.0" in meta and "Requires: numpy, torch" in meta
+
+
+def test_a_made_environment_sees_the_running_one_after_its_own(tmp_path: Path) -> None:
+    """The torch of the environment running the tests is found; a package installed into the
+    new environment shadows the running environment's copy."""
+    py = str(venvs.make(tmp_path / "venv"))
+    torch_file = _ok([py, "-c", "import torch; print(torch.__file__)"]).stdout.strip()
+    import torch
+    assert Path(torch_file).resolve() == Path(torch.__file__).resolve()
+    site = _ok([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    (Path(site) / "pytest.py").write_text("WHO = 'the new environment'\n")
+    assert _ok([py, "-c", "import pytest; print(pytest.WHO)"]).stdout.strip() == "the new environment"
