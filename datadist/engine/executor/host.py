@@ -3,11 +3,14 @@ the CUDA driver for a plan with a CUDA side (:func:`datadist.engine.cuda.copy_pl
 device-to-device plans of many runs, which run as batched gather/scatter kernels
 (:func:`.tensor.torch_copy_plan`).
 
-Why the split: the driver path issues one ``cuMemcpyAsync`` per run, about 3.7 us each on an
-H100 (``python -m datadist.bench --device cuda --workload scatter-32k``: 2048 runs of 32 KiB
-in 7.6 ms, 8.8 GB/s, against 264 GB/s for a torch copy of the same bytes); two kernels per
-tensor pair do not grow with the number of runs.  A plan of few runs (a single 4 KiB block,
-a whole cache in order) keeps the driver call, which has no kernel launch to pay.
+Why the split, measured on an H100 (``python -m datadist.bench --device cuda``, one run, the
+threshold below set to 8, 64 and off): the driver path issues one ``cuMemcpyAsync`` per run,
+about 3.7 us each, so ``scatter-32k`` (2048 runs of 32 KiB) moved 5.4 GB/s locally and 6.2 GB/s
+over shm, and 159 / 178 GB/s as kernels; a local ``kv-7b`` round (one plan of many runs per
+tensor) 34 -> 398 GB/s.  But the layer calls of ``kv-7b`` over shm (8 requests at once, 16
+runs per tensor pair) fell from 15.2 to 7.2 GB/s as kernels at a threshold of 8 (each call's
+index upload and device synchronization wait for the other requests' kernels), and stayed at
+14.7 GB/s at 64: plans of fewer runs keep the driver call, which has no kernel to wait for.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from .tensor import torch_copy_plan
 __all__ = ["host_copy_plan", "BATCHED_RUNS"]
 
 #: Device-to-device plans with at least this many runs per tensor pair run as kernels.
-BATCHED_RUNS = 8
+BATCHED_RUNS = 64
 
 
 def host_copy_plan(plan: Plan, timeout_ms: int = 0) -> int:
