@@ -27,7 +27,9 @@ setup(
         "redis": ["redis>=5"],
         "plot": ["matplotlib"],
         "progress": ["tqdm"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "redis>=5", "matplotlib", "tqdm", "radon", "mypy"],
+        "metrics": ["prometheus_client>=0.17"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "redis>=5", "matplotlib", "tqdm", "radon", "mypy",
+                 "prometheus_client>=0.17"],
     },
     classifiers=[
         "Development Status :: 4 - Beta",
