@@ -172,7 +172,7 @@ class Engine:
 
     def install(self, link: Link) -> None:
         self.live_registry().source_linked(link.remote_cluster_id)
-        self.metrics.installed(link.remote_cluster_id)
+        self.metrics.installed(link.remote_cluster_id, link.is_client)
         key = (link.remote_cluster_id, link.is_client)
         with self.links_lock:
             old = self.links.pop(key, None)

@@ -234,8 +234,8 @@ class Link(PeerLookups):
         memory that has to wait is run by the thread ahead of it (:mod:`.turns`).  ``op``
         names the call in the link's counts (:mod:`.metrics`; default ``push_blocks`` or
         ``pull_blocks``), kept by whichever thread holds the lock while it moves."""
-        start = time.perf_counter()
-        deadline = time.monotonic() + self.timeout_ms / 1000.0
+        start = time.monotonic()
+        deadline = start + self.timeout_ms / 1000.0
         op = op or ("push_blocks" if push else "pull_blocks")
         if known is not None and known.plan.on_host:
             if not self.lock.acquire(blocking=False):
@@ -288,8 +288,8 @@ class Link(PeerLookups):
         raised once the batch is through (the other plans have moved).  Every plan is made
         before any moves, so a planner's refusal moves nothing.  Each plan counts as one
         transfer of ``op``, its latency the batch's."""
-        start = time.perf_counter()
-        deadline = time.monotonic() + self.timeout_ms / 1000.0
+        start = time.monotonic()
+        deadline = start + self.timeout_ms / 1000.0
         op = op or ("push_blocks" if push else "pull_blocks")
         jobs = [_Job(key, planner, push, hint, deadline, op, start) for planner, hint in zip(planners, known)]
         self._take(op, start, deadline, len(jobs))

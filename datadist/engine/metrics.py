@@ -38,7 +38,9 @@ OPERATIONS: Tuple[str, ...] = ("push_blocks", "pull_blocks", "push_cache", "pull
 #: The outcome of a transfer that went through (the name of status code 0).
 SUCCESS = "LLM_SUCCESS"
 
-_clock = time.perf_counter
+#: The clock of latencies: the one deadlines are computed with, so a transfer's start
+#: costs no second read.
+_clock = time.monotonic
 
 
 class _Counted(Protocol):
@@ -64,25 +66,30 @@ def code_name(code: int) -> str:
 
 
 class OpCounts:
-    """Counts of one operation: transfers by outcome, bytes moved, and the latency
-    histogram (bucket i counts latencies in ``(LATENCY_BOUNDS[i-1], LATENCY_BOUNDS[i]]``,
-    the last one those above every bound)."""
+    """Counts of one operation: failed transfers by outcome, bytes moved, and the latency
+    histogram of every transfer (bucket i counts latencies in
+    ``(LATENCY_BOUNDS[i-1], LATENCY_BOUNDS[i]]``, the last one those above every bound);
+    the transfers that went through are the histogram's count less the failures, so a
+    successful one costs no counter of its own."""
 
-    __slots__ = ("ok", "failed", "bytes", "seconds", "buckets")
+    __slots__ = ("failed", "bytes", "seconds", "buckets")
 
     def __init__(self) -> None:
-        self.ok = 0
         self.failed: Dict[str, int] = {}
         self.bytes = 0
         self.seconds = 0.0
         self.buckets = [0] * (len(LATENCY_BOUNDS) + 1)
+
+    @property
+    def ok(self) -> int:
+        """Transfers that went through."""
+        return sum(self.buckets) - sum(self.failed.values())
 
     def observe(self, seconds: float) -> None:
         self.seconds += seconds
         self.buckets[bisect_left(LATENCY_BOUNDS, seconds)] += 1
 
     def add(self, other: "OpCounts") -> None:
-        self.ok += other.ok
         for outcome, n in list(other.failed.items()):  # list: a writer may add an outcome meanwhile
             self.failed[outcome] = self.failed.get(outcome, 0) + n
         self.bytes += other.bytes
@@ -113,11 +120,12 @@ class LinkMeter:
         self._lock = threading.Lock()
 
     def moved(self, op: str, nbytes: int, start: float) -> None:
-        """A transfer of ``nbytes`` that began at ``start`` (``time.perf_counter``) went through."""
+        """A transfer of ``nbytes`` that began at ``start`` (``time.monotonic``) went through."""
+        seconds = _clock() - start
         counts = self.ops[op]
-        counts.ok += 1
         counts.bytes += nbytes
-        counts.observe(_clock() - start)
+        counts.seconds += seconds  # OpCounts.observe, inlined: this runs for every transfer
+        counts.buckets[bisect_left(LATENCY_BOUNDS, seconds)] += 1
 
     def failed(self, op: str, exc: BaseException, start: float) -> None:
         """A transfer that began at ``start`` failed with ``exc``."""
@@ -171,7 +179,7 @@ class EngineMetrics:
         self._attempts: Dict[str, int] = {}
         self._link_failures = 0
         self._relinks = 0
-        self._seen: set[int] = set()
+        self._seen: set[tuple[int, bool]] = set()
 
     # -- links ------------------------------------------------------------------------
     def link_meter(self, path: Callable[[], str]) -> LinkMeter:
@@ -201,12 +209,14 @@ class EngineMetrics:
         with self._lock:
             self._attempts[outcome] = self._attempts.get(outcome, 0) + 1
 
-    def installed(self, remote_cluster_id: int) -> None:
-        """A link to ``remote_cluster_id`` is ready; one to a cluster linked before is a relink."""
+    def installed(self, remote_cluster_id: int, dialled: bool) -> None:
+        """A link to ``remote_cluster_id`` (``dialled`` by this end, or accepted) is ready;
+        one where such a link was before is a relink."""
         with self._lock:
-            if remote_cluster_id in self._seen:
+            key = (remote_cluster_id, dialled)
+            if key in self._seen:
                 self._relinks += 1
-            self._seen.add(remote_cluster_id)
+            self._seen.add(key)
 
     def link_failed(self) -> None:
         """A link broke (its peer went away, a stream was lost or timed out)."""

@@ -40,10 +40,8 @@ from datadist.engine.codec import HEADER_SIZE
 from datadist.engine.handshake import REFUSAL, ServerAuth
 from datadist.engine.incoming import RateLimitedLog
 
-from datadist.engine.exporter import MetricsServer
-
 from .dispatch import Dispatcher
-from .metrics import ServerMetrics, serve_metrics
+from .metrics import Endpoint, ServerMetrics, serve_metrics
 from .store import Owner, Store, TenantSpace
 from .tenants import AuthError, Tenants
 from .tiers import make_tier
@@ -127,7 +125,7 @@ class Daemon:
         self.dispatcher: Optional[Dispatcher] = None
         self.refusals = RateLimitedLog(log)
         self.metrics = ServerMetrics()
-        self._metrics_server: Optional[MetricsServer] = None
+        self._metrics_server: Optional[Endpoint] = None
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -380,7 +378,7 @@ class Session:
     def _answer(self, msg: wire.Message) -> Reply:
         """:meth:`_reply_to`, counted by operation and outcome (``ok``, the kind of the
         error answered, or ``disconnected`` when the payload stopped flowing)."""
-        start = time.perf_counter()
+        start = time.monotonic()
         outcome = "disconnected"
         try:
             reply = self._reply_to(msg)

@@ -18,7 +18,7 @@ from datadist.engine.metrics import OpCounts, cumulative
 if TYPE_CHECKING:
     from .daemon import Daemon
 
-__all__ = ["ServerMetrics", "DaemonCollector", "REFUSED_OUTCOMES", "health", "serve_metrics"]
+__all__ = ["ServerMetrics", "DaemonCollector", "Endpoint", "REFUSED_OUTCOMES", "health", "serve_metrics"]
 
 log = logging.getLogger("ems.server")
 
@@ -36,16 +36,14 @@ class ServerMetrics:
         self._refused: Dict[str, int] = {}
 
     def request(self, op: str, outcome: str, start: float) -> None:
-        """A request ``op`` begun at ``start`` (``time.perf_counter``) ended with
+        """A request ``op`` begun at ``start`` (``time.monotonic``) ended with
         ``outcome`` (``ok``, an error kind, or ``disconnected``)."""
-        seconds = time.perf_counter() - start
+        seconds = time.monotonic() - start
         with self._lock:
             counts = self._requests.get(op)
             if counts is None:
                 counts = self._requests[op] = OpCounts()
-            if outcome == "ok":
-                counts.ok += 1
-            else:
+            if outcome != "ok":
                 counts.failed[outcome] = counts.failed.get(outcome, 0) + 1
             counts.observe(seconds)
 
@@ -153,7 +151,22 @@ def health(daemon: "Daemon") -> Tuple[bool, str]:
     return (False, "not ready: " + "; ".join(problems)) if problems else (True, "ready: " + ", ".join(parts))
 
 
-def serve_metrics(daemon: "Daemon", address: str) -> MetricsServer:
+class Endpoint:
+    """A daemon's families and health served over HTTP (:func:`serve_metrics`)."""
+
+    def __init__(self, server: MetricsServer, registry: Any, collector: DaemonCollector) -> None:
+        self.server = server
+        self._registry = registry
+        self._collector = collector
+
+    def close(self) -> None:
+        """Stop serving and forget the daemon's families (another daemon of this process
+        may serve its own later)."""
+        self.server.close()
+        self._registry.unregister(self._collector)
+
+
+def serve_metrics(daemon: "Daemon", address: str) -> Endpoint:
     """Serve ``daemon``'s families and health on ``[HOST:]PORT`` (host 0.0.0.0 by default).
     Raises ``ImportError`` without prometheus_client, ``ValueError`` for an address that
     cannot be listened on."""
@@ -163,6 +176,7 @@ def serve_metrics(daemon: "Daemon", address: str) -> MetricsServer:
         server = MetricsServer(host or "0.0.0.0", int(port), registry, lambda: health(daemon))
     except (OSError, ValueError, OverflowError) as exc:
         raise ValueError(f"--metrics-port {address}: expected [HOST:]PORT this host can listen on ({exc})") from None
-    registry.register(DaemonCollector(daemon))
+    collector = DaemonCollector(daemon)
+    registry.register(collector)
     log.info("metrics at http://%s:%d/metrics", *server.address)
-    return server
+    return Endpoint(server, registry, collector)
