@@ -12,6 +12,7 @@ from typing import Dict, Tuple
 
 import pytest
 
+from metrics_doc import documented_families, served_families
 from ems_helpers import ENV, check, daemon_factory, free_port, run_client  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,6 +62,7 @@ def test_families_count_requests_tiers_puts_and_refusals(daemon_factory, tmp_pat
         except ConnectionResetError:  # closed with some of our bytes unread: the end too
             pass
 
+    assert served_families(_get(f"http://127.0.0.1:{port}/metrics")[1]) == documented_families("ems_")
     got = _samples(port)
     assert got[("ems_requests_total", (("operation", "commit"), ("outcome", "ok")))] >= 1
     assert got[("ems_requests_total", (("operation", "hello"), ("outcome", "ok")))] >= 1

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import pytest
 
 from datadist import LLMStatusCode as S
+from metrics_doc import documented_families, served_families
 from harness import (DECODER_ID, PROMPT_ID, Desc, Peer, Ref, base_config, blocks_key, expect_llm, free_port)
 
 pytestmark = pytest.mark.timeout(120)
@@ -100,10 +101,7 @@ def test_endpoint_serves_the_families_and_health(peer_factory: Callable[..., Any
             f'transport="tcp"}} 1.0') in text
     assert (f'datadist_transfer_bytes_total{{cluster="{cluster}",operation="pull_blocks",transport="tcp"}} '
             f'{float(4 * BLOCK_BYTES)}') in text
-    for family in ("datadist_transfer_seconds_bucket", "datadist_links_up", "datadist_link_attempts_total",
-                   "datadist_link_failures_total", "datadist_relinks_total", "datadist_pool_bytes",
-                   "datadist_agent_queue_depth"):
-        assert family in text, family
+    assert served_families(text) == documented_families("datadist_")  # docs/operations.md's table
     assert _get(f"http://127.0.0.1:{port}/healthz") == (200, "1 engine(s) initialized\n")
     assert _get(f"http://127.0.0.1:{port}/nothing")[0] == 404
     other.call("finalize")
