@@ -27,10 +27,11 @@ setup(
         "redis": ["redis>=5"],
         "plot": ["matplotlib"],
         "progress": ["tqdm"],
+        "metrics": ["prometheus_client>=0.17"],
         # setuptools and wheel: test_wheel builds the wheel without build isolation (offline);
         # ninja: the fake NPU's C++ extension (torch.utils.cpp_extension) builds with it.
         "test": ["pytest", "pytest-timeout", "hypothesis", "redis>=5", "matplotlib", "tqdm", "radon", "mypy",
-                 "setuptools>=64", "wheel", "ninja"],
+                 "setuptools>=64", "wheel", "ninja", "prometheus_client>=0.17"],
     },
     classifiers=[
         "Development Status :: 4 - Beta",

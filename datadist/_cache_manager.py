@@ -308,7 +308,7 @@ class CacheManager:
             return row_plan(src, remote.row, dst, row, n, 0, tensor_num_per_layer, src_layer_range, dst_layer_range)
 
         ref = cache_ref(cache_key)
-        link.transfer(ref, planner, push=False)
+        link.transfer(ref, planner, push=False, op="pull_cache")
         if isinstance(cache_key, CacheKey):
             link.release_key(ref)
 
@@ -351,7 +351,7 @@ class CacheManager:
             return row_plan(src, row, dst, remote.row, n, 0, tensor_num_per_layer, src_layer_range, dst_layer_range,
                              same_range=True)
 
-        link.transfer(cache_ref(dst_cache_key), planner, push=True)
+        link.transfer(cache_ref(dst_cache_key), planner, push=True, op="push_cache")
 
     def push_blocks(self, dst_cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex], src_cache: Cache,
                     src_blocks: Sequence[int] = (), dst_blocks: Sequence[int] = (),

@@ -6,13 +6,13 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from ._cache_manager import CacheManager
 from ._comm import CommDomain, parse_comm_args
 from ._config import EngineOptions, parse_options
 from ._cluster import LLMClusterInfo
-from ._status import LLMStatusCode, api_class, raise_error, status_code_of_fault
+from ._status import LLMStatusCode, api_class, raise_error, status_code_of_fault, status_of, to_status_code
 from ._types import LLMRole, RegisterMemStatus
 from .engine.core import MAX_LINK_CLUSTERS, Engine
 from .engine.notes import MAX_NOTE_BYTES
@@ -23,6 +23,15 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["LLMDataDist"]
 
 log = logging.getLogger("datadist")
+
+def _outcome(exc: BaseException) -> str:
+    """A failed transfer's label in the metrics: its status code's name."""
+    return status_of(exc).name
+
+
+def _code_name(code: int) -> str:
+    return to_status_code(code).name
+
 
 # One initialized engine per process, as in llm_datadist.
 _active_lock = threading.Lock()
@@ -99,6 +108,8 @@ class LLMDataDist:
                             "one initialized LLMDataDist per process")
             try:
                 self._engine = Engine(self._cluster_id, int(self._role), parsed)
+                self._engine.metrics.outcome_of = _outcome
+                self._engine.metrics.code_name = _code_name
             except OSError as exc:
                 raise_error(LLMStatusCode.LLM_FAILED, f"engine start failed: {exc}")
             self._options = parsed
@@ -241,6 +252,24 @@ class LLMDataDist:
     def listen_port(self) -> Optional[int]:
         """The port the agent listens on (useful with ``listen_ip_info`` port 0)."""
         return self._engine_or_raise().listen_port
+
+    def metrics(self) -> Dict[str, Any]:
+        """What this engine counted so far, as plain data (docs/operations.md lists every
+        key): ``transfers`` (one dict per operation, transport and outcome, with ``count``
+        and ``bytes``), ``latency`` (histograms per operation and transport: ``count``,
+        ``sum_seconds``, cumulative ``buckets`` of ``(le_seconds, count)``), ``timeouts``
+        by operation, ``links`` (``up``, ``failures``, ``relinks``, ``attempts`` by
+        outcome), ``pools`` (``size_bytes``, ``used_bytes``, ``free_bytes`` by pool) and
+        ``agent`` (``pending_calls``, ``pending_handshakes``).  Counters only grow while
+        the engine lives; a new ``init`` starts from zero.  Needs no ``prometheus_client``."""
+        return self._engine_or_raise().snapshot()
+
+    @property
+    def metrics_address(self) -> Optional[Tuple[str, int]]:
+        """Where the Prometheus endpoint of this engine listens (``datadist.MetricsPort``
+        or ``DATADIST_METRICS_PORT``); None: it has none."""
+        exposure = self._engine_or_raise().exposure
+        return None if exposure is None else exposure.address
 
     def link_path(self, cluster_id: int) -> str:
         """Transport of the link to ``cluster_id`` (``shm``, ``tcp``, ``gloo``, ``nccl`` or

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from ._cluster import ip_to_str
-from ._option_keys import (Bad, CANN_INTERNAL_KEYS, DEFAULT_LINK_RETRY_COUNT, DEFAULT_LINK_TOTAL_TIME_S,
+from ._option_keys import (ENV_METRICS_PORT, OPTION_METRICS_PORT, Bad, CANN_INTERNAL_KEYS, DEFAULT_LINK_RETRY_COUNT, DEFAULT_LINK_TOTAL_TIME_S,
                            DEFAULT_SYNC_KV_TIMEOUT_MS, DEVICE_TYPES, ENV_LINK_SECRET, INT32_MAX, KEY_OF_FIELD,
                            LINK_RETRY_RANGE, OPTION_BUF_POOL_CFG, OPTION_CLUSTER_INFO, OPTION_DEPLOY_RES_PATH,
                            OPTION_DEVICE_ID, OPTION_DEVICE_TYPE, OPTION_ENABLE_CACHE_MANAGER,
@@ -101,6 +101,10 @@ class EngineOptions:
             environment ``DATADIST_TLS_CERT_FILE``, ``..._KEY_FILE``, ``..._CA_FILE``);
             None: links are plain TCP.  Not with a collective ``transfer_backend``, whose
             payloads would bypass it.
+        metrics_host, metrics_port: where the Prometheus endpoint listens
+            (``datadist.MetricsPort`` "[host:]port", else the environment
+            ``DATADIST_METRICS_PORT``; host 0.0.0.0 when only a port is given; port 0: the
+            system picks); both None: no endpoint (``LLMDataDist.metrics()`` counts anyway).
 
     Constructing one directly validates it the same way (``__post_init__``).
     """
@@ -122,6 +126,8 @@ class EngineOptions:
     rdma_service_level: Optional[int] = None
     link_secret: Optional[Secret] = None
     tls: Optional[TlsConfig] = None
+    metrics_host: Optional[str] = None
+    metrics_port: Optional[int] = None
 
     def __post_init__(self) -> None:
         self._check_int("device_id", 0, INT32_MAX)
@@ -166,6 +172,8 @@ class EngineOptions:
                                               f"outside TLS ({OPTION_TLS_CERT_FILE}, {OPTION_TLS_KEY_FILE}, "
                                               f"{OPTION_TLS_CA_FILE} are set): use auto, shm or tcp with TLS")
 
+        self._check_optional_int("metrics_port", 0, 65535)
+
     # -- derived views
 
     @property
@@ -176,6 +184,11 @@ class EngineOptions:
     @property
     def listen_address(self) -> Optional[Tuple[str, int]]:
         return None if self.listen_ip is None else (self.listen_ip, int(self.listen_port or 0))
+
+    @property
+    def metrics_address(self) -> Optional[Tuple[str, int]]:
+        """Where the Prometheus endpoint listens; None: nowhere."""
+        return None if self.metrics_port is None else (self.metrics_host or "0.0.0.0", self.metrics_port)
 
     @property
     def sync_kv_timeout_s(self) -> float:
@@ -206,6 +219,10 @@ class EngineOptions:
         self._check_type(name, int)
         if not lo <= getattr(self, name) <= hi:
             self._bad(name, f"must be in [{lo}, {hi}]{unit}")
+
+    def _check_optional_int(self, name: str, lo: int, hi: int) -> None:
+        if getattr(self, name) is not None:
+            self._check_int(name, lo, hi)
 
     def _check_choice(self, name: str, choices: Tuple[str, ...]) -> None:
         self._check_type(name, str)
@@ -313,6 +330,17 @@ def _split_ip_port(value: Any) -> Tuple[str, int]:
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise Bad(f"port {port_text!r} is not an integer in [0, 65535]")
     return ip, int(port_text)
+
+
+def _metrics_address(raw: Any) -> Dict[str, Any]:
+    """``"[host:]port"`` of the metrics endpoint (an int: the port)."""
+    text = str(raw).strip() if isinstance(raw, (str, int)) and not isinstance(raw, bool) else None
+    if text is None:
+        raise Bad(f'expected "[host:]port", got {type(raw).__name__}')
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise Bad(f'expected "[host:]port" with a port in [0, 65535], e.g. "9400" or "127.0.0.1:9400"')
+    return {"metrics_host": host or None, "metrics_port": int(port)}
 
 
 def _to_device_id(raw: Any) -> int:
@@ -424,6 +452,7 @@ _PARSERS: Dict[str, Callable[[Any], Dict[str, Any]]] = {
     OPTION_TLS_CERT_FILE: _checked(_path_text),       # the three together, in parse_options
     OPTION_TLS_KEY_FILE: _checked(_path_text),
     OPTION_TLS_CA_FILE: _checked(_path_text),
+    OPTION_METRICS_PORT: _metrics_address,
     OPTION_SESSION_DEVICE_ID: _checked(_to_int),
     OPTION_DEPLOY_RES_PATH: _checked(_to_text),
     OPTION_CLUSTER_INFO: _checked(_to_json_text),
@@ -523,6 +552,12 @@ def parse_options(options: Mapping[str, Any], base: Optional[EngineOptions] = No
     tls = _tls(options)
     if tls is not None:
         fields["tls"] = tls
+    if OPTION_METRICS_PORT not in options and os.environ.get(ENV_METRICS_PORT):
+        try:
+            fields.update(_metrics_address(os.environ[ENV_METRICS_PORT]))
+        except Bad as bad:
+            raise ParamInvalidError(f"environment variable {ENV_METRICS_PORT} = "
+                                    f"{os.environ[ENV_METRICS_PORT]!r} is invalid: {bad}") from None
     if base is None:
         fields.setdefault("link_total_time_s", _default_link_total_time())
         return EngineOptions(**fields)

@@ -69,6 +69,8 @@ __all__ = ["LayerSynchronizer", "TransferConfig", "TransferWithCacheKeyConfig", 
 log = logging.getLogger("datadist")
 
 _S = LLMStatusCode
+#: What a task's transfers count as (datadist.engine.metrics).
+_OP = "transfer_cache_async"
 #: Tensors per layer (K, V): transfer_cache_async takes no tensor_num_per_layer.
 _TNPL = 2
 #: Destination block indices of raw addresses have no known upper bound.
@@ -422,11 +424,11 @@ class _Route:
         layers to one peer cache go as one batch (over a socket, one round trip)."""
         if len(layers) > 1 and isinstance(self.target, CacheRef):
             self.link.transfer_batch(self.target, [self._layer(src, layer)[1] for layer in layers], True,
-                                     [self._prepared.pop(layer, None) for layer in layers])
+                                     [self._prepared.pop(layer, None) for layer in layers], op=_OP)
             return
         for layer in layers:
             target, planner = self._layer(src, layer)
-            self.link.transfer(target, planner, True, self._prepared.pop(layer, None))
+            self.link.transfer(target, planner, True, self._prepared.pop(layer, None), op=_OP)
 
 
 # ------------------------------------------------------------------------ the task

@@ -176,6 +176,13 @@ class Agent:
         except OSError:
             pass
 
+    def backlog(self) -> dict[str, int]:
+        """How much waits for the agent thread: calls handed to it, and connections still
+        in their opening handshake (a gauge; read without the thread's cooperation)."""
+        with self._calls_lock:
+            calls = len(self._calls)
+        return {"pending_calls": calls, "pending_handshakes": len(self._incoming.pending)}
+
     def watch(self, link: Link) -> None:
         self.call(lambda: self._register(link))
 

@@ -16,14 +16,15 @@ import secrets
 import socket
 import threading
 import time
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
-from . import cuda, npu, wire
+from . import cuda, exporter, npu, wire
 from .agent import Agent
 from .errors import Fault, fail
 from .link import Link
 from .linking import Linker
 from .memory import Arena, PoolAllocator
+from .metrics import EngineMetrics
 from .notes import NoteBox
 from .options import EngineSettings
 from .registry import Registry
@@ -106,9 +107,12 @@ class Engine:
         self.arenas: list[Arena] = []
         self.pinned: list[Arena] = []
         self.device_arena: Optional[Union[cuda.DeviceArena, npu.NpuArena]] = None
+        self.exposure: Optional[exporter.Exposure] = None
         self.registry: Optional[Registry] = None
         self.agent: Optional[Agent] = None
         self.notes = NoteBox()
+        #: What the engine counted (:mod:`.metrics`); :meth:`metrics` reads it with the gauges.
+        self.metrics = EngineMetrics(cluster_id)
         self.linker = Linker(self)
         #: Where Placement.DEVICE caches live: "cpu" (host memory), "cuda:N" or "npu:N".
         self.device = resolve_device(options.device_type, options.device_id)
@@ -129,6 +133,7 @@ class Engine:
                     self.pinned.append(arena)  # host <-> device copies of its caches run at DMA speed
             self.registry = Registry(cluster_id, secrets.randbits(63))
             self.agent = Agent(self, options.listen_address)
+            self.exposure = self._expose(options.metrics_address)
         except BaseException:
             self.close()
             raise
@@ -167,6 +172,7 @@ class Engine:
 
     def install(self, link: Link) -> None:
         self.live_registry().source_linked(link.remote_cluster_id)
+        self.metrics.installed(link.remote_cluster_id, link.is_client)
         key = (link.remote_cluster_id, link.is_client)
         with self.links_lock:
             old = self.links.pop(key, None)
@@ -178,7 +184,9 @@ class Engine:
 
     def link(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> Fault:
         """Link to the engine listening at ``ip:port`` (:meth:`.linking.Linker.link`)."""
-        return self.linker.link(remote_cluster_id, ip, port, deadline)
+        fault = self.linker.link(remote_cluster_id, ip, port, deadline)
+        self.metrics.link_attempt(int(fault))
+        return fault
 
     def wait_link(self, cluster_id: int, deadline: float, cancel: threading.Event) -> bool:
         """Wait until ``cluster_id`` has linked to this engine and its link is ready;
@@ -246,9 +254,37 @@ class Engine:
         # Closing must wait until the agent has unregistered the socket.
         agent.call(link.close)
 
+    # -- metrics -------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """What the engine counted, with its gauges now: links up, pool memory and the
+        agent's backlog (the dict ``LLMDataDist.metrics()`` returns)."""
+        with self.links_lock:
+            up = sum(1 for link in self.links.values() if link.ready.is_set() and link.broken is None)
+        pools = {name: {"size_bytes": pool.size_bytes, "free_bytes": pool.free_bytes,
+                        "used_bytes": pool.size_bytes - pool.free_bytes} for name, pool in self.pools.items()}
+        agent = self.agent
+        backlog = agent.backlog() if agent is not None else {"pending_calls": 0, "pending_handshakes": 0}
+        return self.metrics.snapshot({"links": {"up": up}, "pools": pools, "agent": backlog})
+
+    def _expose(self, address: Optional[tuple[str, int]]) -> Optional[exporter.Exposure]:
+        """Serve the engine's metrics on ``address`` (:mod:`.exporter`); None: not asked."""
+        if address is None:
+            return None
+        try:
+            exposure = exporter.serve_engine(id(self), self.snapshot, *address)
+        except exporter.MissingPackage as exc:
+            fail(Fault.FEATURE_NOT_ENABLED, f"the metrics endpoint ({address[0]}:{address[1]}): {exc}")
+        except OSError as exc:
+            fail(Fault.FAILED, f"the metrics endpoint cannot listen on {address[0]}:{address[1]}: {exc}")
+        log.info("metrics of cluster %d at http://%s:%d/metrics", self.cluster_id, *exposure.address)
+        return exposure
+
     # -- teardown ------------------------------------------------------------------------
     def close(self) -> None:
         """Release everything; idempotent, safe to call on a half-built engine."""
+        if self.exposure is not None:
+            self.exposure.close()
+            self.exposure = None
         if self.agent is not None:
             self.agent.stop()
             self.agent = None

@@ -16,7 +16,6 @@ thread touches only ``serve_sock``, ``broken`` and the ``spin_*`` counters.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import socket
 import threading
@@ -28,10 +27,10 @@ from .errors import EngineError, Fault, fail
 from .transports.base import ANY_CACHE, Prepared, RemoteCache, StaleLookup, Transport
 from .turns import Turns, Unserved
 from . import native, tls, wire
-from .cuda import IpcRegion
-from .keys import CacheRef, RefKind
+from .keys import CacheRef
 from .layout import Plan, tensor_span
-from .registry import Registry
+from .lookups import PeerLookups
+from .metrics import EngineMetrics, LinkMeter
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import TCPStore
@@ -60,9 +59,11 @@ class _Job(NamedTuple):
     push: bool
     known: Optional[Prepared]
     deadline: float
+    op: str
+    start: float
 
 
-class Link:
+class Link(PeerLookups):
     """A link to one peer engine: this end's request stream (``req_sock``), the stream the
     agent serves the peer's requests on (``serve_sock``), the transport its plans move by,
     and the cache of the peer's lookups.  It is the :class:`~.transports.base.Channel`
@@ -74,7 +75,7 @@ class Link:
                  on_broken: Optional[Callable[[int, str], None]] = None,
                  transport: Optional[Transport] = None, peer_epoch_addr: Optional[int] = None,
                  req_sock: Optional[socket.socket] = None, serve_sock: Optional[socket.socket] = None,
-                 attach_token: str = "") -> None:
+                 attach_token: str = "", metrics: Optional[EngineMetrics] = None) -> None:
         self.local_cluster_id = local_cluster_id
         self.on_broken = on_broken   # told once when the link breaks (arrival waits fail)
         self.remote_cluster_id = remote_cluster_id
@@ -91,22 +92,30 @@ class Link:
         self.lock: Turns[_Job] = Turns(self._serve_jobs)
         self.broken: Optional[str] = None
         self.ready = threading.Event()
-        self._lookups: dict[CacheRef, RemoteCache] = {}
-        self._epoch_cell: Optional[tuple[int, ctypes.c_uint64]] = None   # (address, view) of the peer's epoch
+        PeerLookups.__init__(self)
         self._closed = False
         self._close_when_idle = False
         self.closing = False         # set by unlink: the end of the streams is expected
         self.spin_turn = 0           # agent thread: requests served, and spins in a row that
         self.spin_misses = 0         # caught no next request (``Agent._serve_burst``)
+        #: The engine's counts (told of a break and of the release), if any, and this link's
+        #: transfer counts (written only by the holder of ``lock``, :mod:`.metrics`).
+        self.metrics = metrics
+        self.meter = metrics.link_meter(self._path) if metrics is not None else LinkMeter(self._path)
 
     # -- state ---------------------------------------------------------------------------
     @property
     def path(self) -> str:
         return self.transport.name if self.transport is not None else "none"
 
+    def _path(self) -> str:
+        return self.path
+
     def mark_broken(self, reason: str) -> None:
         if self.broken is None:
             self.broken = reason
+            if not self.closing and self.metrics is not None:
+                self.metrics.link_failed()
             # An unlink in progress ends the connection on purpose: not worth a warning.
             log.log(logging.INFO if self.closing else logging.WARNING, "link to cluster %d %s: %s",
                     self.remote_cluster_id, "closed" if self.closing else "broken", reason)
@@ -207,41 +216,8 @@ class Link:
         self.mark_broken(f"connection failed: {exc}")
         fail(Fault.LINK_FAILED, f"link to cluster {self.remote_cluster_id} is broken: {exc}")
 
-    def _epoch_now(self) -> Optional[int]:
-        addr = self.peer_epoch_addr
-        if addr is None:
-            return None
-        cell = self._epoch_cell
-        if cell is None or cell[0] != addr:
-            cell = self._epoch_cell = (addr, Registry.epoch_cell(addr))
-        return cell[1].value
-
-    def lookup(self, key: CacheRef, deadline: float, *, cached: bool = True) -> tuple[RemoteCache, bool]:
-        """What ``key`` names on the peer, and whether that came from the cache of
-        lookups (kept until the peer's epoch moves; ``cached=False`` asks the peer)."""
-        hit = self._lookups.get(key) if cached else None
-        if hit is not None:
-            epoch = self._epoch_now()
-            # Socket peers check the epoch themselves on each request (StaleLookup).
-            if epoch is None or epoch == hit.epoch:
-                return hit, True
-            self._lookups.clear()
-        reply = self.rpc(key.resolve_message(), deadline)
-        if not isinstance(reply, wire.Resolved):
-            self.protocol_error(reply)
-        if reply.status:
-            fail(Fault.of(reply.status), reply.message)
-        remote = RemoteCache(cache_id=reply.cache_id, row=reply.row, num_tensors=reply.num_tensors,
-                             tensor_size=reply.tensor_size, batch_size=reply.batch_size, is_blocks=reply.is_blocks,
-                             dtype=reply.dtype, addrs=reply.arrays[0], epoch=reply.epoch, watched=reply.watched,
-                             device=reply.device, ipc=tuple(IpcRegion.from_wire(r) for r in reply.ipc))
-        if key.kind != RefKind.KEY:
-            # CacheKey lookups are consumed by pulls; caching them buys little.
-            self._lookups[key] = remote
-        return remote, False
-
     def transfer(self, key: Union[CacheRef, RemoteCache], planner: Callable[[RemoteCache], Plan],
-                 push: bool, known: Optional[Prepared] = None) -> Prepared:
+                 push: bool, known: Optional[Prepared] = None, op: str = "") -> Prepared:
         """Resolve ``key``, plan against it and move the bytes, within ``sync_kv_timeout``.
 
         ``planner`` validates the remote geometry and returns a plan whose peer side is in
@@ -255,61 +231,87 @@ class Link:
         against all its caches.
 
         Transfers take turns on the link in arrival order; a ``known`` transfer of host
-        memory that has to wait is run by the thread ahead of it (:mod:`.turns`)."""
-        deadline = time.monotonic() + self.timeout_ms / 1000.0
+        memory that has to wait is run by the thread ahead of it (:mod:`.turns`).  ``op``
+        names the call in the link's counts (:mod:`.metrics`; default ``push_blocks`` or
+        ``pull_blocks``), kept by whichever thread holds the lock while it moves."""
+        start = time.monotonic()
+        deadline = start + self.timeout_ms / 1000.0
+        op = op or ("push_blocks" if push else "pull_blocks")
         if known is not None and known.plan.on_host:
             if not self.lock.acquire(blocking=False):
-                try:
-                    served, outcome = self.lock.submit(_Job(key, planner, push, known, deadline),
-                                                       max(0.0, deadline - time.monotonic()))
-                except Unserved:
-                    self._busy()
+                served, outcome = self._queue(_Job(key, planner, push, known, deadline, op, start))
                 if served:
-                    if isinstance(outcome, Unserved):  # the thread that took it was interrupted
-                        fail(Fault.FAILED, f"a transfer queued on the link to cluster {self.remote_cluster_id} "
-                                           f"did not run: {outcome}")
-                    if isinstance(outcome, BaseException):
-                        raise outcome
-                    return outcome  # type: ignore[no-any-return]
+                    return outcome
         else:
-            self._acquire(deadline)
+            self._take(op, start, deadline)
         try:
             self.check_alive()
-            return self._transfer_locked(key, planner, push, deadline, known)
+            ready = self._transfer_locked(key, planner, push, deadline, known)
+        except BaseException as exc:
+            self.meter.failed(op, exc, start)
+            raise
+        else:
+            self.meter.moved(op, ready.nbytes, start)
+            return ready
         finally:
             self._let_go()
 
+    def _queue(self, job: _Job) -> tuple[bool, Prepared]:
+        """Wait in line for the link (:mod:`.turns`): whether the holder ran ``job`` (and
+        counted it), with its outcome then (an error is raised); not served: this thread
+        holds the lock now."""
+        try:
+            served, outcome = self.lock.submit(job, max(0.0, job.deadline - time.monotonic()))
+        except Unserved:
+            self.meter.refused(job.op, job.start, self._busy_error())
+        if served:
+            if isinstance(outcome, Unserved):  # the thread that took it was interrupted
+                self.meter.refused(job.op, job.start, EngineError(
+                    Fault.FAILED, f"a transfer queued on the link to cluster {self.remote_cluster_id} "
+                                  f"did not run: {outcome}"))
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return served, outcome
+
+    def _take(self, op: str, start: float, deadline: float, transfers: int = 1) -> None:
+        """Take the link's lock before ``deadline``, else count ``transfers`` failed and raise."""
+        if not self.lock.acquire(blocking=False) and \
+                not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            self.meter.refused(op, start, self._busy_error(), transfers)
+
     def transfer_batch(self, key: Union[CacheRef, RemoteCache], planners: Sequence[Callable[[RemoteCache], Plan]],
-                       push: bool, known: Sequence[Optional[Prepared]]) -> list[Prepared]:
+                       push: bool, known: Sequence[Optional[Prepared]], op: str = "") -> list[Prepared]:
         """:meth:`transfer` of several plans against one peer cache in one go (over a
         socket, pushes pipeline: one round trip for all); ``known[i]`` as ``known`` of
         :meth:`transfer`.  A plan refused as stale, or planned from a cached lookup the
         peer no longer agrees with, is done again on its own; the first other error is
         raised once the batch is through (the other plans have moved).  Every plan is made
-        before any moves, so a planner's refusal moves nothing."""
-        deadline = time.monotonic() + self.timeout_ms / 1000.0
-        self._acquire(deadline)
+        before any moves, so a planner's refusal moves nothing.  Each plan counts as one
+        transfer of ``op``, its latency the batch's."""
+        start = time.monotonic()
+        deadline = start + self.timeout_ms / 1000.0
+        op = op or ("push_blocks" if push else "pull_blocks")
+        jobs = [_Job(key, planner, push, hint, deadline, op, start) for planner, hint in zip(planners, known)]
+        self._take(op, start, deadline, len(jobs))
         try:
-            self.check_alive()
-            jobs = [_Job(key, planner, push, hint, deadline) for planner, hint in zip(planners, known)]
-            ready = [self._reuse_or_plan(job) for job in jobs]
-            done: list[Prepared] = []
-            first_error: Optional[BaseException] = None
-            for outcome in self._move(jobs, ready, deadline):
-                if isinstance(outcome, Prepared):
-                    done.append(outcome)
-                else:
-                    first_error = first_error or outcome
-            if first_error is not None:
-                raise first_error
-            return done
+            try:
+                self.check_alive()
+                ready = [self._reuse_or_plan(job) for job in jobs]
+                outcomes: Sequence[Union[Prepared, BaseException]] = self._move(jobs, ready, deadline)
+            except BaseException as exc:
+                outcomes = [exc] * len(jobs)
+            self.meter.settled(jobs, outcomes)
         finally:
             self._let_go()
+        errors = [outcome for outcome in outcomes if not isinstance(outcome, Prepared)]
+        if errors:
+            raise errors[0]
+        return outcomes  # type: ignore[return-value]
 
     def _serve_jobs(self, jobs: list[_Job]) -> list[Union[Prepared, BaseException]]:
         """What the link's holder runs for the transfers queued behind it (:mod:`.turns`):
         one outcome per job, each planned (if its plan went stale) and moved as
-        :meth:`transfer` would, the moves in one batch.  Never raises."""
+        :meth:`transfer` would, the moves in one batch, and counted.  Never raises."""
         outcomes: list[Union[Prepared, BaseException]] = []
         try:
             self.check_alive()
@@ -325,6 +327,7 @@ class Link:
             outcomes = [r if isinstance(r, BaseException) else next(moved) for r in ready]
         except Exception as exc:
             outcomes += [exc] * (len(jobs) - len(outcomes))
+        self.meter.settled(jobs, outcomes)
         return outcomes
 
     def _move(self, jobs: Sequence[_Job], ready: Sequence[tuple[Prepared, bool]],
@@ -382,11 +385,11 @@ class Link:
     def _acquire(self, deadline: float) -> None:
         if not self.lock.acquire(blocking=False) and \
                 not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            self._busy()
+            raise self._busy_error()
 
-    def _busy(self) -> NoReturn:
-        fail(Fault.TIMEOUT, f"link to cluster {self.remote_cluster_id} stayed busy with other transfers "
-                            f"for sync_kv_timeout ({self.timeout_ms} ms)")
+    def _busy_error(self) -> EngineError:
+        return EngineError(Fault.TIMEOUT, f"link to cluster {self.remote_cluster_id} stayed busy with other "
+                                          f"transfers for sync_kv_timeout ({self.timeout_ms} ms)")
 
     def _let_go(self) -> None:
         """Let go of the link after a transfer (serving the transfers queued behind it);
@@ -394,14 +397,6 @@ class Link:
         self.lock.release()
         if self._close_when_idle:
             self.retire(self.broken or "peer gone")
-
-    def _current(self, remote: RemoteCache) -> bool:
-        """Whether a plan made against ``remote`` may run again without a new lookup:
-        raw addresses do not change, a same-host peer's caches are as they were while
-        its epoch stays, and a socket peer refuses a stale request itself."""
-        if remote.cache_id == ANY_CACHE or self.peer_epoch_addr is None:
-            return True
-        return self._epoch_now() == remote.epoch
 
     def _bound(self) -> Transport:
         """The link's transport (a collective link gets one once its process group exists)."""
@@ -565,6 +560,8 @@ class Link:
         if self._closed:
             return
         self._closed = True
+        if self.metrics is not None:
+            self.metrics.released(self.meter)  # its counts stay in the engine's totals
         if self.broken is None:
             self.broken = "link closed"
         self.peer_epoch_addr = None

@@ -164,7 +164,7 @@ class Linker:
                                  f"the link could not be set up ({type(exc).__name__})")
         link = Link(remote_cluster_id=msg.cluster_id, remote_role=msg.role, peer_pid=msg.pid,
                     timeout_ms=self.engine.timeout_ms, is_client=False, local_cluster_id=self.engine.cluster_id,
-                    on_broken=self.engine.link_broken, transport=transport, peer_epoch_addr=epoch_addr,
+                    on_broken=self.engine.link_broken, transport=transport, peer_epoch_addr=epoch_addr, metrics=self.engine.metrics,
                     serve_sock=sock, attach_token=secrets.token_hex(16))
         store_port = 0
         if self.engine.backend in COLLECTIVE_BACKENDS:
@@ -268,7 +268,7 @@ class Linker:
         link = opening.link = Link(
             remote_cluster_id=remote_cluster_id, remote_role=ack.role, peer_pid=ack.pid,
             timeout_ms=self.engine.timeout_ms, is_client=True, local_cluster_id=self.engine.cluster_id,
-            on_broken=self.engine.link_broken, transport=transport, peer_epoch_addr=epoch_addr,
+            on_broken=self.engine.link_broken, transport=transport, peer_epoch_addr=epoch_addr, metrics=self.engine.metrics,
             req_sock=hello_sock, serve_sock=attach_sock)
         if ack.store_port:
             from torch._C._distributed_c10d import TCPStore  # torch.distributed's own, as its stubs export it

@@ -215,6 +215,7 @@ class PoolAllocator:
         self.arena = arena
         self.page = 1 << page_shift
         usable = arena.size - arena.size % self.page
+        self.size_bytes = usable  # what allocations may take (whole pages)
         self._starts: list[int] = [0] if usable else []
         self._sizes: list[int] = [usable] if usable else []
         self._used: dict[int, int] = {}

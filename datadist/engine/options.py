@@ -63,3 +63,6 @@ class EngineSettings(Protocol):
 
     @property
     def tls(self) -> Optional[TlsConfig]: ...
+
+    @property
+    def metrics_address(self) -> Optional[tuple[str, int]]: ...

@@ -5,7 +5,7 @@ Commands::
     ems-server [serve] [--dir DIR] [--capacity 4G] [--disk-dir D --disk-capacity 10G]
                        [--remote redis://H:P | redis+cluster://H:P] [--credentials FILE]
                        [--tcp HOST:PORT] [--socket-mode 0600] [--idle-exit SECONDS] [--detach]
-                       [--ready-fd FD]
+                       [--ready-fd FD] [--metrics-port [HOST:]PORT]
     ems-server stats [--dir DIR | --server ADDR] [--json]
     ems-server stop  [--dir DIR]
 
@@ -90,6 +90,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--detach", action="store_true", help="fork into the background (new session)")
     p.add_argument("--ready-fd", type=int, default=None,
                    help="write 'READY <pid> <tcp address>' to this fd once serving, then close it")
+    p.add_argument("--metrics-port", default=None, metavar="[HOST:]PORT",
+                   help="serve Prometheus metrics at /metrics and readiness at /healthz on this port "
+                        "(host 0.0.0.0 unless given; needs prometheus_client; docs/operations.md)")
     p.add_argument("--log-file", default=None, help="log here instead of stderr")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=_LOG_LEVELS,
                    help=f"one of {', '.join(_LOG_LEVELS)} (default INFO)")
@@ -229,7 +232,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         credentials=args.credentials, tcp=args.tcp, idle_exit=args.idle_exit,
         spill_on_exit=not args.no_spill_on_exit, socket_mode=args.socket_mode,
         max_connections=args.max_connections, idle_timeout=args.idle_timeout, read_timeout=args.read_timeout,
-        secret_file=args.secret_file)
+        secret_file=args.secret_file, metrics=args.metrics_port)
 
 
 def _detach() -> bool:

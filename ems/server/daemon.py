@@ -41,6 +41,7 @@ from datadist.engine.handshake import REFUSAL, ServerAuth
 from datadist.engine.incoming import RateLimitedLog
 
 from .dispatch import Dispatcher
+from .metrics import Endpoint, ServerMetrics, serve_metrics
 from .store import Owner, Store, TenantSpace
 from .tenants import AuthError, Tenants
 from .tiers import make_tier
@@ -91,6 +92,8 @@ class ServerConfig:
     #: File holding the pool secret: clients must prove they hold it (and the daemon that
     #: it does) before anything else, credentials included (None: no secret).
     secret_file: Optional[str] = None
+    #: Where Prometheus scrapes ``/metrics`` and ``/healthz``: "[HOST:]PORT" (None: nowhere).
+    metrics: Optional[str] = None
 
 
 class Daemon:
@@ -121,6 +124,8 @@ class Daemon:
         self.store: Optional[Store] = None
         self.dispatcher: Optional[Dispatcher] = None
         self.refusals = RateLimitedLog(log)
+        self.metrics = ServerMetrics()
+        self._metrics_server: Optional[Endpoint] = None
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -136,6 +141,8 @@ class Daemon:
         self._listeners.append(self._listen_unix())
         if self.cfg.tcp:
             self._listeners.append(self._listen_tcp(self.cfg.tcp))
+        if self.cfg.metrics:
+            self._metrics_server = serve_metrics(self, self.cfg.metrics)
         for lsock in self._listeners:
             threading.Thread(target=self._accept_loop, args=(lsock,), name="ems-accept",
                              daemon=True).start()
@@ -204,6 +211,9 @@ class Daemon:
     def close(self) -> None:
         """Stop accepting, end sessions, spill memory to disk, free everything (idempotent)."""
         self.stopped.set()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
         for lsock in self._listeners:
             try:
                 lsock.close()
@@ -255,6 +265,7 @@ class Daemon:
         """Tell a connection over the cap why it is closed (briefly: it is not served)."""
         self.refusals.warning("refused a connection: %d connections are open (--max-connections)",
                               self.cfg.max_connections)
+        self.metrics.refused("max_connections")
         try:
             wire.send_msg(conn, Error(wire.ErrorKind.BUSY, f"ems-server has {self.cfg.max_connections} connections open, "
                                                              "its --max-connections; retry later or raise the limit"),
@@ -269,10 +280,13 @@ class Daemon:
             if not self._sessions:
                 self._idle_since = time.monotonic()
 
+    def connections(self) -> int:
+        with self._sessions_lock:
+            return len(self._sessions)
+
     def stats(self) -> Dict[str, Any]:
         assert self.store is not None
-        with self._sessions_lock:
-            clients = len(self._sessions)
+        clients = self.connections()
         return {"instance": self.instance, "pid": os.getpid(), "socket": self.socket_path,
                 "tcp": self.tcp_address, "uptime_s": round(time.time() - self.started_at, 3),
                 "clients": clients, "tenancy": "open" if self.tenants.open else "credentials",
@@ -356,11 +370,24 @@ class Session:
             return None
         except ProtocolError as exc:
             self.d.refusals.warning("closed a connection that sent a bad frame: %s", exc)
+            self.d.metrics.refused("bad_frame")
             self._reply(Error(wire.ErrorKind.INVALID, str(exc)))
             return None
         return msg
 
     def _answer(self, msg: wire.Message) -> Reply:
+        """:meth:`_reply_to`, counted by operation and outcome (``ok``, the kind of the
+        error answered, or ``disconnected`` when the payload stopped flowing)."""
+        start = time.monotonic()
+        outcome = "disconnected"
+        try:
+            reply = self._reply_to(msg)
+            outcome = wire.ErrorKind(reply.kind).name.lower() if isinstance(reply, Error) else "ok"
+            return reply
+        finally:
+            self.d.metrics.request(type(msg).__name__.lower(), outcome, start)
+
+    def _reply_to(self, msg: wire.Message) -> Reply:
         """:meth:`_handle`, with a failed request answered by an :class:`Error` (a payload
         that stopped flowing still raises: the session is over)."""
         try:

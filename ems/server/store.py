@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -36,7 +37,10 @@ from ..pool.keyset import KeySet
 from ..pool.wire import NO_SPACE, SKIPPED
 from .tiers.base import Tier
 
-__all__ = ["Store", "Owner", "TenantSpace", "Entry", "PAGE_SHIFT", "PAGE"]
+#: The tiers a get looks in, in order (the names of their counters).
+TIERS = ("memory", "disk", "remote")
+
+__all__ = ["Store", "Owner", "TenantSpace", "Entry", "PAGE_SHIFT", "PAGE", "TIERS"]
 
 log = logging.getLogger("ems.server.store")
 
@@ -124,6 +128,11 @@ class Store:
         self.counters = {k: 0 for k in (
             "reserved", "no_space", "committed", "skipped", "gets", "hits", "misses",
             "disk_fills", "remote_fills", "evictions", "spills", "corrupt", "exists_calls")}
+        # Gets by tier: values found there (and their bytes), and lookups that reached the
+        # tier and did not find the value there.
+        self.counters.update({f"{tier}_{what}": 0 for tier in TIERS for what in ("hits", "hit_bytes", "misses")})
+        #: Connections' owners, for the reservations they hold (two-phase puts pending).
+        self._owners: "weakref.WeakValueDictionary[int, Owner]" = weakref.WeakValueDictionary()
 
     # -- tenants and owners -------------------------------------------------------------
     def space(self, tenant: str) -> TenantSpace:
@@ -138,7 +147,14 @@ class Store:
     def new_owner(self) -> Owner:
         with self._lock:
             self._next_owner += 1
-            return Owner(self._next_owner)
+            owner = Owner(self._next_owner)
+            self._owners[owner.ident] = owner
+            return owner
+
+    def pending_puts(self) -> int:
+        """Reservations not yet committed nor aborted (two-phase puts in progress)."""
+        with self._lock:
+            return sum(len(owner.reservations) for owner in self._owners.values())
 
     def close_owner(self, owner: Owner) -> None:
         """Release everything a closed connection held."""
@@ -241,6 +257,14 @@ class Store:
             self.counters["spills"] += 1
         self._unpin(e)
 
+    def _tier_lookup(self, tier: str, found: Optional[int]) -> None:
+        """Count a get's lookup in ``tier``: a hit of ``found`` bytes, or a miss (None)."""
+        if found is None:
+            self.counters[f"{tier}_misses"] += 1
+        else:
+            self.counters[f"{tier}_hits"] += 1
+            self.counters[f"{tier}_hit_bytes"] += found
+
     def _lookup(self, ts: TenantSpace, key: str) -> Optional[Entry]:
         return ts.index.get(key) or self._spilling.get((ts.name, key))
 
@@ -323,6 +347,7 @@ class Store:
         for key in keys:
             with self._lock:
                 e = self._lookup(ts, key)
+                self._tier_lookup("memory", e.size if e is not None else None)
                 if e is not None:
                     e.pins += 1
                     if e.live:
@@ -359,12 +384,15 @@ class Store:
 
             crc = tier.load(ts.name, key, sink)
             if "off" not in got:
+                with self._lock:
+                    self._tier_lookup(tier.name, None)
                 continue
             off, n, size = got["off"], got["n"], got["size"]
             if crc is None or checksum(ts.arena.view(off, size)) != crc:
                 with self._lock:
                     self._free(ts, off, n)
                     self.counters["corrupt"] += crc is not None
+                    self._tier_lookup(tier.name, None)
                 if crc is not None:
                     log.warning("%s tier: value of %r failed its checksum; dropped", tier.name, key)
                     tier.discard(ts.name, key)
@@ -378,6 +406,7 @@ class Store:
                     e = Entry(ts, key, off, n, size, crc, on_disk=tier is self.disk)
                     self._insert(e)
                     self.counters["disk_fills" if tier is self.disk else "remote_fills"] += 1
+                self._tier_lookup(tier.name, size)
                 e.pins += 1
             return e
         return None

@@ -52,6 +52,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
         "datadist.engine", "datadist.engine.core", "datadist.engine.agent", "datadist.engine.link",
         "datadist.engine.registry", "datadist.engine.handshake", "datadist.engine.incoming",
         "datadist.engine.notes", "datadist.engine.arrivals", "datadist.engine.requests", "datadist.engine.linking",
+        "datadist.engine.lookups",
     )),
     ("transports and executors", (
         "datadist.engine.transports", "datadist.engine.transports.*",

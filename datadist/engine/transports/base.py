@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import functools
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NoReturn, Optional, Protocol
 
 import numpy as np
@@ -133,6 +133,11 @@ class Prepared:
     remote: RemoteCache
     plan: Plan
     step: Step
+    #: Bytes the plan moves (counted once here, not at each run).
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", self.plan.nbytes)
 
 
 class Transport(abc.ABC):

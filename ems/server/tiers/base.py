@@ -55,6 +55,10 @@ class Tier(ABC):
         """Cheap membership test (defaults to ``exists``)."""
         return self.exists(ns, [key])[0]
 
+    def health(self) -> Optional[str]:
+        """Why the tier cannot serve now (``/healthz``), or None when it can."""
+        return None
+
     def stats(self) -> Dict[str, Any]:
         """Counters for ``ems-server stats``."""
         return {}

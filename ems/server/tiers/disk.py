@@ -182,6 +182,11 @@ class DiskTier(Tier):
         except FileNotFoundError:
             pass
 
+    def health(self) -> Optional[str]:
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            return f"{self.directory} is not a writable directory"
+        return None
+
     def stats(self) -> Dict[str, Any]:
         with self._lock:
             return {"directory": self.directory, "capacity": self.capacity, "used": self.used,

@@ -135,6 +135,13 @@ class RedisTier(Tier):
         except Exception as exc:
             self._fault("discard", exc)
 
+    def health(self) -> Optional[str]:
+        try:
+            self._client.ping()  # within the client's socket timeout
+        except Exception as exc:  # redis raises many types; each means not ready
+            return f"{self.url} does not answer ({type(exc).__name__}: {exc})"
+        return None
+
     def stats(self) -> Dict[str, Any]:
         with self._lock:
             return {"url": self.url, **self.counters}
