@@ -105,7 +105,7 @@ class DaemonCollector:
 
 def _store_families(store: Any, counter: Any, gauge: Any) -> Iterator[Any]:
     stats = store.stats()
-    tiers = ["memory"] + [t.name for t in (store.disk, store.remote) if t is not None]
+    tiers = store.tiers
     families: List[Any] = []
     for name, doc, key in (("ems_tier_hits", "Values a get found in the tier", "hits"),
                            ("ems_tier_misses", "Gets that looked in the tier and did not find the value", "misses"),
@@ -116,8 +116,9 @@ def _store_families(store: Any, counter: Any, gauge: Any) -> Iterator[Any]:
         families.append(family)
     errors = counter("ems_tier_errors", "Faults of a tier below memory (a Redis tier's failed calls)",
                      labels=["tier"])
-    for tier in tiers[1:]:
-        errors.add_metric([tier], stats[tier].get("errors", 0))
+    for below in (store.disk, store.remote):
+        if below is not None:
+            errors.add_metric([below.name], below.stats().get("errors", 0))
     families.append(errors)
     for name, doc, key in (("ems_evictions", "Values evicted from memory (spilled to disk when there is one)",
                             "evictions"),

@@ -37,10 +37,7 @@ from ..pool.keyset import KeySet
 from ..pool.wire import NO_SPACE, SKIPPED
 from .tiers.base import Tier
 
-#: The tiers a get looks in, in order (the names of their counters).
-TIERS = ("memory", "disk", "remote")
-
-__all__ = ["Store", "Owner", "TenantSpace", "Entry", "PAGE_SHIFT", "PAGE", "TIERS"]
+__all__ = ["Store", "Owner", "TenantSpace", "Entry", "PAGE_SHIFT", "PAGE"]
 
 log = logging.getLogger("ems.server.store")
 
@@ -130,7 +127,8 @@ class Store:
             "disk_fills", "remote_fills", "evictions", "spills", "corrupt", "exists_calls")}
         # Gets by tier: values found there (and their bytes), and lookups that reached the
         # tier and did not find the value there.
-        self.counters.update({f"{tier}_{what}": 0 for tier in TIERS for what in ("hits", "hit_bytes", "misses")})
+        self.tiers = ["memory"] + [t.name for t in (disk, remote) if t is not None]
+        self.counters.update({f"{tier}_{what}": 0 for tier in self.tiers for what in ("hits", "hit_bytes", "misses")})
         #: Connections' owners, for the reservations they hold (two-phase puts pending).
         self._owners: "weakref.WeakValueDictionary[int, Owner]" = weakref.WeakValueDictionary()
 

@@ -167,3 +167,28 @@ def test_allocator_first_fit_and_coalescing():
             al.free_offset(2 * PAGE, PAGE)
     finally:
         arena.close()
+
+
+def test_gets_are_counted_by_tier_and_pending_puts_by_reservation():
+    """A get counts a hit or a miss in each tier it looks in (memory first, then the disk
+    tier, named by the tier); reservations count as pending puts until committed."""
+    disk = FakeTier()
+    s = Store(2 * PAGE, arena_size=4 * PAGE, disk=disk)
+    try:
+        ts, owner = s.space("t"), s.new_owner()
+        put(s, owner, ts, "a", 1)
+        put(s, owner, ts, "b", 2)
+        put(s, owner, ts, "c", 3)  # evicts a -> disk
+        lease, _ = s.get(owner, ts, ["b", "a", "x"], False)  # memory hit, disk hit, miss everywhere
+        s.release(owner, lease)
+        counts = {k: v for k, v in s.stats().items() if k.startswith(("memory_", "fake_"))}
+        assert s.tiers == ["memory", "fake"]
+        assert counts == {"memory_hits": 1, "memory_hit_bytes": PAGE, "memory_misses": 2,
+                          "fake_hits": 1, "fake_hit_bytes": PAGE, "fake_misses": 1}
+        assert s.pending_puts() == 0
+        (off,) = s.reserve(owner, ts, ["d"], [PAGE], False)
+        assert off >= 0 and s.pending_puts() == 1
+        s.abort(owner, ts, [off])
+        assert s.pending_puts() == 0
+    finally:
+        s.close(spill=False)
