@@ -290,10 +290,12 @@ def recv_exact(sock: socket.socket, buf: bytearray, timeout: Optional[float]) ->
         sock.settimeout(before)
 
 
-def send_plan(sock: socket.socket, plan: Plan, deadline: float, head: bytes = b"") -> None:
+def send_plan(sock: socket.socket, plan: Plan, deadline: float, head: bytes = b"",
+              summed: Optional[native.StreamSums] = None) -> None:
     """Write ``head`` (a frame) and then the plan's source runs (host memory), in order,
     through the thread's staging buffer, before ``deadline`` (``TimeoutError``).  A plan
-    that fits the buffer with its frame is one copy and one write."""
+    that fits the buffer with its frame is one copy and one write.  With ``summed``, the
+    staged runs are added to its block sums (see :func:`.native.sock_send`)."""
     view, addr = _staging.get()
     total, fill = _nbytes(plan), len(head)
     before = sock.gettimeout()
@@ -302,6 +304,8 @@ def send_plan(sock: socket.socket, plan: Plan, deadline: float, head: bytes = b"
             view[:fill] = head
             if total:
                 native.copy_plan(_packed(plan.src_bases, plan.src_offs, plan.lens, addr + fill, gather=True))
+                if summed is not None:
+                    native.sum_stream(view[fill:fill + total], summed)
             _send(sock, view[:fill + total], deadline)
             return
         if fill > STAGING_BYTES // 2:
@@ -313,16 +317,19 @@ def send_plan(sock: socket.socket, plan: Plan, deadline: float, head: bytes = b"
         while pos < total:
             take = min(STAGING_BYTES - fill, total - pos)
             native.copy_plan(stream.window(pos, pos + take, addr + fill, gather=True))
+            if summed is not None:
+                native.sum_stream(view[fill:fill + take], summed)
             _send(sock, view[:fill + take], deadline)
             pos, fill = pos + take, 0
     finally:
         sock.settimeout(before)
 
 
-def recv_plan(sock: socket.socket, plan: Plan, deadline: float) -> None:
+def recv_plan(sock: socket.socket, plan: Plan, deadline: float, summed: Optional[native.StreamSums] = None) -> None:
     """Read the plan's destination runs (host memory), in order, from the TLS socket
-    through the thread's staging buffer, before ``deadline``.  Raises ``TimeoutError``,
-    ``ConnectionResetError`` (end of stream) or ``ssl.SSLError``."""
+    through the thread's staging buffer, before ``deadline`` (with ``summed``: adding the
+    staged bytes to its block sums).  Raises ``TimeoutError``, ``ConnectionResetError``
+    (end of stream) or ``ssl.SSLError``."""
     total = _nbytes(plan)
     if not total:
         return
@@ -331,12 +338,16 @@ def recv_plan(sock: socket.socket, plan: Plan, deadline: float) -> None:
     try:
         if total <= STAGING_BYTES:
             _recv_into(sock, view[:total], deadline)
+            if summed is not None:
+                native.sum_stream(view[:total], summed)
             native.copy_plan(_packed(plan.dst_bases, plan.dst_offs, plan.lens, addr, gather=False))
             return
         stream, pos = _Stream(*plan.dst_runs()), 0
         while pos < total:
             take = min(STAGING_BYTES, total - pos)
             _recv_into(sock, view[:take], deadline)
+            if summed is not None:
+                native.sum_stream(view[:take], summed)
             native.copy_plan(stream.window(pos, pos + take, addr, gather=False))
             pos += take
     finally:

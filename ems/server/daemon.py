@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .._errors import EmsError, PoolDisconnected, PoolTimeout, ProtocolError
-from ..pool import wire
+from ..pool import payload, wire
 from ..pool.wire import (Abort, Ack, Challenge, Commit, CommitReply, Drop, Error, Exists, ExistsReply, Get,
                          GetReply, Hello, HelloReply, Ping, Pong, Read, ReadReply, Release, Reserve,
                          ReserveReply, Shutdown, Stats, StatsReply, Write)
 from datadist.engine.auth import Secret, load_secret
+from datadist.engine.checksum import StreamSum
 from datadist.engine.codec import HEADER_SIZE
 from datadist.engine.handshake import REFUSAL, ServerAuth
 from datadist.engine.incoming import RateLimitedLog
@@ -461,7 +462,7 @@ class Session:
 
     def _commit(self, store: Store, owner: Owner, ts: TenantSpace, msg: Commit) -> Reply:
         keys, offs = _keys(msg.keys), [int(o) for o in msg.offsets]
-        # No checksums (a TCP client, whose bytes came by the socket): the store computes them.
+        # No checksums: the store takes those it summed receiving the bytes (a WRITE).
         crcs: List[Optional[int]] = list(msg.checksums) if msg.checksums else [None] * len(keys)
         if not (len(keys) == len(offs) == len(crcs)):
             raise ValueError("keys, offsets and checksums differ in length")
@@ -480,8 +481,10 @@ class Session:
         res = store.reservation(owner, ts, off)
         if res is None or size != res.size:
             return Error(wire.ErrorKind.INVALID, "WRITE outside this connection's reservations")
-        view = ts.arena.view(off, size)
-        wire.recv_exact(self.sock, view, time.monotonic() + self.d.cfg.read_timeout)
+        # Summed as it arrives, on this session's thread: COMMIT then only compares.
+        summed = StreamSum(size)
+        payload.recv_into(self.sock, ts.arena.view(off, size), time.monotonic() + self.d.cfg.read_timeout, summed)
+        store.received(owner, ts, off, summed.checksum())
         return None
 
     def _read(self, store: Store, owner: Owner, ts: TenantSpace, msg: Read) -> Reply:
