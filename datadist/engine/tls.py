@@ -19,19 +19,20 @@ whoever waits for a link socket to become readable asks :func:`buffered` first.
 """
 from __future__ import annotations
 
+import os
 import selectors
 import socket
 import ssl
 import threading
 import time
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import native
 from .layout import Plan, U64Array
 
-__all__ = ["STAGING_BYTES", "TlsConfig", "TlsFileError", "buffered", "handshake_step", "recv_exact", "send_plan",
+__all__ = ["STAGING_BYTES", "TlsConfig", "TlsFileError", "from_settings", "buffered", "handshake_step", "recv_exact", "send_plan",
            "recv_plan", "discard"]
 
 #: Size of the per-thread staging buffer of TLS payloads.
@@ -136,6 +137,28 @@ class TlsConfig:
         """The server side over an accepted non-blocking socket; the handshake is left to
         :func:`handshake_step`."""
         return self.server.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+
+
+def from_settings(given: Sequence[Tuple[str, Optional[str]]],
+                  environment: Sequence[str]) -> Optional[TlsConfig]:
+    """TLS from the certificate, key and CA settings ``given`` (in that order, each
+    ``(its name in messages, path or None)``), all or none; when none is given, from the
+    environment variables named by ``environment`` (same order), all or none.  None when
+    neither gives any.  An incomplete set or an unusable file is a ``ValueError`` naming
+    the setting (or variable) and the path, never a file's contents."""
+    named = list(given) if any(path for _, path in given) else \
+        [(f"environment variable {env}", os.environ.get(env) or None) for env in environment]
+    if not any(path for _, path in named):
+        return None
+    missing = [name for name, path in named if not path]
+    if missing:
+        raise ValueError(f"TLS needs a certificate, its key and a CA file: {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not set (set all three, or none)")
+    try:
+        return TlsConfig(*(str(path) for _, path in named))
+    except TlsFileError as exc:
+        name = named[("cert", "key", "ca").index(exc.role)][0]
+        raise ValueError(f"{name} = {exc.path!r} is invalid: the file {exc.why}") from None
 
 
 def handshake_step(sock: ssl.SSLSocket) -> int:

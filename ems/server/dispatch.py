@@ -18,7 +18,9 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Protocol
+from typing import Any, Dict, List, Optional, Protocol
+
+from datadist.engine import tls
 
 __all__ = ["Dispatcher", "Served"]
 
@@ -33,8 +35,9 @@ class Served(Protocol):
 
     sock: socket.socket
 
-    def request_waiting(self) -> bool:
-        """Whether the next request has arrived whole (never blocks)."""
+    def request_waiting(self) -> Optional[bool]:
+        """Whether the next request has arrived whole (never blocks); None: nothing has
+        arrived (a TLS session that just finished its handshake): watch it as idle."""
 
     def serve_one(self) -> bool:
         """Answer the request whose bytes are waiting; False ends the session."""
@@ -123,6 +126,9 @@ class Dispatcher:
             incoming, self._incoming = self._incoming, []
         now = time.monotonic()
         for session in incoming:
+            if tls.buffered(session.sock):  # decrypted bytes a poll would not show
+                self._partial[session] = now
+                continue
             try:
                 self._sel.register(session.sock, selectors.EVENT_READ, session)
                 self._since[session.sock.fileno()] = now
@@ -131,17 +137,24 @@ class Dispatcher:
 
     def _dispatch(self, session: Any) -> None:
         self._forget(session)
-        if session.request_waiting():
+        waiting = session.request_waiting()
+        if waiting:
             self._pool.submit(self._serve, session)
+        elif waiting is None:
+            self.watch(session)
         else:  # part of a frame: wait for the rest here, not in a worker
             self._partial[session] = time.monotonic()
 
     def _check_partial(self) -> None:
         now = time.monotonic()
         for session, since in list(self._partial.items()):
-            if session.request_waiting():
+            waiting = session.request_waiting()
+            if waiting or waiting is None:
                 del self._partial[session]
-                self._pool.submit(self._serve, session)
+                if waiting:
+                    self._pool.submit(self._serve, session)
+                else:
+                    self.watch(session)
             elif now - since > self.read_timeout:
                 del self._partial[session]
                 log.debug("closed a connection whose request did not arrive whole within %.1f s", self.read_timeout)
