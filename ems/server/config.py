@@ -35,6 +35,8 @@ class ServerConfig:
     read_timeout: float = 30.0
     #: Worker threads serving requests (idle connections need none).
     workers: int = 16
+    #: Seconds a stopping daemon lets requests in flight finish before it cuts them.
+    drain_timeout: float = 10.0
     #: File holding the pool secret: clients must prove they hold it (and the daemon that
     #: it does) before anything else, credentials included (None: no secret).
     secret_file: Optional[str] = None

@@ -102,6 +102,8 @@ class Daemon:
         self.store: Optional[Store] = None
         self.dispatcher: Optional[Dispatcher] = None
         self.refusals = RateLimitedLog(log)
+        #: Reservations given back by sessions that ended while stopping (pending puts aborted).
+        self.aborted = 0
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -183,7 +185,10 @@ class Daemon:
         self.stopped.set()
 
     def close(self) -> None:
-        """Stop accepting, end sessions, spill memory to disk, free everything (idempotent)."""
+        """Stop gracefully (idempotent): stop accepting (new connections are refused),
+        take no new request, let the requests in flight finish and be answered (for up to
+        ``drain_timeout``, then cut them), end every session (reservations not committed
+        are given back: pending puts are aborted), spill memory to disk, free everything."""
         self.stopped.set()
         for lsock in self._listeners:
             try:
@@ -191,15 +196,18 @@ class Daemon:
             except OSError:
                 pass
         self._listeners = []
+        if self.dispatcher is not None:
+            cut = self.dispatcher.close(self.cfg.drain_timeout, self._kick_all)
+            if cut:
+                log.warning("stopping: cut %d requests still in flight after %.1fs (--drain-timeout)",
+                            cut, self.cfg.drain_timeout)
+            self.dispatcher = None
         with self._sessions_lock:
             sessions = list(self._sessions.values())
         for s in sessions:
-            s.kick()
-        if self.dispatcher is not None:
-            self.dispatcher.close()  # ends idle sessions, waits for requests in flight
-            self.dispatcher = None
-        for s in sessions:
             s.end()
+        if self.aborted:
+            log.warning("stopping: aborted %d puts reserved but not committed", self.aborted)
         if self.store is not None:
             self.store.close(spill=self.cfg.spill_on_exit)
             self.store = None
@@ -211,6 +219,12 @@ class Daemon:
                 pass
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    def _kick_all(self) -> None:
+        with self._sessions_lock:
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            s.kick()
 
     def _accept_loop(self, lsock: socket.socket) -> None:
         lsock.settimeout(0.5)  # wakes to notice stop(); accept itself needs no deadline
@@ -386,6 +400,9 @@ class Session:
             self._done = True
         store = self.d.store
         if self.owner is not None and store is not None:
+            if self.d.stopped.is_set():
+                with self.d._sessions_lock:
+                    self.d.aborted += len(self.owner.reservations)
             store.close_owner(self.owner)
         try:
             self.sock.close()
