@@ -33,7 +33,8 @@ from ._option_keys import (ENV_METRICS_PORT, OPTION_METRICS_PORT, Bad, CANN_INTE
                            TRANSFER_BACKEND_ALIASES, UINT32_MAX, describe_key)
 from ._status import ParamInvalidError
 from .engine.auth import Secret, load_secret
-from .engine.tls import TlsConfig, TlsFileError
+from .engine.tls import TlsConfig
+from .engine.tls import from_settings as tls_from_settings
 
 __all__ = ["PoolConfig", "EngineOptions", "parse_options", "parse_listen_ip_info", "KNOWN_OPTION_KEYS"]
 
@@ -493,20 +494,11 @@ def _tls(options: Mapping[str, Any]) -> Optional[TlsConfig]:
     variables (all or none); None when neither gives any.  An incomplete set or an
     unusable file is a ParamInvalidError naming the option (or variable) and the path,
     never a file's contents."""
-    from_options = any(options.get(key) for key, _, _ in TLS_OPTIONS)
-    named = [(describe_key(key), options.get(key)) if from_options else
-             (f"environment variable {env}", os.environ.get(env) or None) for key, env, _ in TLS_OPTIONS]
-    if not any(path for _, path in named):
-        return None
-    missing = [name for name, path in named if not path]
-    if missing:
-        raise ParamInvalidError(f"TLS needs a certificate, its key and a CA file: {', '.join(missing)} "
-                                f"{'is' if len(missing) == 1 else 'are'} not set (set all three, or none)")
     try:
-        return TlsConfig(*(str(path) for _, path in named))
-    except TlsFileError as exc:
-        name = next(n for (n, _), (_, _, role) in zip(named, TLS_OPTIONS) if role == exc.role)
-        raise ParamInvalidError(f"{name} = {exc.path!r} is invalid: the file {exc.why}") from None
+        return tls_from_settings([(describe_key(key), options.get(key) or None) for key, _, _ in TLS_OPTIONS],
+                                 [env for _, env, _ in TLS_OPTIONS])
+    except ValueError as exc:
+        raise ParamInvalidError(str(exc)) from None
 
 
 def parse_options(options: Mapping[str, Any], base: Optional[EngineOptions] = None) -> EngineOptions:

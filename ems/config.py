@@ -12,6 +12,8 @@ from enum import Enum
 from typing import Optional, Self, Union
 
 from datadist.engine.auth import Secret, load_secret
+from datadist.engine.tls import TlsConfig
+from datadist.engine.tls import from_settings as tls_from_settings
 
 from ._errors import invalid, to_ems
 
@@ -24,6 +26,9 @@ KVCACHE_TYPES = ("GQA", "MHA", "MLA", "MQA")
 ENV_SERVER = "EMS_SERVER"
 #: Environment variable holding the pool secret when ``EmsConfig.secret`` is not given.
 ENV_SECRET = "EMS_SECRET"
+#: Environment variables giving the TLS files (certificate, key, CA) when none of
+#: ``EmsConfig.tls_*_file`` is set; ``ems-server`` reads them too.
+ENV_TLS_FILES = ("EMS_TLS_CERT_FILE", "EMS_TLS_KEY_FILE", "EMS_TLS_CA_FILE")
 
 #: Ids (model, tenant, engine): printable ASCII without white space or path separators, so
 #: the vendor's own defaults (``cc_kvstore@_@ds_default_ns_001``) pass; key text escapes
@@ -182,6 +187,11 @@ class EmsConfig(_Checked):
         secret: the pool secret (else env ``EMS_SECRET``), for a daemon started with
             ``--secret-file``: both prove they hold it before credentials or memory are
             exchanged.  Never shown in ``repr``.
+        tls_cert_file, tls_key_file, tls_ca_file: TLS for a ``tcp://`` pool, all three
+            or none (else env ``EMS_TLS_CERT_FILE``, ``EMS_TLS_KEY_FILE``,
+            ``EMS_TLS_CA_FILE``, all or none): this client's certificate, its key, and
+            the CA that must have signed the daemon's (mutual TLS, as links do; see
+            docs/security.md).  Unused on a unix socket.
     """
 
     cc_config: Optional[Union[CcConfig, CcConfig_v1]] = None
@@ -193,6 +203,9 @@ class EmsConfig(_Checked):
     max_inflight: int = 4
     verify_reads: bool = True
     secret: Optional[str] = field(default=None, repr=False)
+    tls_cert_file: Optional[str] = None
+    tls_key_file: Optional[str] = None
+    tls_ca_file: Optional[str] = None
 
     def _check(self) -> None:
         self._check_cc()
@@ -231,6 +244,10 @@ class EmsConfig(_Checked):
             raise invalid("verify_reads", f"must be a bool, got {self.verify_reads!r}")
         if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
             raise invalid("secret", "must be a non-empty str")  # the value is never shown
+        for name in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise invalid(name, f"must be a non-empty str (a file's path), got {value!r}")
 
     def cc(self) -> Optional[Union[CcConfig, CcConfig_v1]]:
         """The context-caching config given (either field), or None."""
@@ -239,6 +256,16 @@ class EmsConfig(_Checked):
     def pool_secret(self) -> Optional[Secret]:
         """The pool secret: ``secret``, else env ``EMS_SECRET``, else None."""
         return load_secret(self.secret, None, ENV_SECRET)
+
+    def pool_tls(self) -> Optional[TlsConfig]:
+        """TLS for a ``tcp://`` pool: the three ``tls_*_file`` fields, else the three
+        environment variables, else None; ``InvalidArgument`` naming the field (or
+        variable) for an incomplete set or an unusable file."""
+        try:
+            return tls_from_settings([(name, getattr(self, name)) for name in
+                                      ("tls_cert_file", "tls_key_file", "tls_ca_file")], ENV_TLS_FILES)
+        except ValueError as exc:
+            raise invalid("tls_cert_file", str(exc)) from None
 
     def server_address(self) -> str:
         """The pool address: ``server``, else env ``EMS_SERVER``, else ``"auto"``."""

@@ -12,6 +12,7 @@ daemon carries the call's deadline (``option.timeout``).
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,8 @@ from .kvcache import Copier, DeviceCopier, HostCopier, KvLayout
 from .pool import wire
 from .profiling import Profiler
 from .types import CcResult
+
+log = logging.getLogger("ems")
 
 __all__ = ["ContextCaching"]
 
@@ -212,7 +215,7 @@ class ContextCaching:
             raise PoolDisconnected("the pool answered RESERVE for another number of keys")
         keys: List[str] = []
         offs: List[int] = []
-        crcs: List[Optional[int]] = []  # None: sent by the socket, the daemon sums it
+        crcs: List[int] = []
         try:
             for i, off in enumerate(offsets, start):
                 if off < 0:
@@ -227,10 +230,9 @@ class ContextCaching:
             raise
         stored = {}
         if keys:
-            # Over TCP the client has no checksums (the bytes went by the socket): an empty
-            # list asks the daemon to compute them.
-            sums = [] if None in crcs else [c for c in crcs if c is not None]
-            commit = conn.call(wire.Commit(keys, offs, sums, req.option.write_rcache), deadline, wire.CommitReply)
+            # The daemon stores a value only if its checksum matches: over TCP it compares
+            # them with what it received (a value changed on the way is not stored).
+            commit = conn.call(wire.Commit(keys, offs, crcs, req.option.write_rcache), deadline, wire.CommitReply)
             stored = dict(zip(offs, commit.stored))
         return [off == wire.SKIPPED or bool(stored.get(off)) for off in offsets]
 
@@ -246,6 +248,8 @@ class ContextCaching:
                     if size != vp.size:
                         break  # stored under another layout: a miss, never a partial fill
                     if not mover.load(vp, off, crc, deadline):
+                        log.error("the value of %r failed its checksum when loaded from the pool at %s: "
+                                  "a miss, dropped from the pool", req.keys[i], self._pool.address)
                         bad = (req.keys[i], off)
                         break
                     moved[0] += size

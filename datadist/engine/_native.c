@@ -389,12 +389,54 @@ static int64_t dd_copy_plan_sum(size_t nt, const uint64_t *sbase, const uint64_t
     return (int64_t)total;
 }
 
-/* The block sums of the whole 4 KiB blocks of the n bytes at s, added to sums (two per
- * block), without moving them: each block goes through copy_sum into a block-sized
- * scratch that stays in the L1 cache, so the sums are those of a copy by construction. */
-static void dd_sum_blocks(const uint8_t *s, uint64_t n, uint64_t *sums) {
+/* The block sums of a byte stream as it goes by (a socket's payload, a staged window):
+ * `pos` is the stream offset of the next byte; `sums` holds two words per 4 KiB block of
+ * the stream (nblocks of them).  Bytes at offsets from `tail_start` on are also kept in
+ * `tail` (tail_len bytes): the pool's checksum takes a value's last partial block as it
+ * is, not by its sums.  No tail: tail_start is UINT64_MAX. */
+typedef struct {
+    uint64_t *sums;
+    size_t nblocks;
+    uint64_t pos;
+    uint8_t *tail;
+    uint64_t tail_start, tail_len;
+} summer_t;
+
+/* Whether n more bytes fit the summer's blocks (and its tail). */
+static int summer_fits(const summer_t *m, uint64_t n) {
+    uint64_t end = m->pos + n;
+    if (end < m->pos || end > (uint64_t)m->nblocks << 12) return 0;
+    return m->tail_start == UINT64_MAX || end <= m->tail_start + m->tail_len;
+}
+
+/* Add the n bytes at s (the stream's next ones) to the sums, without moving them: they
+ * go through copy_sum into a block-sized scratch that stays in the L1 cache (or into the
+ * tail), so the sums are those of a copy by construction.  The caller checked
+ * summer_fits. */
+static void sum_piece(summer_t *m, const uint8_t *s, uint64_t n) {
     uint8_t scratch[4096] __attribute__((aligned(64)));
-    for (uint64_t o = 0; o + 4096 <= n; o += 4096) copy_sum(scratch, s + o, 4096, o, sums, 0);
+    while (n) {
+        uint64_t o = m->pos, take = 4096 - (o & 4095);
+        uint8_t *d = scratch;
+        if (o >= m->tail_start) {
+            take = n;
+            d = m->tail + (o - m->tail_start);
+        } else if (m->tail_start - o < take) {
+            take = m->tail_start - o;
+        }
+        if (take > n) take = n;
+        copy_sum(d, s, take, o, m->sums, 0);
+        m->pos += take;
+        s += take;
+        n -= take;
+    }
+}
+
+/* The block sums of the whole 4 KiB blocks of the n bytes at s, added to sums (two per
+ * block), without moving them. */
+static void dd_sum_blocks(const uint8_t *s, uint64_t n, uint64_t *sums) {
+    summer_t m = {sums, (size_t)(n >> 12), 0, NULL, UINT64_MAX, 0};
+    sum_piece(&m, s, n & ~(uint64_t)4095);
 }
 
 /* ---------------------------------------------------------------- foreign copy functions */
@@ -469,14 +511,25 @@ static int wait_fd(int fd, short events, int64_t deadline_ms) {
     }
 }
 
+/* Add the first r payload bytes of iov[0..) (those one writev or readv moved) to m. */
+static void sum_iov(summer_t *m, const struct iovec *iov, uint64_t r) {
+    for (size_t i = 0; r; i++) {
+        uint64_t l = iov[i].iov_len < r ? iov[i].iov_len : r;
+        sum_piece(m, (const uint8_t *)iov[i].iov_base, l);
+        r -= l;
+    }
+}
+
 /* Stream the a side of a plan through a socket with writev/readv (send=1 writes the runs,
  * after `head` if given, in the same system calls; send=0 reads into them), for at most
- * timeout_ms.  The descriptor must be non-blocking
+ * timeout_ms.  With a summer `m` the payload's bytes are added to its block sums right
+ * after each system call moved them (still in the cache): a checksum of what was sent or
+ * received, at no pass of its own over memory.  The descriptor must be non-blocking
  * (Python sockets with a timeout are).  Returns bytes moved, -ETIMEDOUT, -ECONNRESET at
  * end of stream, or -errno. */
 static int64_t dd_sock_plan(int fd, int send, int64_t timeout_ms, size_t nt, const uint64_t *base,
                      size_t nu, const uint64_t *off, const uint64_t *len, const char *head,
-                     size_t head_len) {
+                     size_t head_len, summer_t *m) {
     plan_t p = {base, base, off, off, len, nt, nu};
     int64_t deadline = now_ms() + timeout_ms;
     struct iovec iov[DD_IOV_BATCH];
@@ -508,6 +561,7 @@ static int64_t dd_sock_plan(int fd, int send, int64_t timeout_ms, size_t nt, con
             head_done += take;
             r -= (ssize_t)take;
         }
+        if (m) sum_iov(m, iov + h, (uint64_t)r);
         moved += r;
         cursor_advance(&p, &c, (uint64_t)r);
     }
@@ -549,7 +603,7 @@ static int64_t dd_wait_readable(int fd, int64_t spin_us, int64_t timeout_ms) {
 /* Fill buf (len bytes) from a non-blocking socket within timeout_ms: bytes read, or -errno. */
 static int64_t dd_recv_exact(int fd, void *buf, uint64_t len, int64_t timeout_ms) {
     uint64_t addr = (uint64_t)(uintptr_t)buf, zero = 0;
-    return len ? dd_sock_plan(fd, 0, timeout_ms, 1, &addr, 1, &zero, &len, NULL, 0) : 0;
+    return len ? dd_sock_plan(fd, 0, timeout_ms, 1, &addr, 1, &zero, &len, NULL, 0, NULL) : 0;
 }
 
 /* Borrow n uint64 arrays (buffers); fails unless each holds a whole number of uint64. */
@@ -714,6 +768,62 @@ static PyObject *py_sum_blocks(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
+/* A summer from (sums, pos, tail, tail_start): its buffers held in views[0..1] (release
+ * with release_summer); tail None: no tail.  -1 with an exception set on bad arguments. */
+static int get_summer(PyObject *const *args, summer_t *m, Py_buffer *views) {
+    unsigned long long pos = PyLong_AsUnsignedLongLong(args[1]);
+    unsigned long long tail_start = PyLong_AsUnsignedLongLong(args[3]);
+    if (PyErr_Occurred()) return -1;
+    views[1].buf = NULL;
+    if (PyObject_GetBuffer(args[0], &views[0], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (views[0].len % 16) {
+        PyBuffer_Release(&views[0]);
+        PyErr_SetString(PyExc_ValueError, "sums must be uint64, two per 4 KiB block");
+        return -1;
+    }
+    *m = (summer_t){(uint64_t *)views[0].buf, (size_t)views[0].len / 16, pos, NULL, UINT64_MAX, 0};
+    if (args[2] != Py_None) {
+        if (PyObject_GetBuffer(args[2], &views[1], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&views[0]);
+            return -1;
+        }
+        m->tail = (uint8_t *)views[1].buf;
+        m->tail_start = tail_start;
+        m->tail_len = (uint64_t)views[1].len;
+    }
+    return 0;
+}
+
+static void release_summer(Py_buffer *views) {
+    PyBuffer_Release(&views[0]);
+    if (views[1].buf) PyBuffer_Release(&views[1]);
+}
+
+/* sum_stream(data, sums, pos, tail, tail_start): add data (the stream's bytes from pos
+ * on) to a summer, as sock_plan does with what it moves; returns len(data). */
+static PyObject *py_sum_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "sum_stream(data, sums, pos, tail, tail_start)");
+        return NULL;
+    }
+    summer_t m;
+    Py_buffer sviews[2] = {{0}, {0}}, data;
+    if (get_summer(args + 1, &m, sviews) < 0) return NULL;
+    if (PyObject_GetBuffer(args[0], &data, PyBUF_C_CONTIGUOUS) < 0) { release_summer(sviews); return NULL; }
+    int64_t r = (int64_t)data.len;
+    if (!summer_fits(&m, (uint64_t)data.len))
+        r = -ERANGE;
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        sum_piece(&m, (const uint8_t *)data.buf, (uint64_t)data.len);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&data);
+    release_summer(sviews);
+    return result_or_oserror(r);
+}
+
 static PyObject *py_cma_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 7 && nargs != 8) {
@@ -738,8 +848,9 @@ static PyObject *py_cma_plan(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 static PyObject *py_sock_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 6 && nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "sock_plan(fd, send, timeout_ms, base, off, len[, head])");
+    if (nargs != 6 && nargs != 7 && nargs != 11) {
+        PyErr_SetString(PyExc_TypeError,
+                        "sock_plan(fd, send, timeout_ms, base, off, len[, head[, sums, pos, tail, tail_start]])");
         return NULL;
     }
     long fd = PyLong_AsLong(args[0]);
@@ -749,15 +860,29 @@ static PyObject *py_sock_plan(PyObject *self, PyObject *const *args, Py_ssize_t 
     plan_args a;
     if (get_plan(args + 3, 3, &a) < 0) return NULL;
     Py_buffer head = {0};
-    if (nargs == 7 && args[6] != Py_None) {
+    if (nargs >= 7 && args[6] != Py_None) {
         if (!send) { release_plan(&a); PyErr_SetString(PyExc_ValueError, "head is for sending"); return NULL; }
         if (PyObject_GetBuffer(args[6], &head, PyBUF_SIMPLE) < 0) { release_plan(&a); return NULL; }
     }
+    summer_t m;
+    Py_buffer sviews[2] = {{0}, {0}};
+    int summed = nargs == 11;
+    if (summed && get_summer(args + 7, &m, sviews) < 0) {
+        if (head.buf) PyBuffer_Release(&head);
+        release_plan(&a);
+        return NULL;
+    }
     int64_t r;
-    Py_BEGIN_ALLOW_THREADS
-    r = dd_sock_plan((int)fd, send, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2),
-                     (const char *)head.buf, head.buf ? (size_t)head.len : 0);
-    Py_END_ALLOW_THREADS
+    if (summed && !summer_fits(&m, plan_bytes(&(plan_t){U64P(a, 0), U64P(a, 0), U64P(a, 1), U64P(a, 1),
+                                                         U64P(a, 2), a.nt, a.nu})))
+        r = -ERANGE; /* the stream would leave the sums (or the tail): nothing moved */
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        r = dd_sock_plan((int)fd, send, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2),
+                         (const char *)head.buf, head.buf ? (size_t)head.len : 0, summed ? &m : NULL);
+        Py_END_ALLOW_THREADS
+    }
+    if (summed) release_summer(sviews);
     if (head.buf) PyBuffer_Release(&head);
     release_plan(&a);
     return result_or_oserror(r);
@@ -886,7 +1011,7 @@ static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_BEGIN_ALLOW_THREADS
     int64_t deadline = now_ms() + timeout_ms;
     r = dd_sock_plan((int)fd, 1, timeout_ms, a.nt, a.held ? U64P(a, 0) : NULL, a.nu, a.held ? U64P(a, 1) : NULL,
-                     a.held ? U64P(a, 2) : NULL, (const char *)head.buf, (size_t)head.len);
+                     a.held ? U64P(a, 2) : NULL, (const char *)head.buf, (size_t)head.len, NULL);
     if (r >= 0) r = dd_wait_readable((int)fd, spin_us, deadline - now_ms());
     if (r >= 0) r = dd_recv_exact((int)fd, ans, (uint64_t)answer_len, deadline - now_ms());
     Py_END_ALLOW_THREADS
@@ -971,10 +1096,11 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
     size_t ans_len = (size_t)PyBytes_GET_SIZE(args[6]);
     Py_BEGIN_ALLOW_THREADS
     if (push) {
-        r = dd_sock_plan((int)fd, 0, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2), NULL, 0);
-        if (r >= 0) r = dd_sock_plan((int)fd, 1, timeout_ms, 0, NULL, 0, NULL, NULL, ans, ans_len);
+        r = dd_sock_plan((int)fd, 0, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2), NULL, 0, NULL);
+        if (r >= 0) r = dd_sock_plan((int)fd, 1, timeout_ms, 0, NULL, 0, NULL, NULL, ans, ans_len, NULL);
     } else {
-        r = dd_sock_plan((int)fd, 1, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2), ans, ans_len);
+        r = dd_sock_plan((int)fd, 1, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2), ans, ans_len,
+                         NULL);
     }
     Py_END_ALLOW_THREADS
     release_plan(&a);
@@ -1313,6 +1439,8 @@ static PyMethodDef methods[] = {
      "copy_plan(sbase, dbase, soff, doff, len, threads) -> bytes copied"},
     {"sum_blocks", (PyCFunction)(void (*)(void))py_sum_blocks, METH_FASTCALL,
      "sum_blocks(value, sums): add the two sums of each whole 4 KiB block of value to sums"},
+    {"sum_stream", (PyCFunction)(void (*)(void))py_sum_stream, METH_FASTCALL,
+     "sum_stream(data, sums, pos, tail, tail_start): add data, the stream's bytes from pos, to its block sums"},
     {"copy_plan_sum", (PyCFunction)(void (*)(void))py_copy_plan_sum, METH_FASTCALL,
      "copy_plan_sum(sbase, dbase, soff, doff, len, threads, sums, value_base, value_is_src) -> bytes copied; "
      "adds the copied bytes into the value's 4 KiB block sums (OSError ERANGE if a run leaves the value)"},

@@ -62,6 +62,11 @@ def sum_blocks(value: _Buffer, sums: _U64Array, /) -> None:
     """Add the two sums of each whole 4 KiB block of ``value`` (C-contiguous) to ``sums``
     (writable uint64, two per block; ``ValueError`` if too short)."""
 
+def sum_stream(data: _Buffer, sums: _U64Array, pos: int, tail: _Buffer | None, tail_start: int, /) -> int:
+    """Add ``data`` (C-contiguous), the bytes of a stream from offset ``pos`` on, to its
+    block sums as :func:`sock_plan` does; returns ``len(data)``.  ``OSError`` ERANGE
+    (nothing added) if it would go past the sums or the tail."""
+
 def copy_plan_sum(sbase: _U64Array, dbase: _U64Array, soff: _U64Array, doff: _U64Array, len: _U64Array,
                   threads: int, sums: _U64Array, value_base: int, value_is_src: bool, /) -> int:
     """``copy_plan`` that also adds the copied bytes into the 4 KiB block sums of the value
@@ -81,10 +86,15 @@ def cma_plan(pid: int, write: bool, lbase: _U64Array, rbase: _U64Array, loff: _U
     ``TimeoutError`` when ``timeout_ms`` (> 0) passed between two batches of runs."""
 
 def sock_plan(fd: int, send: bool, timeout_ms: int, base: _U64Array, off: _U64Array, len: _U64Array,
-              head: _Buffer | None = None, /) -> int:
+              head: _Buffer | None = None, sums: _U64Array = ..., pos: int = ..., tail: _Buffer | None = ...,
+              tail_start: int = ..., /) -> int:
     """Send (``head`` first, if given) or receive the runs, in order, over the non-blocking
     socket ``fd`` within ``timeout_ms``; returns the payload bytes moved.  ``ValueError``
-    for a ``head`` when receiving; ``OSError`` ETIMEDOUT, ECONNRESET... on failure."""
+    for a ``head`` when receiving; ``OSError`` ETIMEDOUT, ECONNRESET... on failure.  With
+    ``sums`` (writable uint64, two per 4 KiB block of a stream), the payload is added to
+    the block sums as the stream's bytes from offset ``pos`` on, and its bytes from offset
+    ``tail_start`` on are copied into ``tail`` (None: none kept); ``OSError`` ERANGE
+    (nothing moved) if the payload would go past the sums or the tail."""
 
 def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, limit: int, timeout_ms: int,
                 answer: bytes, /) -> tuple[int, Any]:

@@ -12,7 +12,7 @@ import functools
 import os
 import time
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Tuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -34,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["ms_until", "peer_closed", "int_key", "ref_key", "request", "serve_known", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "sum_blocks", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "spin_readable", "COPY_THREADS",
+__all__ = ["ms_until", "peer_closed", "int_key", "ref_key", "request", "serve_known", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "sum_blocks", "sum_stream", "StreamSums", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "spin_readable", "COPY_THREADS",
            "SPIN_US"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
@@ -130,6 +130,12 @@ def sum_blocks(value: _Buffer, sums: U64Array) -> None:
     _native.sum_blocks(value, sums)
 
 
+def sum_stream(data: _Buffer, summed: "StreamSums") -> None:
+    """Add ``data`` (C-contiguous), the next bytes of ``summed``'s stream, to its block
+    sums, as :func:`sock_send` does with what it sends."""
+    summed.pos += _native.sum_stream(data, summed.sums, summed.pos, summed.tail, summed.tail_start)
+
+
 def copy_plan_sum(plan: Plan, sums: U64Array, value_addr: int, *, value_is_src: bool,
                   threads: int = COPY_THREADS) -> int:
     """``copy_plan`` that also adds the copied bytes into the two sums of each 4 KiB block
@@ -158,26 +164,45 @@ def cma_plan(pid: int, plan: Plan, *, write: bool, timeout_ms: int = 0) -> int:
                             timeout_ms)
 
 
+class StreamSums(Protocol):
+    """Where the block sums of a stream go as it moves (:class:`datadist.engine.checksum.StreamSum`):
+    ``sums`` (uint64, two per 4 KiB block), ``pos`` (the stream offset of the next byte),
+    and the kept bytes of the last partial block, ``tail`` from offset ``tail_start``."""
+
+    sums: U64Array
+    pos: int
+    tail: Optional[np.ndarray]
+    tail_start: int
+
+
 def _sock(fd: int, send: bool, timeout_ms: int, bases: U64Array, offs: U64Array, lens: U64Array,
-          head: Optional[_Buffer] = None) -> int:
+          head: Optional[_Buffer] = None, summed: Optional[StreamSums] = None) -> int:
     try:
-        return _native.sock_plan(fd, send, int(timeout_ms), bases, offs, lens, head)
+        if summed is None:
+            return _native.sock_plan(fd, send, int(timeout_ms), bases, offs, lens, head)
+        moved = _native.sock_plan(fd, send, int(timeout_ms), bases, offs, lens, head, summed.sums, summed.pos,
+                                  summed.tail, summed.tail_start)
+        summed.pos += moved
+        return moved
     except OSError as exc:
         if exc.errno == errno.ETIMEDOUT:
             raise TimeoutError(errno.ETIMEDOUT, f"socket transfer did not finish in {timeout_ms} ms") from None
         raise
 
 
-def sock_send(fd: int, plan: Plan, timeout_ms: int, head: _Buffer | None = None) -> int:
+def sock_send(fd: int, plan: Plan, timeout_ms: int, head: _Buffer | None = None,
+              summed: Optional[StreamSums] = None) -> int:
     """Write ``head`` (a frame) and then the plan's source runs, in order, to a
-    non-blocking socket ``fd``, in as few ``writev`` calls as possible."""
-    return _sock(fd, True, timeout_ms, plan.src_bases, plan.src_offs, plan.lens, head)
+    non-blocking socket ``fd``, in as few ``writev`` calls as possible; with ``summed``,
+    the runs' bytes are added to its block sums as they go (see :class:`StreamSums`)."""
+    return _sock(fd, True, timeout_ms, plan.src_bases, plan.src_offs, plan.lens, head, summed)
 
 
-def sock_recv(fd: int, plan: Plan, timeout_ms: int) -> int:
-    """Read the plan's destination runs, in order, from a non-blocking socket ``fd``.
-    Raises ``ConnectionResetError`` if the stream ends first, ``TimeoutError`` at the deadline."""
-    return _sock(fd, False, timeout_ms, plan.dst_bases, plan.dst_offs, plan.lens)
+def sock_recv(fd: int, plan: Plan, timeout_ms: int, summed: Optional[StreamSums] = None) -> int:
+    """Read the plan's destination runs, in order, from a non-blocking socket ``fd``
+    (with ``summed``: summing them as they arrive).  Raises ``ConnectionResetError`` if the
+    stream ends first, ``TimeoutError`` at the deadline."""
+    return _sock(fd, False, timeout_ms, plan.dst_bases, plan.dst_offs, plan.lens, None, summed)
 
 
 def wait_readable(fd: int, timeout_ms: int, spin_us: int = SPIN_US) -> None:

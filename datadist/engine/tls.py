@@ -19,19 +19,20 @@ whoever waits for a link socket to become readable asks :func:`buffered` first.
 """
 from __future__ import annotations
 
+import os
 import selectors
 import socket
 import ssl
 import threading
 import time
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import native
 from .layout import Plan, U64Array
 
-__all__ = ["STAGING_BYTES", "TlsConfig", "TlsFileError", "buffered", "handshake_step", "recv_exact", "send_plan",
+__all__ = ["STAGING_BYTES", "TlsConfig", "TlsFileError", "from_settings", "buffered", "handshake_step", "recv_exact", "send_plan",
            "recv_plan", "discard"]
 
 #: Size of the per-thread staging buffer of TLS payloads.
@@ -136,6 +137,28 @@ class TlsConfig:
         """The server side over an accepted non-blocking socket; the handshake is left to
         :func:`handshake_step`."""
         return self.server.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+
+
+def from_settings(given: Sequence[Tuple[str, Optional[str]]],
+                  environment: Sequence[str]) -> Optional[TlsConfig]:
+    """TLS from the certificate, key and CA settings ``given`` (in that order, each
+    ``(its name in messages, path or None)``), all or none; when none is given, from the
+    environment variables named by ``environment`` (same order), all or none.  None when
+    neither gives any.  An incomplete set or an unusable file is a ``ValueError`` naming
+    the setting (or variable) and the path, never a file's contents."""
+    named = list(given) if any(path for _, path in given) else \
+        [(f"environment variable {env}", os.environ.get(env) or None) for env in environment]
+    if not any(path for _, path in named):
+        return None
+    missing = [name for name, path in named if not path]
+    if missing:
+        raise ValueError(f"TLS needs a certificate, its key and a CA file: {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not set (set all three, or none)")
+    try:
+        return TlsConfig(*(str(path) for _, path in named))
+    except TlsFileError as exc:
+        name = named[("cert", "key", "ca").index(exc.role)][0]
+        raise ValueError(f"{name} = {exc.path!r} is invalid: the file {exc.why}") from None
 
 
 def handshake_step(sock: ssl.SSLSocket) -> int:
@@ -290,10 +313,12 @@ def recv_exact(sock: socket.socket, buf: bytearray, timeout: Optional[float]) ->
         sock.settimeout(before)
 
 
-def send_plan(sock: socket.socket, plan: Plan, deadline: float, head: bytes = b"") -> None:
+def send_plan(sock: socket.socket, plan: Plan, deadline: float, head: bytes = b"",
+              summed: Optional[native.StreamSums] = None) -> None:
     """Write ``head`` (a frame) and then the plan's source runs (host memory), in order,
     through the thread's staging buffer, before ``deadline`` (``TimeoutError``).  A plan
-    that fits the buffer with its frame is one copy and one write."""
+    that fits the buffer with its frame is one copy and one write.  With ``summed``, the
+    staged runs are added to its block sums (see :func:`.native.sock_send`)."""
     view, addr = _staging.get()
     total, fill = _nbytes(plan), len(head)
     before = sock.gettimeout()
@@ -302,6 +327,8 @@ def send_plan(sock: socket.socket, plan: Plan, deadline: float, head: bytes = b"
             view[:fill] = head
             if total:
                 native.copy_plan(_packed(plan.src_bases, plan.src_offs, plan.lens, addr + fill, gather=True))
+                if summed is not None:
+                    native.sum_stream(view[fill:fill + total], summed)
             _send(sock, view[:fill + total], deadline)
             return
         if fill > STAGING_BYTES // 2:
@@ -313,16 +340,19 @@ def send_plan(sock: socket.socket, plan: Plan, deadline: float, head: bytes = b"
         while pos < total:
             take = min(STAGING_BYTES - fill, total - pos)
             native.copy_plan(stream.window(pos, pos + take, addr + fill, gather=True))
+            if summed is not None:
+                native.sum_stream(view[fill:fill + take], summed)
             _send(sock, view[:fill + take], deadline)
             pos, fill = pos + take, 0
     finally:
         sock.settimeout(before)
 
 
-def recv_plan(sock: socket.socket, plan: Plan, deadline: float) -> None:
+def recv_plan(sock: socket.socket, plan: Plan, deadline: float, summed: Optional[native.StreamSums] = None) -> None:
     """Read the plan's destination runs (host memory), in order, from the TLS socket
-    through the thread's staging buffer, before ``deadline``.  Raises ``TimeoutError``,
-    ``ConnectionResetError`` (end of stream) or ``ssl.SSLError``."""
+    through the thread's staging buffer, before ``deadline`` (with ``summed``: adding the
+    staged bytes to its block sums).  Raises ``TimeoutError``, ``ConnectionResetError``
+    (end of stream) or ``ssl.SSLError``."""
     total = _nbytes(plan)
     if not total:
         return
@@ -331,12 +361,16 @@ def recv_plan(sock: socket.socket, plan: Plan, deadline: float) -> None:
     try:
         if total <= STAGING_BYTES:
             _recv_into(sock, view[:total], deadline)
+            if summed is not None:
+                native.sum_stream(view[:total], summed)
             native.copy_plan(_packed(plan.dst_bases, plan.dst_offs, plan.lens, addr, gather=False))
             return
         stream, pos = _Stream(*plan.dst_runs()), 0
         while pos < total:
             take = min(STAGING_BYTES, total - pos)
             _recv_into(sock, view[:take], deadline)
+            if summed is not None:
+                native.sum_stream(view[:take], summed)
             native.copy_plan(stream.window(pos, pos + take, addr, gather=False))
             pos += take
     finally:

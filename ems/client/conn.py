@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import time
 from typing import Any, List, Optional, Tuple, Type, TypeVar, overload
 
@@ -16,6 +17,7 @@ import numpy as np
 from datadist.engine.auth import Secret
 from datadist.engine.handshake import ClientAuth
 from datadist.engine.memory import SharedMapping
+from datadist.engine.tls import TlsConfig
 
 from .._errors import PoolDisconnected, PoolRejected, PoolTimeout, PoolUnreachable, ProtocolError
 from ..pool import wire
@@ -45,14 +47,14 @@ class Connection:
     """A socket to the daemon after a successful HELLO."""
 
     def __init__(self, address: Address, hello: wire.Hello, deadline: float,
-                 secret: Optional[Secret] = None) -> None:
+                 secret: Optional[Secret] = None, tls: Optional[TlsConfig] = None) -> None:
         self.address = address
         self.broken = False
         self.fds: List[int] = []  # from HELLO: the arena, then the key set
         self.arena: Optional[MappedArena] = None  # set by the pool (shared per daemon)
         self.keys: Optional[KeySetView] = None
         self._closed = False
-        self.sock = _connect(address, deadline)
+        self.sock = _connect(address, deadline, tls)
         reply, fds = self._handshake(hello, secret, deadline)
         self.info = self._welcome(reply, fds)
 
@@ -169,14 +171,22 @@ class Connection:
             self.sock.close()
 
 
-def _dial(address: Address, timeout_s: float) -> socket.socket:
+def _dial(address: Address, timeout_s: float, tls: Optional[TlsConfig] = None) -> socket.socket:
     """A socket connected to ``address`` within ``timeout_s`` (``OSError`` if not; a
-    ``TimeoutError`` when something listens but does not accept in time)."""
+    ``TimeoutError`` when something listens but does not accept in time); over TCP with
+    ``tls``, a TLS socket whose handshake is done (``ssl.SSLError``, an ``OSError``, when
+    the daemon's certificate is not of the CA, or it refused ours)."""
     endpoint = address.endpoint()
     if isinstance(endpoint, tuple):
         sock = socket.create_connection(endpoint, timeout=timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        if tls is None:
+            return sock
+        try:
+            return tls.connect(sock)
+        except BaseException:
+            sock.close()
+            raise
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     try:
@@ -187,30 +197,32 @@ def _dial(address: Address, timeout_s: float) -> socket.socket:
     return sock
 
 
-def _connect(address: Address, deadline: float) -> socket.socket:
+def _connect(address: Address, deadline: float, tls: Optional[TlsConfig] = None) -> socket.socket:
     """:func:`_dial` before ``deadline``, its failures as the client's errors."""
     try:
-        return _dial(address, max(0.001, deadline - time.monotonic()))
+        return _dial(address, max(0.001, deadline - time.monotonic()), tls)
     except (TimeoutError, socket.timeout) as exc:
         # Something listens but does not accept in time (a stalled daemon): a timeout,
         # which the vendor's retry sample retries, not an absent pool.
         raise PoolTimeout(f"the EMS pool at {address} did not accept a connection in time: {exc}") from None
+    except ssl.SSLError as exc:
+        raise PoolUnreachable(f"the EMS pool at {address} failed the TLS handshake ({exc.reason or exc}): "
+                              "a daemon without TLS, or certificates of another CA") from None
     except OSError as exc:
         raise PoolUnreachable(f"no EMS pool answers at {address}: {exc}") from None
 
 
 def probe(address: str, what: str = "ping", timeout_s: float = 3.0,
-          access_id: Optional[str] = None, access_key: Optional[str] = None) -> Any:
-    """Ask a daemon for ``ping`` (its instance), ``stats`` (a dict) or ``shutdown``.
+          access_id: Optional[str] = None, access_key: Optional[str] = None,
+          tls: Optional[TlsConfig] = None) -> Any:
+    """Ask a daemon for ``ping`` (its instance), ``stats`` (a dict) or ``shutdown``
+    (over TCP with ``tls`` for a daemon with TLS).
 
     Needs no credentials: these requests are answered before HELLO.
     """
     addr = parse_address(address)
     deadline = time.monotonic() + timeout_s
-    try:
-        sock = _dial(addr, timeout_s)
-    except OSError as exc:
-        raise PoolUnreachable(f"no EMS pool answers at {addr}: {exc}") from None
+    sock = _connect(addr, deadline, tls)
     try:
         msg = {"ping": wire.Ping(), "stats": wire.Stats(), "shutdown": wire.Shutdown()}[what]
         wire.send_msg(sock, msg, deadline)

@@ -3,20 +3,21 @@
 On a unix socket the daemon passed the tenant's arena at HELLO: :class:`ArenaMover` copies
 straight between the caller's memory and the mapped arena, summing the checksum during the
 copy.  Over ``tcp://`` there is no shared memory: :class:`SocketMover` streams the same
-plans through the connection (after a WRITE frame, or after the daemon's READ reply), and
-the daemon sums what it received.  :func:`mover_for` picks one for a connection, so the
+plans through the connection (after a WRITE frame, or after the daemon's READ reply),
+summing what it sends and receives; the daemon sums what it received and commits a value
+only when the two sums agree, so a byte changed between client and daemon is caught on
+either way.  :func:`mover_for` picks one for a connection, so the
 calls above it never ask which transport they are on.
 """
 from __future__ import annotations
 
-import time
 from typing import Optional, Protocol
 
-from datadist.engine.native import sock_recv, sock_send
+from datadist.engine.checksum import StreamSum
 
-from .._errors import PoolDisconnected, PoolTimeout, invalid
+from .._errors import PoolDisconnected, PoolTimeout, ProtocolError, invalid
 from ..kvcache import Copier, DeviceCopier, HostCopier, ValuePlan
-from ..pool import wire
+from ..pool import payload, wire
 from ..pool.checksum import BLOCK, checksum, from_block_sums
 from .conn import Connection, MappedArena
 
@@ -26,9 +27,9 @@ __all__ = ["Mover", "ArenaMover", "SocketMover", "mover_for"]
 class Mover(Protocol):
     """Moves one value at a time, for one call on one connection."""
 
-    def save(self, vp: ValuePlan, off: int, deadline: Optional[float]) -> Optional[int]:
-        """Write the value ``vp`` describes into its reservation at ``off``; its checksum,
-        or None when the daemon computes it."""
+    def save(self, vp: ValuePlan, off: int, deadline: Optional[float]) -> int:
+        """Write the value ``vp`` describes into its reservation at ``off``; the checksum
+        of the bytes it wrote (the daemon checks it against what it received, over TCP)."""
 
     def load(self, vp: ValuePlan, off: int, crc: int, deadline: Optional[float]) -> bool:
         """Read the leased value at ``off`` into the memory ``vp`` describes; False when it
@@ -48,7 +49,7 @@ class ArenaMover:
         self._array = array
         self._verify = verify
 
-    def save(self, vp: ValuePlan, off: int, deadline: Optional[float]) -> Optional[int]:
+    def save(self, vp: ValuePlan, off: int, deadline: Optional[float]) -> int:
         return self._move(vp, off, save=True)
 
     def load(self, vp: ValuePlan, off: int, crc: int, deadline: Optional[float]) -> bool:
@@ -69,27 +70,40 @@ class ArenaMover:
 
 
 class SocketMover:
-    """Streams the plans through the connection's socket (host memory only)."""
+    """Streams the plans through the connection's socket (host memory only), summing what
+    it sends and receives (:mod:`ems.pool.payload`); a load checks the checksum when
+    ``verify``."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, verify: bool) -> None:
         self._conn = conn
+        self._verify = verify
 
-    def save(self, vp: ValuePlan, off: int, deadline: Optional[float]) -> Optional[int]:
+    def save(self, vp: ValuePlan, off: int, deadline: Optional[float]) -> int:
         conn = self._conn
         conn.send(wire.Write(off, vp.size), deadline)
-        for plan in vp.plans:
-            sock_send(conn.sock.fileno(), plan, _ms_left(conn, deadline))
-        return None
+        summed = StreamSum(vp.size)
+        try:
+            for plan in vp.plans:
+                payload.send_plan(conn.sock, plan, deadline, summed)
+        except (PoolDisconnected, PoolTimeout):
+            conn.broken = True
+            raise
+        return summed.checksum()
 
     def load(self, vp: ValuePlan, off: int, crc: int, deadline: Optional[float]) -> bool:
         conn = self._conn
         conn.send(wire.Read(off, vp.size), deadline)
-        head, _ = wire.recv_msg(conn.sock, deadline)
-        if not isinstance(head, wire.ReadReply) or head.size != vp.size:
-            raise PoolDisconnected("the pool answered READ unexpectedly")
-        for plan in vp.plans:
-            sock_recv(conn.sock.fileno(), plan.swapped(), _ms_left(conn, deadline))
-        return True
+        summed = StreamSum(vp.size) if self._verify else None
+        try:
+            head, _ = wire.recv_msg(conn.sock, deadline)
+            if not isinstance(head, wire.ReadReply) or head.size != vp.size:
+                raise PoolDisconnected("the pool answered READ unexpectedly")
+            for plan in vp.plans:
+                payload.recv_plan(conn.sock, plan.swapped(), deadline, summed)
+        except (PoolDisconnected, PoolTimeout, ProtocolError):
+            conn.broken = True
+            raise
+        return summed is None or summed.checksum() == crc
 
 
 def mover_for(conn: Connection, copier: Copier, verify: bool, what: str) -> Mover:
@@ -99,18 +113,4 @@ def mover_for(conn: Connection, copier: Copier, verify: bool, what: str) -> Move
         return ArenaMover(copier, conn.arena, verify)
     if isinstance(copier, DeviceCopier) and copier.device != "cpu":
         raise invalid(what, "device tensors need the shared-memory pool (unix socket), not a tcp:// address")
-    return SocketMover(conn)
-
-
-def _ms_left(conn: Connection, deadline: Optional[float]) -> int:
-    """Milliseconds left for a raw transfer; also puts the socket in non-blocking mode,
-    which the engine's socket executor needs."""
-    if deadline is None:
-        conn.sock.settimeout(60.0)
-        return 60_000
-    left = deadline - time.monotonic()
-    if left <= 0:
-        conn.broken = True
-        raise PoolTimeout("deadline passed during a transfer")
-    conn.sock.settimeout(left)
-    return max(1, int(left * 1000))
+    return SocketMover(conn, verify)

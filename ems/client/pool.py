@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
+import ssl
 import threading
 import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator, List, Optional
 
 from datadist.engine.auth import Secret
+from datadist.engine.tls import TlsConfig
 
 from .._errors import PoolTimeout, PoolUnreachable
 from ..pool import wire
@@ -38,10 +41,12 @@ class PoolClient:
     """Connections to the daemon at ``server`` for one tenant."""
 
     def __init__(self, server: str, access_id: Optional[str], access_key: Optional[str],
-                 connect_timeout_ms: int = 3000, max_idle: int = 8, secret: Optional[Secret] = None) -> None:
+                 connect_timeout_ms: int = 3000, max_idle: int = 8, secret: Optional[Secret] = None,
+                 tls: Optional[TlsConfig] = None) -> None:
         self.address: Address = parse_address(server)
         self._access = (access_id, access_key)
         self._secret = secret
+        self._tls = tls
         self.connect_timeout = connect_timeout_ms / 1000.0
         self.max_idle = max_idle
         self._lock = threading.Lock()
@@ -67,7 +72,7 @@ class PoolClient:
 
     def _connect(self, deadline: float) -> Connection:
         hello = wire.Hello(access_id=self._access[0], access_key=self._access[1], pid=os.getpid())
-        conn = Connection(self.address, hello, deadline, self._secret)
+        conn = Connection(self.address, hello, deadline, self._secret, self._tls)
         fds = conn.take_fds()
         stale: List[Connection] = []
         try:
@@ -187,6 +192,10 @@ class PoolClient:
 
 def _alive(sock: socket.socket) -> bool:
     """False if the daemon closed this idle connection (EOF or error pending)."""
+    if isinstance(sock, ssl.SSLSocket):
+        # No peeking through TLS: an idle connection has nothing to read, so anything
+        # readable (the end, a TLS alert, stray bytes) means it is not reusable.
+        return sock.pending() == 0 and not select.select([sock], [], [], 0)[0]
     try:
         sock.settimeout(0.0)  # with a timeout set, Python would wait on EAGAIN
         data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)

@@ -186,7 +186,8 @@ class Commit(Message):
     OP = Op.COMMIT
     keys: List[str] = field(default_factory=list)
     offsets: List[int] = field(default_factory=list)
-    #: One per key, or none: the daemon computes them (a TCP client's bytes came by the socket).
+    #: One per key (over TCP the daemon compares each with what it received), or none: the
+    #: daemon takes those it summed receiving the WRITEs.
     checksums: List[U64] = field(default_factory=list)
     keep_local: bool = True
 

@@ -74,6 +74,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret-file", default=None,
                    help="file holding the pool secret: clients (EmsConfig.secret or EMS_SECRET) and the daemon "
                         "prove to each other that they hold it before anything else")
+    for role, what in (("cert", "this daemon's certificate"), ("key", "its private key (unencrypted)"),
+                       ("ca", "the CA that signed the clients' certificates")):
+        p.add_argument(f"--tls-{role}-file", default=None,
+                       help=f"TLS on the --tcp port (all three flags, else env EMS_TLS_{role.upper()}_FILE and "
+                            f"the other two): {what}")
     p.add_argument("--idle-exit", type=float, default=0.0,
                    help="exit after this many seconds without clients (0: never)")
     p.add_argument("--socket-mode", default="0600", type=_octal,
@@ -85,6 +90,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds before an idle client connection is closed (default 600; 0: never)")
     p.add_argument("--read-timeout", type=_positive(float), default=30.0,
                    help="seconds within which a started request must arrive whole (default 30)")
+    p.add_argument("--drain-timeout", type=_positive(float, zero=True), default=10.0,
+                   help="seconds a stopping daemon (SIGTERM, SIGINT, stop) lets requests in flight finish "
+                        "before it cuts them")
     p.add_argument("--no-spill-on-exit", action="store_true",
                    help="do not spill memory to the disk tier at shutdown")
     p.add_argument("--detach", action="store_true", help="fork into the background (new session)")
@@ -232,7 +240,9 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         credentials=args.credentials, tcp=args.tcp, idle_exit=args.idle_exit,
         spill_on_exit=not args.no_spill_on_exit, socket_mode=args.socket_mode,
         max_connections=args.max_connections, idle_timeout=args.idle_timeout, read_timeout=args.read_timeout,
-        secret_file=args.secret_file, metrics=args.metrics_port)
+        drain_timeout=args.drain_timeout,
+        secret_file=args.secret_file,
+        tls_files=(args.tls_cert_file, args.tls_key_file, args.tls_ca_file), metrics=args.metrics_port)
 
 
 def _detach() -> bool:
@@ -292,11 +302,15 @@ def _ready(fd: Optional[int], line: str) -> None:
 
 
 def _stats(args: argparse.Namespace) -> int:
+    from datadist.engine.tls import from_settings as tls_from_settings
+
     from ..client.conn import probe  # the client side of the protocol
+    from ..config import ENV_TLS_FILES
 
     address = args.server or args.dir or DEFAULT_DIR
     try:
-        stats = probe(address, "stats", timeout_s=args.timeout)
+        stats = probe(address, "stats", timeout_s=args.timeout,
+                      tls=tls_from_settings([], ENV_TLS_FILES) if address.startswith("tcp://") else None)
     except Exception as exc:
         print(f"ems-server stats: no daemon answers at {address}: {exc}", file=sys.stderr)
         return 1

@@ -23,23 +23,31 @@ import ipaddress
 import logging
 import os
 import secrets
+import select
 import socket
+import ssl
 import struct
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .._errors import EmsError, PoolDisconnected, PoolTimeout, ProtocolError
-from ..pool import wire
+from ..pool import payload, wire
 from ..pool.wire import (Abort, Ack, Challenge, Commit, CommitReply, Drop, Error, Exists, ExistsReply, Get,
                          GetReply, Hello, HelloReply, Ping, Pong, Read, ReadReply, Release, Reserve,
                          ReserveReply, Shutdown, Stats, StatsReply, Write)
 from datadist.engine.auth import Secret, load_secret
+from datadist.engine.checksum import StreamSum
 from datadist.engine.codec import HEADER_SIZE
+from datadist.engine import tls
 from datadist.engine.handshake import REFUSAL, ServerAuth
 from datadist.engine.incoming import RateLimitedLog
+from datadist.engine.tls import TlsConfig
+from datadist.engine.tls import from_settings as tls_from_settings
 
+from ..config import ENV_TLS_FILES
+
+from .config import DEFAULT_DIR, ServerConfig
 from .dispatch import Dispatcher
 from .metrics import Endpoint, ServerMetrics, serve_metrics
 from .store import Owner, Store, TenantSpace
@@ -51,7 +59,6 @@ __all__ = ["ServerConfig", "Daemon", "AlreadyRunning", "SOCKET_NAME", "DEFAULT_D
 
 log = logging.getLogger("ems.server")
 
-DEFAULT_DIR = "/dev/shm/ems"
 SOCKET_NAME = "ems.sock"
 LOCK_NAME = "ems.lock"
 
@@ -61,39 +68,6 @@ Reply = Optional[wire.Message]
 
 class AlreadyRunning(RuntimeError):
     """Another daemon holds the directory's lock."""
-
-
-@dataclass
-class ServerConfig:
-    """What ``ems-server serve`` was asked for (parsed from the command line in one place)."""
-
-    directory: str = DEFAULT_DIR
-    capacity: int = 1 << 30
-    disk_dir: Optional[str] = None
-    disk_capacity: int = 10 << 30
-    remote: Optional[str] = None
-    credentials: Optional[str] = None
-    tcp: Optional[str] = None
-    idle_exit: float = 0.0
-    spill_on_exit: bool = True
-    #: Permissions of the unix socket: who may connect at all.  Owner only by default, so
-    #: an open-tenancy pool is not readable by every user of the node; a shared node pool
-    #: opens it to a group (0o660) or to all (0o666), with credentials.
-    socket_mode: int = 0o600
-    #: Open client connections at most; more are refused with a clear error.  Each client
-    #: process opens a few (its pool of connections), so this admits hundreds of processes.
-    max_connections: int = 1024
-    #: Seconds a connection may stay idle before the daemon closes it (0: never).
-    idle_timeout: float = 600.0
-    #: Seconds within which a request, once started, must arrive whole.
-    read_timeout: float = 30.0
-    #: Worker threads serving requests (idle connections need none).
-    workers: int = 16
-    #: File holding the pool secret: clients must prove they hold it (and the daemon that
-    #: it does) before anything else, credentials included (None: no secret).
-    secret_file: Optional[str] = None
-    #: Where Prometheus scrapes ``/metrics`` and ``/healthz``: "[HOST:]PORT" (None: nowhere).
-    metrics: Optional[str] = None
 
 
 class Daemon:
@@ -112,6 +86,11 @@ class Daemon:
             self.secret: Optional[Secret] = load_secret(None, cfg.secret_file) if cfg.secret_file else None
         except ValueError as exc:
             raise ValueError(f"--secret-file: {exc}") from None
+        try:
+            self.tls: Optional[TlsConfig] = tls_from_settings(
+                list(zip(("--tls-cert-file", "--tls-key-file", "--tls-ca-file"), cfg.tls_files)), ENV_TLS_FILES)
+        except ValueError as exc:
+            raise ValueError(f"TLS: {exc}") from None
         self.socket_path = os.path.join(cfg.directory, SOCKET_NAME)
         self.stopped = threading.Event()
         self.started_at = time.time()
@@ -126,6 +105,8 @@ class Daemon:
         self.refusals = RateLimitedLog(log)
         self.metrics = ServerMetrics()
         self._metrics_server: Optional[Endpoint] = None
+        #: Reservations given back by sessions that ended while stopping (pending puts aborted).
+        self.aborted = 0
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -188,7 +169,7 @@ class Daemon:
             raise ValueError(f"--tcp {address}: expected HOST:PORT this host can listen on ({exc})") from None
         tcp.listen(1024)
         self.tcp_address = "tcp://%s:%d" % tcp.getsockname()[:2]
-        if self.secret is None and not ipaddress.ip_address(tcp.getsockname()[0]).is_loopback:
+        if self.secret is None and self.tls is None and not ipaddress.ip_address(tcp.getsockname()[0]).is_loopback:
             log.warning("listening on %s without a pool secret: any host that reaches it may use the pool "
                         "(credentials only); start with --secret-file and give clients EmsConfig.secret",
                         self.tcp_address)
@@ -209,7 +190,10 @@ class Daemon:
         self.stopped.set()
 
     def close(self) -> None:
-        """Stop accepting, end sessions, spill memory to disk, free everything (idempotent)."""
+        """Stop gracefully (idempotent): stop accepting (new connections are refused),
+        take no new request, let the requests in flight finish and be answered (for up to
+        ``drain_timeout``, then cut them), end every session (reservations not committed
+        are given back: pending puts are aborted), spill memory to disk, free everything."""
         self.stopped.set()
         if self._metrics_server is not None:
             self._metrics_server.close()
@@ -220,15 +204,18 @@ class Daemon:
             except OSError:
                 pass
         self._listeners = []
+        if self.dispatcher is not None:
+            cut = self.dispatcher.close(self.cfg.drain_timeout, self._kick_all)
+            if cut:
+                log.warning("stopping: cut %d requests still in flight after %.1fs (--drain-timeout)",
+                            cut, self.cfg.drain_timeout)
+            self.dispatcher = None
         with self._sessions_lock:
             sessions = list(self._sessions.values())
         for s in sessions:
-            s.kick()
-        if self.dispatcher is not None:
-            self.dispatcher.close()  # ends idle sessions, waits for requests in flight
-            self.dispatcher = None
-        for s in sessions:
             s.end()
+        if self.aborted:
+            log.warning("stopping: aborted %d puts reserved but not committed", self.aborted)
         if self.store is not None:
             self.store.close(spill=self.cfg.spill_on_exit)
             self.store = None
@@ -240,6 +227,12 @@ class Daemon:
                 pass
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    def _kick_all(self) -> None:
+        with self._sessions_lock:
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            s.kick()
 
     def _accept_loop(self, lsock: socket.socket) -> None:
         lsock.settimeout(0.5)  # wakes to notice stop(); accept itself needs no deadline
@@ -255,7 +248,11 @@ class Daemon:
             if full:
                 self._refuse_busy(conn)
                 continue
-            session = Session(self, conn, lsock.family == socket.AF_UNIX)
+            unix = lsock.family == socket.AF_UNIX
+            if self.tls is not None and not unix:
+                conn.setblocking(False)  # its handshake advances in the dispatcher (Session.request_waiting)
+                conn = self.tls.accept(conn)
+            session = Session(self, conn, unix)
             with self._sessions_lock:
                 self._sessions[id(session)] = session
             assert self.dispatcher is not None
@@ -316,6 +313,8 @@ class Session:
         self._done = False
         self._end_lock = threading.Lock()
         self._auth: Optional[ServerAuth] = None  # a pool secret's challenge, once sent
+        #: A TLS session whose handshake is not done yet.
+        self.handshaking = isinstance(sock, ssl.SSLSocket)
 
     def kick(self) -> None:
         try:
@@ -341,11 +340,16 @@ class Session:
         # No second try at HELLO on this connection.
         return sent and not (self.space is None and isinstance(reply, Error))
 
-    def request_waiting(self) -> bool:
+    def request_waiting(self) -> Optional[bool]:
         """Whether the next request has arrived whole, so a worker that takes it never
         waits on the peer: the whole frame, or for a frame larger than a socket buffer
         holds, its header.  True too for an end of stream or a header :meth:`_receive`
-        refuses (it ends the session then)."""
+        refuses (it ends the session then).  A TLS session takes its handshake here first,
+        a step at a time (None once it is done with nothing to read yet: an idle
+        connection); then any bytes count (TLS cannot be peeked into, and the peer has
+        shown a certificate of the CA)."""
+        if isinstance(self.sock, ssl.SSLSocket):
+            return self._tls_waiting(self.sock)
         try:
             head = self.sock.recv(HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             if len(head) < HEADER_SIZE:
@@ -358,6 +362,19 @@ class Session:
             return False
         except (OSError, ProtocolError):
             return True
+
+    def _tls_waiting(self, sock: ssl.SSLSocket) -> Optional[bool]:
+        if self.handshaking:
+            try:
+                if tls.handshake_step(sock):
+                    return False
+            except OSError as exc:  # ssl.SSLError: no certificate, one of another CA, not TLS
+                self.d.refusals.warning("refused a TLS connection: %s", exc)
+                return True  # _receive reads the end of it
+            self.handshaking = False
+        if sock.pending() or select.select([sock], [], [], 0)[0]:
+            return True
+        return None
 
     def _receive(self) -> Optional[wire.Message]:
         """The next request, or None when the session is over (a bad frame is answered
@@ -408,6 +425,9 @@ class Session:
             self._done = True
         store = self.d.store
         if self.owner is not None and store is not None:
+            if self.d.stopped.is_set():
+                with self.d._sessions_lock:
+                    self.d.aborted += len(self.owner.reservations)
             store.close_owner(self.owner)
         try:
             self.sock.close()
@@ -488,7 +508,7 @@ class Session:
 
     def _commit(self, store: Store, owner: Owner, ts: TenantSpace, msg: Commit) -> Reply:
         keys, offs = _keys(msg.keys), [int(o) for o in msg.offsets]
-        # No checksums (a TCP client, whose bytes came by the socket): the store computes them.
+        # No checksums: the store takes those it summed receiving the bytes (a WRITE).
         crcs: List[Optional[int]] = list(msg.checksums) if msg.checksums else [None] * len(keys)
         if not (len(keys) == len(offs) == len(crcs)):
             raise ValueError("keys, offsets and checksums differ in length")
@@ -507,8 +527,10 @@ class Session:
         res = store.reservation(owner, ts, off)
         if res is None or size != res.size:
             return Error(wire.ErrorKind.INVALID, "WRITE outside this connection's reservations")
-        view = ts.arena.view(off, size)
-        wire.recv_exact(self.sock, view, time.monotonic() + self.d.cfg.read_timeout)
+        # Summed as it arrives, on this session's thread: COMMIT then only compares.
+        summed = StreamSum(size)
+        payload.recv_into(self.sock, ts.arena.view(off, size), time.monotonic() + self.d.cfg.read_timeout, summed)
+        store.received(owner, ts, off, summed.checksum())
         return None
 
     def _read(self, store: Store, owner: Owner, ts: TenantSpace, msg: Read) -> Reply:

@@ -18,7 +18,9 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Protocol
+from typing import Any, Callable, Dict, List, Optional, Protocol
+
+from datadist.engine import tls
 
 __all__ = ["Dispatcher", "Served"]
 
@@ -33,8 +35,9 @@ class Served(Protocol):
 
     sock: socket.socket
 
-    def request_waiting(self) -> bool:
-        """Whether the next request has arrived whole (never blocks)."""
+    def request_waiting(self) -> Optional[bool]:
+        """Whether the next request has arrived whole (never blocks); None: nothing has
+        arrived (a TLS session that just finished its handshake): watch it as idle."""
 
     def serve_one(self) -> bool:
         """Answer the request whose bytes are waiting; False ends the session."""
@@ -59,6 +62,8 @@ class Dispatcher:
         self._incoming: List[Served] = []
         self._since: Dict[int, float] = {}  # fd -> when the session became idle
         self._stop = False
+        self._busy = 0  # requests being served
+        self._idle = threading.Condition(self._lock)  # notified when _busy drops to 0
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ems-worker")
         self._thread = threading.Thread(target=self._run, name="ems-dispatch", daemon=True)
         self._thread.start()
@@ -78,15 +83,29 @@ class Dispatcher:
         except OSError:
             pass
 
-    def close(self) -> None:
-        """Stop dispatching, end every idle session, wait for requests in flight."""
+    def close(self, drain_s: float = 0.0, cut: Callable[[], None] = lambda: None) -> int:
+        """Stop dispatching (no new request is taken), end every idle session, and let the
+        requests in flight finish (each session ends after its answer) for up to
+        ``drain_s`` seconds; then ``cut`` (which breaks the remaining sessions' sockets,
+        so their workers return) and wait for them.  Returns how many were cut."""
         with self._lock:
             self._stop = True
         self._wake()
         self._thread.join(10.0)
+        with self._idle:
+            self._idle.wait_for(lambda: self._busy == 0, timeout=drain_s)
+            left = self._busy
+        if left:
+            cut()
         self._pool.shutdown(wait=True)
         self._wake_r.close()
         self._wake_w.close()
+        return left
+
+    def _submit(self, session: Served) -> None:
+        with self._lock:
+            self._busy += 1
+        self._pool.submit(self._serve, session)
 
     def _run(self) -> None:
         try:
@@ -123,6 +142,9 @@ class Dispatcher:
             incoming, self._incoming = self._incoming, []
         now = time.monotonic()
         for session in incoming:
+            if tls.buffered(session.sock):  # decrypted bytes a poll would not show
+                self._partial[session] = now
+                continue
             try:
                 self._sel.register(session.sock, selectors.EVENT_READ, session)
                 self._since[session.sock.fileno()] = now
@@ -131,17 +153,24 @@ class Dispatcher:
 
     def _dispatch(self, session: Any) -> None:
         self._forget(session)
-        if session.request_waiting():
-            self._pool.submit(self._serve, session)
+        waiting = session.request_waiting()
+        if waiting:
+            self._submit(session)
+        elif waiting is None:
+            self.watch(session)
         else:  # part of a frame: wait for the rest here, not in a worker
             self._partial[session] = time.monotonic()
 
     def _check_partial(self) -> None:
         now = time.monotonic()
         for session, since in list(self._partial.items()):
-            if session.request_waiting():
+            waiting = session.request_waiting()
+            if waiting or waiting is None:
                 del self._partial[session]
-                self._pool.submit(self._serve, session)
+                if waiting:
+                    self._submit(session)
+                else:
+                    self.watch(session)
             elif now - since > self.read_timeout:
                 del self._partial[session]
                 log.debug("closed a connection whose request did not arrive whole within %.1f s", self.read_timeout)
@@ -156,14 +185,20 @@ class Dispatcher:
 
     def _serve(self, session: Served) -> None:
         try:
-            again = session.serve_one()
-        except Exception:  # a bug must not take the daemon down; it is logged
-            log.exception("a session failed")
-            again = False
-        if again:
-            self.watch(session)
-        else:
-            session.end()
+            try:
+                again = session.serve_one()
+            except Exception:  # a bug must not take the daemon down; it is logged
+                log.exception("a session failed")
+                again = False
+            if again:
+                self.watch(session)  # ends it instead once stopping
+            else:
+                session.end()
+        finally:
+            with self._idle:
+                self._busy -= 1
+                if not self._busy:
+                    self._idle.notify_all()
 
     def _close_idle(self) -> None:
         if self.idle_timeout <= 0:

@@ -77,6 +77,8 @@ class Reservation:
     key: str
     size: int
     alloc: int
+    #: The checksum of the bytes the daemon received for it (a WRITE over TCP), if any.
+    received: Optional[int] = None
 
 
 @dataclass
@@ -296,20 +298,45 @@ class Store:
         with self._lock:
             return owner.reservations.get((ts.name, off))
 
+    def received(self, owner: Owner, ts: TenantSpace, off: int, crc: int) -> None:
+        """Record the checksum of the bytes received for ``owner``'s reservation at ``off``
+        (summed by the caller as they arrived, without the lock)."""
+        with self._lock:
+            res = owner.reservations.get((ts.name, off))
+            if res is not None:
+                res.received = crc
+
+    def _vouched(self, ts: TenantSpace, res: Reservation, off: int, crc: Optional[int]) -> Optional[int]:
+        """The checksum a committed reservation is stored under, or None when its bytes
+        cannot be trusted (freed here): the client's ``crc`` must match what the daemon
+        received (over TCP); without a WRITE, the client's (it wrote the arena itself);
+        without ``crc``, what was received; with neither, nothing vouches for them."""
+        if res.received is not None and crc is not None and crc != res.received:
+            self.counters["corrupt"] += 1
+            log.error("value of %r arrived corrupted (checksum %#x, the client sent %#x); not stored",
+                      res.key, res.received, crc)
+        elif crc is not None or res.received is not None:
+            return crc if crc is not None else res.received
+        self._free(ts, off, res.alloc)
+        return None
+
     def commit(self, owner: Owner, ts: TenantSpace, keys: Sequence[str], offsets: Sequence[int],
                checksums: Sequence[Optional[int]], keep_local: bool = True) -> List[bool]:
-        """Phase two: publish written reservations; returns which keys are stored."""
+        """Phase two: publish written reservations whose checksums agree (:meth:`_vouched`);
+        returns which keys are stored.  Sums nothing: only compares under the lock."""
         stored: List[bool] = []
         pushed: List[Entry] = []
         with self._lock:
-            for key, off, crc in zip(keys, offsets, checksums):
+            for key, off, given in zip(keys, offsets, checksums):
                 res = owner.reservations.get((ts.name, off))
                 if res is None or res.key != key:
                     stored.append(False)
                     continue
                 del owner.reservations[(ts.name, off)]
-                if crc is None:  # a TCP client: the daemon sums what it received
-                    crc = checksum(ts.arena.view(off, res.size))
+                crc = self._vouched(ts, res, off, given)
+                if crc is None:
+                    stored.append(False)
+                    continue
                 e = Entry(ts, key, off, res.alloc, res.size, int(crc))
                 self._insert(e)
                 self.counters["committed"] += 1

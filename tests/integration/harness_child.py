@@ -351,6 +351,42 @@ class _Child:
                 raise TimeoutError("a concurrent call did not return within 60 s")
         return errors
 
+    def op_finalize_under_load(self, method: str, args: Sequence[Any], kwargs: Dict[str, Any], threads: int,
+                               bound_s: float) -> Dict[str, Any]:
+        """``threads`` threads repeat ``cache_manager.<method>`` until it raises; once each
+        has finished one call, the engine is finalized.  Returns, per thread, the error
+        that ended its loop (None: it never ended within ``bound_s`` after finalize), the
+        calls each finished, and how long finalize took."""
+        fn = getattr(self.engine.cache_manager, method)
+        args, kwargs = self._resolve(tuple(args)), self._resolve(kwargs)
+        ended: List[Optional[Dict[str, Any]]] = [None] * threads
+        counts = [0] * threads
+        started = threading.Barrier(threads + 1, timeout=30)
+
+        def loop(i: int) -> None:
+            while True:
+                try:
+                    fn(*args, **kwargs)
+                except Exception as exc:
+                    ended[i] = _exc_report(exc)
+                    if not counts[i]:
+                        started.abort()
+                    return
+                counts[i] += 1
+                if counts[i] == 1:
+                    started.wait()
+
+        workers = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(threads)]
+        for t in workers:
+            t.start()
+        started.wait()  # every thread has finished a call and is in its next one (or about to be)
+        t0 = time.monotonic()
+        self.engine.finalize()
+        took = time.monotonic() - t0
+        for t in workers:
+            t.join(max(0.0, t0 + bound_s - time.monotonic()))
+        return {"errors": ended, "calls": counts, "finalize_s": took, "ended_s": time.monotonic() - t0}
+
     def op_agent_faults(self, n: int) -> bool:
         """Queue ``n`` calls that raise on the engine's agent thread; whether it runs."""
         agent = self.engine._engine_or_raise().live_agent()

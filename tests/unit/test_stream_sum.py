@@ -1,0 +1,76 @@
+"""The checksum of a stream summed while it moves (:class:`datadist.engine.checksum.StreamSum`)
+equals the checksum of the bytes, however the stream is cut and whichever side sums it."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from datadist.engine import native
+from datadist.engine.checksum import StreamSum
+from datadist.engine.layout import Plan
+from ems.pool.checksum import checksum
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _run(src: int, dst: int, lo: int, hi: int) -> Plan:
+    one = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731
+    return Plan(one(src), one(dst), one(lo), one(lo), one(hi - lo))
+
+
+@pytest.mark.parametrize("n", [0, 5, 4096, 4097, 100_003, 3 << 20])
+def test_sums_of_a_socket_stream_match_the_bytes(n):
+    rng = np.random.default_rng(n)
+    data = rng.integers(0, 256, n, dtype=np.uint8)
+    out = np.zeros(n, dtype=np.uint8)
+    cuts = sorted({0, n, *map(int, rng.integers(0, n + 1, 3))})
+    sent, got = StreamSum(n), StreamSum(n)
+    a, b = socket.socketpair()
+    a.settimeout(10)
+    b.settimeout(10)
+    plans = [_run(data.ctypes.data, out.ctypes.data, lo, hi) for lo, hi in zip(cuts, cuts[1:])]
+    errors = []
+
+    def receive() -> None:
+        try:
+            for p in plans:
+                native.sock_recv(b.fileno(), p, 10_000, got)
+        except Exception as exc:  # shown by the assertion below
+            errors.append(exc)
+
+    t = threading.Thread(target=receive)
+    t.start()
+    for p in plans:
+        native.sock_send(a.fileno(), p, 10_000, None, sent)
+    t.join(30)
+    a.close()
+    b.close()
+    assert not errors and np.array_equal(out, data)
+    assert sent.checksum() == got.checksum() == checksum(data)
+    staged = StreamSum(n)
+    for lo, hi in zip(cuts, cuts[1:]):
+        staged.add(data[lo:hi])
+    assert staged.checksum() == checksum(data)
+
+
+def test_a_changed_or_moved_word_changes_the_sum():
+    data = np.arange(8192, dtype=np.uint8)
+    swapped = data.copy()
+    swapped[0:8], swapped[8:16] = data[8:16], data[0:8]
+    flipped = data.copy()
+    flipped[5000] ^= 1
+    assert len({checksum(data), checksum(swapped), checksum(flipped)}) == 3
+
+
+def test_bytes_past_the_stream_are_refused_and_incomplete_streams_have_no_sum():
+    s = StreamSum(10)
+    with pytest.raises(OSError):
+        s.add(np.zeros(11, dtype=np.uint8))
+    s.add(np.zeros(4, dtype=np.uint8))
+    with pytest.raises(ValueError, match="4 of the stream's 10 bytes"):
+        s.checksum()
+    with pytest.raises(ValueError, match="size"):
+        StreamSum(-1)
