@@ -1,11 +1,11 @@
-"""Fixtures of the cluster tests: hosts as network namespaces (netcluster.py), skipped
+"""Fixtures of the cluster tests: hosts as network namespaces (datadist/bench/netns.py), skipped
 with the reason where this machine cannot make them; every cluster is removed at teardown
 and nothing of this session's runs may be left at its end."""
 from typing import Callable, Iterator, List
 
 import pytest
 
-from netcluster import Cluster, leftovers, sweep_stale, unavailable
+from datadist.bench.netns import Cluster, leftovers, sweep_stale, unavailable
 
 
 @pytest.fixture(scope="session")

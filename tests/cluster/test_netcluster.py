@@ -3,7 +3,6 @@ partitions act on the link, and nothing a run made (namespaces, interfaces, proc
 survives it, even when its owner is killed."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,8 +10,9 @@ from typing import Callable
 
 import pytest
 
+from ems_helpers import ENV
 from harness import wait_until
-from netcluster import Cluster, leftovers, sweep_stale
+from datadist.bench.netns import Cluster, leftovers, sweep_stale
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
@@ -71,10 +71,10 @@ def test_close_removes_namespaces_links_and_processes(netns_ok: None) -> None:
 
 def test_a_killed_run_is_swept(netns_ok: None) -> None:
     """A run whose owner is SIGKILLed (no teardown, no atexit) is removed by the next sweep."""
-    code = ("import sys,time\nfrom netcluster import Cluster\n"
+    code = ("import sys,time\nfrom datadist.bench.netns import Cluster\n"
             "c=Cluster(2)\nprint(c.run_id,flush=True)\ntime.sleep(300)\n")
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)})
+                             env=ENV)
     assert owner.stdout is not None
     run = owner.stdout.readline().strip()
     assert run and leftovers(run), f"the owner made no cluster: {run!r}"

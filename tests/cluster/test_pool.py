@@ -21,7 +21,7 @@ import pytest
 
 from ems_helpers import ENV, EmsDaemon
 from harness import wait_until
-from netcluster import Cluster, Host
+from datadist.bench.netns import Cluster, Host
 
 pytestmark = [pytest.mark.cluster, pytest.mark.redis, pytest.mark.timeout(240)]
 

@@ -1,4 +1,4 @@
-"""Two prompt hosts and two decoder hosts (network namespaces, netcluster.py): every engine
+"""Two prompt hosts and two decoder hosts (network namespaces, datadist/bench/netns.py): every engine
 listens on its host's address, every link runs over tcp with the link secret and TLS, and
 every byte that arrives is compared with what was sent.
 
@@ -17,7 +17,7 @@ import pytest
 
 from datadist import LLMStatusCode as S
 from harness import Desc, Peer, Ref, base_config, blocks_key, expect_blocks, key_config, wait_until
-from netcluster import Cluster, Host
+from datadist.bench.netns import Cluster, Host
 from tls_helpers import make_pki, tls_config
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]

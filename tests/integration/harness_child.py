@@ -20,30 +20,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from harness_specs import DTYPES, Desc, Key, Ref
 
-__all__ = ["child_main", "enter_netns", "GATE_HOLD_S"]
+__all__ = ["child_main", "GATE_HOLD_S"]
 
 #: How long a :class:`_Gate` holds a layer that the test never opens.
 GATE_HOLD_S = 60.0
-
-
-#: ``CLONE_NEWNET`` of <sched.h>: the namespace type ``setns`` is asked to enter.
-_CLONE_NEWNET = 0x40000000
-
-
-def enter_netns(name: str) -> None:
-    """Move this (still single-threaded) process into network namespace ``name`` (one
-    ``ip netns add`` made), as ``ip netns exec`` would: its sockets then bind and connect
-    on that namespace's interfaces.  ``os.setns`` arrives only with Python 3.12."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into network namespace {name!r}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
 
 
 def child_main(conn: multiprocessing.connection.Connection, role: str, cluster_id: int,
@@ -52,7 +32,9 @@ def child_main(conn: multiprocessing.connection.Connection, role: str, cluster_i
     given), then serve commands until ``exit``."""
     try:
         if netns is not None:
-            enter_netns(netns)
+            from datadist.bench.netns import enter
+
+            enter(netns)
         child = _Child(conn, role, cluster_id, config)
         if init:
             child.op_init()

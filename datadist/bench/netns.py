@@ -1,4 +1,5 @@
-"""Hosts on one machine: network namespaces on a bridge of their own.
+"""Hosts on one machine: network namespaces on a bridge of their own (root, ``ip``, ``tc``
+and ``iptables``), for the cluster tests and ``python -m datadist.bench --hosts``.
 
 A :class:`Cluster` makes ``n`` hosts, each a network namespace with one veth interface
 (``eth0``, address ``10.213.0.<index + 1>/24``) whose other end is a port of the cluster's
@@ -20,6 +21,8 @@ run, from ``atexit``.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import json
 import os
 import secrets
@@ -28,9 +31,10 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
-__all__ = ["PREFIX", "RUN_DIR", "Host", "Cluster", "unavailable", "sweep_stale", "leftovers"]
+__all__ = ["PREFIX", "RUN_DIR", "Host", "Cluster", "unavailable", "sweep_stale", "leftovers", "enter",
+           "inside"]
 
 #: Every namespace, interface and bridge of these clusters starts with this.
 PREFIX = "ddn"
@@ -38,9 +42,44 @@ PREFIX = "ddn"
 RUN_DIR = Path("/run/datadist-netns")
 SUBNET = "10.213.0"
 _CMD_TIMEOUT_S = 20.0
+#: ``CLONE_NEWNET`` of <sched.h>: the namespace type ``setns`` is asked to enter.
+_CLONE_NEWNET = 0x40000000
 
 
-def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+def _setns(fd: int, what: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns into network namespace {what}: {os.strerror(err)}")
+
+
+def enter(netns: str) -> None:
+    """Move the calling thread into network namespace ``netns`` (one ``ip netns add``
+    made), as ``ip netns exec`` would: sockets it opens from now on, and threads it starts,
+    live there.  Called first thing in a process, this moves the whole process.
+    (``os.setns`` arrives only with Python 3.12.)"""
+    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _setns(fd, repr(netns))
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def inside(netns: str) -> Iterator[None]:
+    """The calling thread in ``netns`` for the block, back in its own namespace after it."""
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        enter(netns)
+        try:
+            yield
+        finally:
+            _setns(own, "of this thread")
+    finally:
+        os.close(own)
+
+
+def _run(*argv: str, check: bool = True) -> "subprocess.CompletedProcess[str]":
     done = subprocess.run(list(argv), capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
     if check and done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
@@ -151,7 +190,7 @@ class Host:
         """``argv`` run inside this host."""
         return ["ip", "netns", "exec", self.netns, *argv]
 
-    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    def run(self, *argv: str, check: bool = True) -> "subprocess.CompletedProcess[str]":
         """Run a short command inside this host."""
         return _run(*self.argv(*argv), check=check)
 
