@@ -555,7 +555,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.hosts:
         from .hosts import main_hosts
 
-        return main_hosts(ap, args, [w for w in workloads if w != "plan"])
+        return main_hosts(ap, args, [w for w in workloads if w != "plan"], run,
+                          {w for w, spec in WORKLOADS.items() if spec.layerwise})
     rows: List[Row] = []
     if not args.json:
         print(f"{'workload':14s} {'transport':9s} {'GB/s':>8s} {'batch ms':>9s} {'p50 us':>9s} {'p99 us':>9s} "

@@ -18,7 +18,8 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from multiprocessing import resource_tracker
+from typing import Any, Callable, Dict, List, Set
 
 from .netns import Cluster, Host, inside, sweep_stale, unavailable
 
@@ -85,17 +86,18 @@ def raw_tcp_gbit(sender: Host, receiver: Host, nbytes: int) -> float:
     return float(nbytes * 8 / out["s"] / 1e9)
 
 
-def run_on_hosts(workload: str, rate: str, *, rounds: Optional[int] = None, requests: Optional[int] = None,
-                 layers: Optional[int] = None) -> Dict[str, Any]:
-    """One workload over ``tcp`` between two hosts shaped to ``rate``, with the raw stream;
-    returns the row (RuntimeError where hosts cannot be made here, naming why)."""
-    from .core import run
-
+def run_on_hosts(run: Callable[..., Dict[str, Any]], workload: str, rate: str, **shape: Any) -> Dict[str, Any]:
+    """One workload over ``tcp`` between two hosts shaped to ``rate`` (``run``: the bench's
+    run of one workload, :func:`.core.run`), with the raw stream; returns the row
+    (RuntimeError where hosts cannot be made here, naming why)."""
     bits = rate_bits(rate)
     why = unavailable()
     if why is not None:
         raise RuntimeError(f"--hosts: {why}")
     sweep_stale()
+    # multiprocessing's resource tracker starts with the first spawned process; started
+    # from inside a host it would live there, and die with the host at the end.
+    resource_tracker.ensure_running()
     cluster = Cluster(2)
     # Both engines (the decoder inherits the environment) link with a secret, as engines on
     # separate hosts should.
@@ -106,8 +108,7 @@ def run_on_hosts(workload: str, rate: str, *, rounds: Optional[int] = None, requ
             host.shape(rate)
         prompt, decoder = cluster.hosts
         with inside(prompt.netns):
-            row = run(workload, "tcp", rounds=rounds, requests=requests, layers=layers,
-                      hosts=(prompt.address, decoder.netns))
+            row = run(workload, "tcp", hosts=(prompt.address, decoder.netns), **shape)
         raw = raw_tcp_gbit(prompt, decoder, max(16 << 20, int(bits / 8 * _RAW_S)))
     finally:
         cluster.close()
@@ -122,8 +123,10 @@ def run_on_hosts(workload: str, rate: str, *, rounds: Optional[int] = None, requ
     return row
 
 
-def main_hosts(ap: argparse.ArgumentParser, args: argparse.Namespace, workloads: List[str]) -> int:
-    """``--hosts``: every workload at every rate, a row printed as it comes."""
+def main_hosts(ap: argparse.ArgumentParser, args: argparse.Namespace, workloads: List[str],
+               run: Callable[..., Dict[str, Any]], layerwise: Set[str]) -> int:
+    """``--hosts``: every workload at every rate, a row printed as it comes (``layerwise``:
+    the workloads ``--requests`` and ``--layers`` apply to)."""
     if args.transport and set(args.transport) != {"tcp"}:
         ap.error("--hosts runs over tcp only (the hosts share no memory)")
     if args.device != "cpu":
@@ -135,12 +138,10 @@ def main_hosts(ap: argparse.ArgumentParser, args: argparse.Namespace, workloads:
             ap.error(str(exc))
     if not args.json:
         _header()
-    from .core import WORKLOADS
-
     for rate in args.hosts:
         for wl in workloads:
-            shape = {"requests": args.requests, "layers": args.layers} if WORKLOADS[wl].layerwise else {}
-            row = run_on_hosts(wl, rate, rounds=args.rounds, **shape)
+            shape = {"requests": args.requests, "layers": args.layers} if wl in layerwise else {}
+            row = run_on_hosts(run, wl, rate, rounds=args.rounds, **shape)
             print(json.dumps(row) if args.json else _line(row), flush=True)
     return 0
 

@@ -198,23 +198,28 @@ def test_partition_fails_within_the_timeout_and_relinks_after_it_heals(engines: 
 
 def test_one_percent_loss_completes_slower(engines: XPyD) -> None:
     """1 % of the packets to and from prompt1's host (a 1 Gbit/s link) dropped at random:
-    pulls of 16 MiB still complete with every byte right; the time, against the same pull
-    without loss, is printed as the figure for the docs."""
+    pulls of 16 MiB still complete with every byte right; the time (median of 3), against
+    the same pull without loss, is printed as the figure for the docs."""
     t = engines
     dec, prompt = t.decoders[1], t.prompts[1]
     data = _caches(t, BIG, seed=300)
     t.host(prompt).shape("1gbit")
     blocks = list(range(64))
     times = {}
+    assert _pull(dec, prompt, blocks, blocks)[0] is None  # the first pull maps the pages: not timed
     for loss in (0.0, 0.01):
         t.host(prompt).lose(loss)
         dec.write("kv", data[dec.name])
-        code, times[loss] = _pull(dec, prompt, blocks, blocks)
-        assert code is None, f"a 16 MiB pull with {loss:.0%} packet loss failed with status {code}"
+        runs = []
+        for _ in range(3):
+            code, took = _pull(dec, prompt, blocks, blocks)
+            assert code is None, f"a 16 MiB pull with {loss:.0%} packet loss failed with status {code}"
+            runs.append(took)
+        times[loss] = sorted(runs)[1]
         assert np.array_equal(dec.read("kv"), data[prompt.name]), f"wrong bytes arrived with {loss:.0%} loss"
     t.host(prompt).lose(0.0)
     t.host(prompt).unshape()
-    print(f"\n16 MiB pull_blocks over TLS through 1 Gbit/s: {times[0.0]:.3f} s without loss, "
+    print(f"\n16 MiB pull_blocks over TLS through 1 Gbit/s (median of 3): {times[0.0]:.3f} s without loss, "
           f"{times[0.01]:.3f} s with 1 % loss")
 
 
