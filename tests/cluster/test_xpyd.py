@@ -196,7 +196,7 @@ def test_partition_fails_within_the_timeout_and_relinks_after_it_heals(engines: 
     assert np.array_equal(dec.read("kv"), want), "wrong bytes after the partition healed"
 
 
-def test_one_percent_loss_completes_slower(engines: XPyD) -> None:
+def test_one_percent_loss_completes_with_every_byte(engines: XPyD) -> None:
     """1 % of the packets to and from prompt1's host (a 1 Gbit/s link) dropped at random:
     pulls of 16 MiB still complete with every byte right; the time (median of 3), against
     the same pull without loss, is printed as the figure for the docs."""
