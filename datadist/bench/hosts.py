@@ -5,9 +5,10 @@ The hosts are two network namespaces on a bridge of their own (:mod:`.netns`; ne
 ``ip``, ``tc`` and ``iptables``), each link shaped to ``RATE`` with ``tbf`` in both
 directions, as a NIC of that speed.  The prompt engine (this process, moved into host 0 for
 the run) pushes over ``tcp`` to the decoder process in host 1, both with a random link secret
-(``DATADIST_LINK_SECRET``), and the bytes are checked as in every run.  Each row adds the link's rate, the share of it the transfer reached, one TCP
-stream's rate over the same link (a plain ``sendall`` loop: what the link gives one
-connection), and for the layer-wise kv-7b the rate's lower bound on the batch's time.
+(``DATADIST_LINK_SECRET``), and the bytes are checked as in every run.  Each row adds the
+link's rate, the share of it the transfer reached, one TCP stream's rate over the same link
+(a plain ``sendall`` loop: what the link gives one connection), and the rate's lower bound
+on the batch's time (``bound_ms``).
 """
 from __future__ import annotations
 
@@ -21,28 +22,14 @@ import time
 from multiprocessing import resource_tracker
 from typing import Any, Callable, Dict, List, Set
 
-from .netns import Cluster, Host, inside, sweep_stale, unavailable
+from .netns import Cluster, Host, inside, rate_bits, sweep_stale, unavailable
 
-__all__ = ["rate_bits", "raw_tcp_gbit", "run_on_hosts", "main_hosts"]
+__all__ = ["raw_tcp_gbit", "run_on_hosts", "main_hosts"]
 
 SECRET_ENV = "DATADIST_LINK_SECRET"
 _CHUNK = 4 << 20
 #: Seconds the raw stream lasts at the link's rate (long enough to leave slow start).
 _RAW_S = 1.0
-
-
-def rate_bits(rate: str) -> int:
-    """Bits per second of a ``tc`` rate (``1gbit``, ``100mbit``); ValueError naming it."""
-    units = {"gbit": 10 ** 9, "mbit": 10 ** 6, "kbit": 10 ** 3}
-    for unit, scale in units.items():
-        if rate.endswith(unit):
-            try:
-                value = float(rate[:-len(unit)])
-            except ValueError:
-                break
-            if value > 0:
-                return int(value * scale)
-    raise ValueError(f"--hosts {rate!r}: want a positive rate ending in gbit, mbit or kbit")
 
 
 def raw_tcp_gbit(sender: Host, receiver: Host, nbytes: int) -> float:
@@ -135,7 +122,7 @@ def main_hosts(ap: argparse.ArgumentParser, args: argparse.Namespace, workloads:
         try:
             rate_bits(rate)
         except ValueError as exc:
-            ap.error(str(exc))
+            ap.error(f"--hosts: {exc}")
     if not args.json:
         _header()
     for rate in args.hosts:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
 
 __all__ = ["PREFIX", "RUN_DIR", "Host", "Cluster", "unavailable", "sweep_stale", "leftovers", "enter",
-           "inside"]
+           "inside", "rate_bits"]
 
 #: Every namespace, interface and bridge of these clusters starts with this.
 PREFIX = "ddn"
@@ -122,6 +122,20 @@ def leftovers(run: str = "") -> List[str]:
     return sorted(n for n in _names("netns") + _names("link") if n.startswith(mine))
 
 
+def rate_bits(rate: str) -> int:
+    """Bits per second of a ``tc`` rate (``1gbit``, ``100mbit``); ValueError naming it."""
+    units = {"gbit": 10 ** 9, "mbit": 10 ** 6, "kbit": 10 ** 3}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            try:
+                value = float(rate[:-len(unit)])
+            except ValueError:
+                break
+            if value > 0:
+                return int(value * scale)
+    raise ValueError(f"rate {rate!r}: want a positive number followed by gbit, mbit or kbit")
+
+
 def _pids(netns: str) -> List[int]:
     out = _run("ip", "netns", "pids", netns, check=False).stdout.split()
     return [int(p) for p in out if p.isdigit()]
@@ -205,7 +219,7 @@ class Host:
 
     def shape(self, rate: str) -> None:
         """Limit this host's link to ``rate`` (a ``tc`` rate: ``1gbit``) in both directions."""
-        bits = _rate_bits(rate)
+        bits = rate_bits(rate)
         # A bucket of 2 ms at the rate (at least 64 KiB so a GSO packet fits) and a queue of
         # 20 ms: TCP sees a link of that speed with a modest buffer, as a NIC would give it.
         burst = max(64 * 1024, bits // 8 // 500)
@@ -251,14 +265,6 @@ class Host:
             except ProcessLookupError:
                 pass
         return t_dead
-
-
-def _rate_bits(rate: str) -> int:
-    units = {"gbit": 10 ** 9, "mbit": 10 ** 6, "kbit": 10 ** 3, "bit": 1}
-    for unit, scale in units.items():
-        if rate.endswith(unit):
-            return int(float(rate[:-len(unit)]) * scale)
-    raise ValueError(f"rate {rate!r}: want a number followed by gbit, mbit or kbit")
 
 
 class Cluster:

@@ -4,7 +4,8 @@ client process on each node host (pool_client.py).
 
 A value saved on node A loads on node B through the cluster; a Redis master that dies turns
 loads of what is gone into misses (never wrong bytes; at most the first load meets the
-dead node's timeouts) while values in a node's memory still hit; a node's ems-server that is killed and started again is found again by its client.
+dead node's timeouts) while values in a node's memory still hit; a node's ems-server that
+is killed and started again is found again by its client.
 """
 from __future__ import annotations
 
