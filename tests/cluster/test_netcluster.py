@@ -3,6 +3,7 @@ partitions act on the link, and nothing a run made (namespaces, interfaces, proc
 survives it, even when its owner is killed."""
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,3 +83,17 @@ def test_a_killed_run_is_swept(netns_ok: None) -> None:
     owner.wait(10)
     assert run in sweep_stale(), "the sweep did not see the dead owner's run"
     assert leftovers(run) == [], f"the sweep left: {leftovers(run)}"
+
+
+def test_without_root_the_reason_is_given() -> None:
+    """Where namespaces cannot be made (here: an unprivileged user), the cluster tests skip
+    with the reason :func:`unavailable` gives."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux) to run as another user")
+    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                           "from datadist.bench.netns import unavailable; print(unavailable())"],
+                          capture_output=True, text=True, timeout=60, env=ENV)
+    if done.returncode != 0 and "setpriv" in done.stderr:
+        pytest.skip(f"cannot drop privileges here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    assert "need root" in done.stdout, done.stdout
