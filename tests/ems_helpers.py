@@ -67,8 +67,11 @@ class EmsDaemon:
 
     def __init__(self, directory: Path, capacity: str = "64M", disk_dir: Optional[Path] = None,
                  disk_capacity: str = "256M", remote: Optional[str] = None,
-                 credentials: Optional[Path] = None, tcp: bool = False, extra: List[str] = ()) -> None:
+                 credentials: Optional[Path] = None, tcp: bool = False, extra: List[str] = (),
+                 launcher: List[str] = ()) -> None:
         self.dir = str(directory)
+        #: What the daemon's command line is run through (``ip netns exec NS``: another host).
+        self.launcher = list(launcher)
         self.args = ["--dir", self.dir, "--capacity", capacity, "--log-level", "WARNING"]
         if disk_dir is not None:
             self.args += ["--disk-dir", str(disk_dir), "--disk-capacity", disk_capacity]
@@ -90,7 +93,7 @@ class EmsDaemon:
         self.killed = False
         r, w = os.pipe()
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ems.server", "serve", *self.args,
+            self.proc = subprocess.Popen([*self.launcher, sys.executable, "-m", "ems.server", "serve", *self.args,
                                           "--ready-fd", str(w)], pass_fds=(w,), env=ENV,
                                          stdout=log, stderr=log)
         os.close(w)

@@ -173,8 +173,14 @@ def _pool_bytes(w: Workload) -> int:
     return w.block_bytes * w.cache_blocks * w.num_tensors + (1 << 20)
 
 
-def _decoder(conn: Connection, w: Workload, transport: str, port: int, device: str) -> None:
-    """Child: own the destination cache, link to the prompt, report digests on request."""
+def _decoder(conn: Connection, w: Workload, transport: str, port: int, device: str,
+             prompt_ip: str = "127.0.0.1", netns: Optional[str] = None) -> None:
+    """Child: own the destination cache, link to the prompt at ``prompt_ip`` (from network
+    namespace ``netns`` when given: another host), report digests on request."""
+    if netns is not None:
+        from .netns import enter
+
+        enter(netns)
     from datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole
 
     engine = LLMDataDist(LLMRole.DECODER, 2)
@@ -183,7 +189,7 @@ def _decoder(conn: Connection, w: Workload, transport: str, port: int, device: s
         cache = engine.cache_manager.allocate_blocks_cache(_desc(w, device), BlocksCacheKey(2, 0))
         info = LLMClusterInfo()
         info.remote_cluster_id = 1
-        info.append_remote_ip_info("127.0.0.1", port)
+        info.append_remote_ip_info(prompt_ip, port)
         ret, _ = engine.link_clusters([info], timeout=10000)
         conn.send(("linked", int(ret)))
         if conn.poll(600) and conn.recv() == "digest":
@@ -243,10 +249,11 @@ def _torch_copy(w: Workload, src_blocks: List[int], dst_blocks: List[int]) -> fl
 class _Decoder:
     """The spawned DECODER process of a run (:func:`_decoder`) and the pipe to it."""
 
-    def __init__(self, w: Workload, transport: str, port: Optional[int], device: str) -> None:
+    def __init__(self, w: Workload, transport: str, port: Optional[int], device: str,
+                 hosts: Optional[Tuple[str, str]] = None) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_decoder, args=(child_conn, w, transport, port, device))
+        self.process = ctx.Process(target=_decoder, args=(child_conn, w, transport, port, device, *(hosts or ())))
 
     def link(self) -> None:
         """Start the process and wait until it has linked to this one."""
@@ -401,11 +408,14 @@ def _result(w: Workload, transport: str, device: str, batches: List[float], call
 
 
 def run(workload: str, transport: str, device: str = "cpu", *, rounds: Optional[int] = None,
-        requests: Optional[int] = None, layers: Optional[int] = None) -> Row:
+        requests: Optional[int] = None, layers: Optional[int] = None,
+        hosts: Optional[Tuple[str, str]] = None) -> Row:
     """Run one workload over one transport; returns the result row (raises on bad data).
 
     ``rounds``, ``requests`` and ``layers`` resize it (:func:`sized`).  Over ``local`` a
-    batch is one ``swap_blocks`` of all its blocks (it takes no layer range)."""
+    batch is one ``swap_blocks`` of all its blocks (it takes no layer range).  ``hosts``
+    (this process's address, the decoder's network namespace) puts the decoder on another
+    host: this process listens on that address (see :mod:`.hosts`)."""
     from datadist import LLMDataDist, LLMRole
 
     w = sized(workload, rounds, requests, layers)
@@ -415,14 +425,14 @@ def run(workload: str, transport: str, device: str = "cpu", *, rounds: Optional[
     decoder: Optional[_Decoder] = None
     try:
         engine.init(_config(transport, _pool_bytes(w) * (2 if local else 1),
-                            listen=None if local else "127.0.0.1:0", device=device))
+                            listen=None if local else f"{hosts[0] if hosts else '127.0.0.1'}:0", device=device))
         cm = engine.cache_manager
         src = _filled_source(cm, w, device)
         if local:
             dst = cm.allocate_blocks_cache(_desc(w, device))
             batches = calls = _timed(partial(cm.swap_blocks, src, dst, dict(zip(src_blocks, dst_blocks))), w.rounds)
         else:
-            decoder = _Decoder(w, transport, engine.listen_port, device)
+            decoder = _Decoder(w, transport, engine.listen_port, device, hosts)
             decoder.link()
             if w.layerwise:
                 batches, calls = _layerwise_timed(cm, src, w, src_blocks, dst_blocks)
@@ -459,6 +469,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=_positive, metavar="N",
                     help="kv-7b: requests pushing at once (default 8; at most 8 fit its caches)")
     ap.add_argument("--layers", type=_positive, metavar="N", help="kv-7b: layers of the model (default 32)")
+    ap.add_argument("--hosts", action="append", metavar="RATE",
+                    help="run over tcp between two hosts (network namespaces, root) whose links run at RATE "
+                         "(1gbit, 10gbit), next to one raw TCP stream; repeat for several rates")
     return ap
 
 
@@ -539,6 +552,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     _apply(ap, args)
     workloads, transports = _selection(ap, args)
+    if args.hosts:
+        from .hosts import main_hosts
+
+        return main_hosts(ap, args, [w for w in workloads if w != "plan"], run,
+                          {w for w, spec in WORKLOADS.items() if spec.layerwise})
     rows: List[Row] = []
     if not args.json:
         print(f"{'workload':14s} {'transport':9s} {'GB/s':>8s} {'batch ms':>9s} {'p50 us':>9s} {'p99 us':>9s} "

@@ -210,6 +210,9 @@ class Link(PeerLookups):
         broken either way (the stream can no longer be trusted)."""
         if isinstance(exc, (TimeoutError, socket.timeout)):
             self.mark_broken("sync_kv_timeout passed mid-request")
+            # End the stream for the peer too: a peer that was only slow (stopped, swapped
+            # out) would otherwise go on using its end and never learn to link again.
+            self._shutdown()
             fail(Fault.TIMEOUT,
                         f"request to cluster {self.remote_cluster_id} did not finish within sync_kv_timeout "
                         f"({self.timeout_ms} ms); the link is marked broken")

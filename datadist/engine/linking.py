@@ -152,9 +152,15 @@ class Linker:
                                  message=f"no cluster {msg.remote_cluster_id} at this address")
         with self.engine.links_lock:
             old = self.engine.links.get((msg.cluster_id, False))
-            if old is not None and old.broken is None:
+            if old is not None and old.broken is None and old.peer_pid != msg.pid:
                 return wire.HelloAck(status=int(Fault.ALREADY_LINKED),
                                      message=f"cluster {msg.cluster_id} is already linked here")
+        if old is not None and old.broken is None:
+            # The same process links again, which a client does only once its own end is
+            # broken (a deadline passed mid-transfer): the end of stream never reached this
+            # end (a partition swallowed it), so the old link is dead, and install() below
+            # replaces it.  Refusing would keep the client out until TCP gave up.
+            old.mark_broken("the peer linked again; its end of this link is gone")
         fields = self._hello_fields()
         try:
             transport, epoch_addr = self._transport_to(msg)

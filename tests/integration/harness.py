@@ -165,19 +165,21 @@ class Peer:
     """One engine process driven over a Pipe.
 
     ``config`` holds ``LLMConfig`` property values; with ``init=True`` the child creates
-    ``LLMDataDist(role, cluster_id)`` and initializes it before it reports ready.
+    ``LLMDataDist(role, cluster_id)`` and initializes it before it reports ready.  With
+    ``netns`` the child runs in that network namespace, where peers reach it at ``address``.
     """
 
     def __init__(self, name: str, role: str, cluster_id: int, config: Dict[str, Any], *,
-                 init: bool = True) -> None:
+                 init: bool = True, netns: Optional[str] = None, address: str = "127.0.0.1") -> None:
         self.name = name
         self.role = role
         self.cluster_id = cluster_id
         self.config = dict(config)
+        self.address = address
         self._conn, child_conn = _CTX.Pipe()
         self.process = _CTX.Process(
             target=child_main, name=f"datadist-{name}",
-            args=(child_conn, role, cluster_id, self.config, init), daemon=True)
+            args=(child_conn, role, cluster_id, self.config, init, netns), daemon=True)
         self.process.start()
         child_conn.close()
         self._ready = False
@@ -290,7 +292,7 @@ class Peer:
              expect_ok: bool = True) -> Tuple[int, List[int]]:
         """``link_clusters`` from this peer (the client) to ``remote`` (the server)."""
         port = port if port is not None else remote.listen_port
-        ret, rets = self.call("link", [(remote.cluster_id, "127.0.0.1", port)], timeout_ms,
+        ret, rets = self.call("link", [(remote.cluster_id, remote.address, port)], timeout_ms,
                               timeout=timeout_ms / 1000 + CALL_TIMEOUT_S)
         if expect_ok:
             assert ret == 0 and rets == [0], f"link {self.name} -> {remote.name}: {ret} {rets}"

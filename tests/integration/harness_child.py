@@ -27,9 +27,14 @@ GATE_HOLD_S = 60.0
 
 
 def child_main(conn: multiprocessing.connection.Connection, role: str, cluster_id: int,
-               config: Dict[str, Any], init: bool) -> None:
-    """Entry point of an engine process: set up, then serve commands until ``exit``."""
+               config: Dict[str, Any], init: bool, netns: Optional[str] = None) -> None:
+    """Entry point of an engine process: set up (inside network namespace ``netns`` when
+    given), then serve commands until ``exit``."""
     try:
+        if netns is not None:
+            from datadist.bench.netns import enter
+
+            enter(netns)
         child = _Child(conn, role, cluster_id, config)
         if init:
             child.op_init()

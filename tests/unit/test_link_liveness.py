@@ -43,3 +43,18 @@ def test_ended_stream_breaks_the_link(how: str) -> None:
         assert caught.value.fault == Fault.LINK_FAILED
         assert lost == [(7, "peer process exited")]
         there.close()
+
+
+def test_deadline_mid_request_ends_the_stream_for_the_peer() -> None:
+    """A request whose deadline passed breaks the link, and the peer reads the end of the
+    stream: a peer that was only slow learns that its end is broken too."""
+    here, there = socket.socketpair()
+    with here, there:
+        lost: list = []
+        link = _link(here, lost)
+        with pytest.raises(EngineError) as caught:
+            link._fail(TimeoutError("timed out"))
+        assert caught.value.fault == Fault.TIMEOUT
+        assert lost == [(7, "sync_kv_timeout passed mid-request")]
+        there.settimeout(5)
+        assert there.recv(1) == b"", "the peer did not see the stream end"

@@ -8,6 +8,10 @@ small header (magic, size, checksum) followed by its bytes.
 
 Faults (connection refused, timeouts, cluster moves that fail) read as misses and failed
 stores; they are counted, logged once per kind, and never reach a client as an error.
+After a fault the tier is **down** for :data:`DOWN_S`: reads miss and stores fail at once,
+without asking Redis, so a node that went silent (a dead host: every request waits for the
+socket timeout, and a Cluster client retries) costs one timeout per window, not one per
+request; the first request after the window tries Redis again.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import hashlib
 import logging
 import struct
 import threading
+import time
 from typing import Any, Dict, List, Optional, Sequence, cast
 from urllib.parse import urlparse, urlunparse
 
@@ -23,6 +28,9 @@ from .base import Sink, Tier
 __all__ = ["RedisTier", "redis_key"]
 
 log = logging.getLogger("ems.server.remote")
+
+#: Seconds the tier is skipped after a fault.
+DOWN_S = 5.0
 
 _HEAD = struct.Struct("!8sQQ")
 _MAGIC = b"EMSRED01"
@@ -46,11 +54,15 @@ class RedisTier(Tier):
         self.url = url
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
-        self.counters = {"stored": 0, "loaded": 0, "corrupt": 0, "errors": 0}
+        self.counters = {"stored": 0, "loaded": 0, "corrupt": 0, "errors": 0, "skipped": 0}
         self._warned: set[str] = set()
+        self._down_until = 0.0
 
     @classmethod
-    def from_url(cls, url: str, timeout_s: float = 5.0) -> "RedisTier":
+    def from_url(cls, url: str, timeout_s: float = 2.0, connect_timeout_s: float = 1.0) -> "RedisTier":
+        """The tier at ``url``.  The timeouts stay well under a client call's default
+        deadline (5 s), Cluster retries included, so a dead node reads as a miss within
+        the call rather than as the call's timeout."""
         try:
             import redis
         except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -62,23 +74,39 @@ class RedisTier(Tier):
         plain = urlunparse(parsed._replace(scheme=base))
         client: redis.Redis | redis.RedisCluster
         if cluster:
+            from redis.backoff import NoBackoff
             from redis.cluster import RedisCluster
+            from redis.retry import Retry
+
+            # One retry (after the client re-reads the slot map: a failover moved them),
+            # not redis-py's ten, each waiting out the timeouts on a dead node.
             client = RedisCluster.from_url(plain, socket_timeout=timeout_s,
-                                           socket_connect_timeout=timeout_s)
+                                           socket_connect_timeout=connect_timeout_s, retry=Retry(NoBackoff(), 1))
         else:
             client = redis.Redis.from_url(plain, socket_timeout=timeout_s,
-                                          socket_connect_timeout=timeout_s)
+                                          socket_connect_timeout=connect_timeout_s)
         return cls(client, url)
+
+    def _down(self) -> bool:
+        """Whether a recent fault marks the tier down (the call is then skipped, counted)."""
+        with self._lock:
+            if time.monotonic() >= self._down_until:
+                return False
+            self.counters["skipped"] += 1
+            return True
 
     def _fault(self, what: str, exc: BaseException) -> None:
         with self._lock:
             self.counters["errors"] += 1
+            self._down_until = time.monotonic() + DOWN_S
             kind = type(exc).__name__
             if kind not in self._warned:
                 self._warned.add(kind)
                 log.warning("remote tier %s: %s failed: %s", self.url, what, exc)
 
     def store(self, ns: str, key: str, data: memoryview, checksum: int) -> bool:
+        if self._down():
+            return False
         buf = bytearray(_HEAD.size + len(data))
         _HEAD.pack_into(buf, 0, _MAGIC, len(data), checksum)
         buf[_HEAD.size:] = data
@@ -95,6 +123,8 @@ class RedisTier(Tier):
     def exists(self, ns: str, keys: Sequence[str]) -> List[bool]:
         if not keys:
             return []
+        if self._down():
+            return [False] * len(keys)
         try:
             pipe = self._client.pipeline(transaction=False)
             for k in keys:
@@ -105,6 +135,8 @@ class RedisTier(Tier):
             return [False] * len(keys)
 
     def load(self, ns: str, key: str, sink: Sink) -> Optional[int]:
+        if self._down():
+            return None
         try:
             raw = self._client.get(redis_key(ns, key))
         except Exception as exc:  # a fault reads as a miss
