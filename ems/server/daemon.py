@@ -36,22 +36,18 @@ from ..pool import payload, wire
 from ..pool.wire import (Abort, Ack, Challenge, Commit, CommitReply, Drop, Error, Exists, ExistsReply, Get,
                          GetReply, Hello, HelloReply, Ping, Pong, Read, ReadReply, Release, Reserve,
                          ReserveReply, Shutdown, Stats, StatsReply, Write)
-from datadist.engine.auth import Secret, load_secret
 from datadist.engine.checksum import StreamSum
 from datadist.engine.codec import HEADER_SIZE
 from datadist.engine import tls
 from datadist.engine.handshake import REFUSAL, ServerAuth
 from datadist.engine.incoming import RateLimitedLog
-from datadist.engine.tls import TlsConfig
-from datadist.engine.tls import from_settings as tls_from_settings
 
-from ..config import ENV_TLS_FILES
-
+from .access import access_of
 from .config import DEFAULT_DIR, ServerConfig
 from .dispatch import Dispatcher
 from .metrics import Endpoint, ServerMetrics, serve_metrics
 from .store import Owner, Store, TenantSpace
-from .tenants import AuthError, Tenants
+from .tenants import AuthError
 from .tiers import make_tier
 from .tiers.disk import DiskTier
 
@@ -76,21 +72,7 @@ class Daemon:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
         self.instance = secrets.token_hex(8)
-        try:
-            self.tenants = Tenants.from_file(cfg.credentials)
-        except OSError as exc:
-            raise ValueError(f"--credentials {cfg.credentials}: {exc.strerror}") from None
-        except ValueError as exc:
-            raise ValueError(f"--credentials: {exc}") from None
-        try:
-            self.secret: Optional[Secret] = load_secret(None, cfg.secret_file) if cfg.secret_file else None
-        except ValueError as exc:
-            raise ValueError(f"--secret-file: {exc}") from None
-        try:
-            self.tls: Optional[TlsConfig] = tls_from_settings(
-                list(zip(("--tls-cert-file", "--tls-key-file", "--tls-ca-file"), cfg.tls_files)), ENV_TLS_FILES)
-        except ValueError as exc:
-            raise ValueError(f"TLS: {exc}") from None
+        self.tenants, self.secret, self.tls = access_of(cfg)
         self.socket_path = os.path.join(cfg.directory, SOCKET_NAME)
         self.stopped = threading.Event()
         self.started_at = time.time()
