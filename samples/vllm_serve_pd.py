@@ -55,18 +55,19 @@ def kv_config(connector: str, role: str, extra: Optional[dict] = None, policy: s
 
 def pd_servers(model: str, work: str, python: str, connector: str, pool: Optional[str] = None, *,
                policy: str = "fail", prefill_extra: Optional[dict] = None, decode_extra: Optional[dict] = None,
-               decode_prefix_caching: bool = False) -> tuple[Server, Server]:
+               decode_prefix_caching: bool = False, **server_args: Any) -> tuple[Server, Server]:
     """A prefill and a decode server with ``connector`` (started, not yet ready); logs in
-    ``work`` as ``<connector>-prefill.log`` and ``<connector>-decode.log``."""
+    ``work`` as ``<connector>-prefill.log`` and ``<connector>-decode.log``; ``server_args``
+    go to both :class:`Server`."""
     logs = f"{work}/{connector}-prefill.log", f"{work}/{connector}-decode.log"
     if connector == "ems":
         both = kv_config("ems", "kv_both", {"server": pool}, policy)
-        return (Server(model, logs[0], python=python, kv=both, prefix_caching=True),
-                Server(model, logs[1], python=python, kv=both, prefix_caching=True))
+        return (Server(model, logs[0], python=python, kv=both, prefix_caching=True, **server_args),
+                Server(model, logs[1], python=python, kv=both, prefix_caching=True, **server_args))
     producer = kv_config("datadist", "kv_producer", {"host": "127.0.0.1", **(prefill_extra or {})}, policy)
     consumer = kv_config("datadist", "kv_consumer", decode_extra, policy)
-    return (Server(model, logs[0], python=python, kv=producer),
-            Server(model, logs[1], python=python, kv=consumer, prefix_caching=decode_prefix_caching))
+    return (Server(model, logs[0], python=python, kv=producer, **server_args),
+            Server(model, logs[1], python=python, kv=consumer, prefix_caching=decode_prefix_caching, **server_args))
 
 
 def agreement(proxy_url: str, plain_url: str, model: str, batch: Sequence[List[int]]) -> Dict[str, Any]:
