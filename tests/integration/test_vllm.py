@@ -49,12 +49,15 @@ def test_pd_tokens_match_a_plain_instance() -> None:
 def test_dead_prefill_fails_only_its_request() -> None:
     """The prefill instance is killed after it answered: the decode instance fails that
     request (vLLM's finish reason ``error``) within its link timeout and serves the
-    request batched with it, and the next one, with the same tokens as before."""
+    request batched with it, and the next one, with the same tokens as before; later
+    requests (the failed prompt among them, the decode instance's prefix cache on) get the
+    tokens the prefill instance computed for them."""
     report = _run([str(Path(__file__).parent / "vllm_scenarios.py"), "prefill_dies"], 580)
     assert report["failed_finish_reason"] == "error", report
     assert report["other_finish_reason"] == "length", report
     assert report["other_tokens"] == report["before"] == report["after"], report
     assert report["seconds"] < 30, report
+    assert report["later_match"] == [True] * 4, report
 
 
 @pytest.mark.timeout(900)
