@@ -100,6 +100,26 @@ def test_pd_through_the_proxy_matches_the_plain_server(cluster: Cluster) -> None
     assert transferred_tokens(cluster.decode.metrics()) - before >= sum(report["prompts"]), report
 
 
+def test_concurrent_requests_pull_in_parallel(cluster: Cluster) -> None:
+    """Eight clients at once through the proxy (pulls overlap on the decode server, up to
+    its ``max_concurrent_pulls``): every answer has the plain server's tokens."""
+    batch = prompts((40, 90, 130, 170, 210, 250, 290, 330), vocab=503)
+    answers: Dict[int, dict] = {}
+
+    def client(i: int) -> None:
+        answers[i] = complete(cluster.proxy.url, cluster.model, batch[i], MAX_TOKENS, stream=bool(i % 2))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(batch))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "a client got no answer within 300 s"
+    for i, p in enumerate(batch):
+        want = complete(cluster.plain.url, cluster.model, p, MAX_TOKENS)["tokens"]
+        assert answers[i]["tokens"] == want, (len(p), answers[i], want)
+
+
 def test_local_prefix_hit_clips_the_pull(cluster: Cluster) -> None:
     """The decode server's own prefix cache holds the first 6 blocks of a prompt it
     served: a longer prompt with that prefix pulls only the blocks after them (vLLM counts
@@ -158,6 +178,35 @@ def test_ems_servers_share_the_pool_through_the_proxy(cluster: Cluster) -> None:
     assert transferred_tokens(cluster.ems_b.metrics()) > before, report
 
 
+def _prefill(cluster: Cluster, prompt: list) -> dict:
+    """Send ``prompt`` to the prefill server as the proxy does; its ``kv_transfer_params``."""
+    status, body = request(cluster.prefill.url, "POST", "/v1/completions",
+                           {"model": cluster.model, "prompt": prompt, "max_tokens": 1,
+                            "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200, body[-2000:]
+    return dict(json.loads(body)["kv_transfer_params"])
+
+
+def test_unequal_block_size_is_refused_not_scrambled(cluster: Cluster) -> None:
+    """Blocks handed over by a prefill instance of another block size (16 tokens, this
+    decode server's are 32) are not loaded: the decode server refuses the load, counts a
+    failed transfer, recomputes the prompt (its policy) with the plain server's tokens,
+    and tells the prefill server, which frees the blocks at once."""
+    prompt = prompts((140,), vocab=463)[0]
+    params = {**_prefill(cluster, prompt), "remote_block_size": 16}
+    failed = connector_metrics(cluster.decode.metrics(), "vllm:datadist_")["vllm:datadist_num_failed_transfers_total"]
+    got = complete(cluster.decode.url, cluster.model, prompt, MAX_TOKENS, kv_transfer_params=params)
+    want = complete(cluster.plain.url, cluster.model, prompt, MAX_TOKENS)
+    assert got["status"] == 200 and got["tokens"] == want["tokens"], (got, want)
+    found = connector_metrics(cluster.decode.metrics(), "vllm:datadist_")
+    assert found["vllm:datadist_num_failed_transfers_total"] == failed + 1, found
+    expired = connector_metrics(cluster.prefill.metrics(), "vllm:datadist_").get(
+        "vllm:datadist_num_kv_expired_reqs_total", 0.0)
+    _poll(lambda: sum(metric_values(cluster.prefill.metrics(), "vllm:kv_cache_usage_perc").values()) == 0, LEASE_S)
+    assert connector_metrics(cluster.prefill.metrics(), "vllm:datadist_").get(
+        "vllm:datadist_num_kv_expired_reqs_total", 0.0) == expired  # freed by the notice, not the lease
+
+
 def test_lease_frees_blocks_nobody_pulls(cluster: Cluster) -> None:
     """A prefill answered with blocks held for a decode instance that never comes (a
     dead decode): the prefill server frees them when their 6 s lease runs out, within two
@@ -171,10 +220,7 @@ def test_lease_frees_blocks_nobody_pulls(cluster: Cluster) -> None:
 
     _poll(lambda: usage() == 0, 4 * LEASE_S)  # what earlier tests' pulls held is freed
     start_count = expired()
-    status, _ = request(cluster.prefill.url, "POST", "/v1/completions",
-                        {"model": cluster.model, "prompt": prompts((300,), vocab=467)[0], "max_tokens": 1,
-                         "kv_transfer_params": {"do_remote_decode": True}})
-    assert status == 200
+    _prefill(cluster, prompts((300,), vocab=467)[0])
     assert usage() > 0  # held for the pull
     took = _poll(lambda: expired() > start_count, 2 * LEASE_S)
     assert usage() == 0
@@ -188,11 +234,7 @@ def test_killed_prefill_fails_over_to_recompute_and_leaves_nothing(cluster: Clus
     garbage if the failed pull had left them cached) and others sharing its prefix, gets
     the plain server's tokens."""
     victim = prompts((200,), vocab=461)[0]
-    status, body = request(cluster.prefill.url, "POST", "/v1/completions",
-                           {"model": cluster.model, "prompt": victim, "max_tokens": 1,
-                            "kv_transfer_params": {"do_remote_decode": True}})
-    assert status == 200
-    params = json.loads(body)["kv_transfer_params"]
+    params = _prefill(cluster, victim)
     cluster.prefill.kill()
     got = complete(cluster.decode.url, cluster.model, victim, MAX_TOKENS, kv_transfer_params=params)
     want = complete(cluster.plain.url, cluster.model, victim, MAX_TOKENS)

@@ -258,7 +258,7 @@ class DatadistWorker:
                         peer, exc)
             if peer is not None and isinstance(exc, LLMException):
                 self._forget(peer.cluster_id)
-        if peer is not None and (error is None or peer.cluster_id in self._linked):
+        if peer is not None and (error is None or job.refused or peer.cluster_id in self._linked):
             self._tell_pulled(peer, job.remote_request_id)
         with self._lock:
             self._pending.pop(req_id, None)
