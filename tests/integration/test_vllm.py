@@ -1,33 +1,19 @@
-"""The vLLM connectors in real vLLM (CPU build), each instance in processes of its own.
-
-vLLM pins its own versions of many packages, so it lives in a virtual environment of its
-own over this one's site-packages (``.ci/vllm-env`` makes ``.venv-vllm``); these tests
-run the instances with that environment's Python (or ``$DATADIST_VLLM_PYTHON``) and skip
-when there is none.  Each test reads the JSON line its script prints.
+"""The vLLM connectors in real vLLM (CPU build) through the offline ``LLM`` API, each
+instance in processes of its own, with the Python of ``vllm_env`` (skipped without one).
+Each test reads the JSON line its script prints.
 """
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import List
 
 import pytest
+from vllm_env import ROOT, vllm_python
 
-ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "samples"
-
-
-def _vllm_python() -> str:
-    for candidate in (os.environ.get("DATADIST_VLLM_PYTHON"), str(ROOT / ".venv-vllm" / "bin" / "python"),
-                      sys.executable):
-        if candidate and Path(candidate).exists():
-            probe = subprocess.run([candidate, "-c", "import vllm, datadist"], capture_output=True, timeout=120)
-            if probe.returncode == 0:
-                return candidate
-    pytest.skip("no Python with vllm installed (run .ci/vllm-env, or set DATADIST_VLLM_PYTHON)")
 
 
 pytestmark = pytest.mark.vllm
@@ -37,7 +23,7 @@ def _run(args: List[str], timeout_s: int) -> dict:
     """Run a script with vLLM's Python; its last output line is JSON."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SAMPLES), str(Path(__file__).parent)]),
            "VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = subprocess.run([_vllm_python(), *args], cwd=SAMPLES, env=env, capture_output=True, text=True,
+    done = subprocess.run([vllm_python(), *args], cwd=SAMPLES, env=env, capture_output=True, text=True,
                           timeout=timeout_s)
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines, \
@@ -63,12 +49,15 @@ def test_pd_tokens_match_a_plain_instance() -> None:
 def test_dead_prefill_fails_only_its_request() -> None:
     """The prefill instance is killed after it answered: the decode instance fails that
     request (vLLM's finish reason ``error``) within its link timeout and serves the
-    request batched with it, and the next one, with the same tokens as before."""
+    request batched with it, and the next one, with the same tokens as before; later
+    requests (the failed prompt among them, the decode instance's prefix cache on) get the
+    tokens the prefill instance computed for them."""
     report = _run([str(Path(__file__).parent / "vllm_scenarios.py"), "prefill_dies"], 580)
     assert report["failed_finish_reason"] == "error", report
     assert report["other_finish_reason"] == "length", report
     assert report["other_tokens"] == report["before"] == report["after"], report
     assert report["seconds"] < 30, report
+    assert report["later_match"] == [True] * 4, report
 
 
 @pytest.mark.timeout(900)

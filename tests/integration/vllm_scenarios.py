@@ -5,7 +5,11 @@ vLLM (see test_vllm.py): ``python vllm_scenarios.py NAME`` prints one JSON line.
   every process it started; the decode instance gets one of them with those
   ``kv_transfer_params`` and one ordinary request in the same batch.  Reports each one's
   finish reason and tokens, the tokens the ordinary request got before the kill, how
-  long the batch took, and a request served afterwards.
+  long the batch took, and a request served afterwards.  Then the decode instance (its
+  own prefix cache on) serves the failed prompt, a longer one that opens with it and two
+  others as ordinary requests; ``later_match`` says whether each got the tokens the
+  prefill instance computed for it before the kill (blocks of the failed load left in the
+  prefix cache would show here).
 """
 from __future__ import annotations
 
@@ -20,12 +24,14 @@ from vllm_pd import MODULE, decode_params, prefill_params, prompts
 
 def prefill_dies(work: str) -> dict:
     model = write_tiny_model(f"{work}/model", 512)
-    pulled, ordinary = prompts((96, 70))
-    with Instance(model, kv=connector_config("DatadistConnector", MODULE, "kv_consumer",
-                                             {"sync_kv_timeout_ms": 5000})) as decode:
+    pulled, ordinary, other = prompts((96, 70, 150))
+    later = [pulled, pulled + ordinary, other, pulled[:64]]
+    with Instance(model, prefix_caching=True,
+                  kv=connector_config("DatadistConnector", MODULE, "kv_consumer", {"sync_kv_timeout_ms": 5000})) as decode:
         before = decode.generate([ordinary], [{"max_tokens": 8}])[0].tokens
         prefill = Instance(model, kv=connector_config("DatadistConnector", MODULE, "kv_producer", {"host": "127.0.0.1"}))
         try:
+            reference = [r.tokens for r in prefill.generate(later, [{"max_tokens": 8}] * len(later))]
             handed = prefill.generate([pulled], [prefill_params()])[0]
         finally:
             prefill.kill()
@@ -34,7 +40,8 @@ def prefill_dies(work: str) -> dict:
                                         timeout_s=120)
         took = time.monotonic() - start
         after = decode.generate([ordinary], [{"max_tokens": 8}])[0].tokens
-    return {"failed_finish_reason": failed.finish_reason, "failed_tokens": failed.tokens,
+        later_tokens = [r.tokens for r in decode.generate(later, [{"max_tokens": 8}] * len(later))]
+    return {"later_match": [a == b for a, b in zip(later_tokens, reference)],"failed_finish_reason": failed.finish_reason, "failed_tokens": failed.tokens,
             "other_finish_reason": other.finish_reason, "other_tokens": other.tokens, "before": before,
             "after": after, "seconds": took}
 

@@ -2,18 +2,22 @@
 role, so each of ours holds a scheduler half or a worker half and forwards to it.
 
 A worker half provides ``register(kv_caches)``, ``finished(finished_req_ids) -> (sent,
-received, failed)``, ``take_load_errors()`` and ``close()``; a scheduler half provides
+received, failed)``, ``take_load_errors()``, ``stats`` (what it did, for vLLM's logs and
+``/metrics``; the connector class names its metrics in ``METRICS``) and ``close()``; a
+scheduler half provides ``stats`` too (vLLM adds both up), and
 ``matched_tokens(request, num_computed_tokens)`` and ``after_alloc(request, blocks,
 num_external_tokens)``.  Loads finish before their request is scheduled, so there is no
 layer-wise wait, and saves (where a connector has them) run after the forward.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Generic, Mapping, Optional, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Mapping, Optional, Protocol, TypeVar, Union
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorRole,
                                                               KVConnectorTransferResults)
+
+from .stats import ConnectorPromMetrics, ConnectorStats, MetricSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -35,6 +39,9 @@ class WorkerHalf(Protocol):
 
     def take_load_errors(self) -> set[int]: ...
 
+    @property
+    def stats(self) -> ConnectorStats: ...
+
     def close(self) -> None: ...
 
 
@@ -45,6 +52,9 @@ class SchedulerHalf(Protocol):
 
     def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None: ...
 
+    @property
+    def stats(self) -> ConnectorStats: ...
+
 
 _S = TypeVar("_S", bound=SchedulerHalf)
 _W = TypeVar("_W", bound=WorkerHalf)
@@ -53,6 +63,9 @@ _W = TypeVar("_W", bound=WorkerHalf)
 # vLLM is not installed where mypy runs (ignore_missing_imports), so its base class is Any.
 class SplitConnector(KVConnectorBase_V1, Generic[_S, _W]):  # type: ignore[misc]
     """Base of our connectors: ``_make_scheduler``/``_make_worker`` build the halves."""
+
+    #: The statistics the worker half records, and their Prometheus metrics.
+    METRICS: tuple[MetricSpec, ...] = ()
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
@@ -104,6 +117,21 @@ class SplitConnector(KVConnectorBase_V1, Generic[_S, _W]):  # type: ignore[misc]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_half.take_load_errors()
+
+    def get_kv_connector_stats(self) -> Optional[ConnectorStats]:
+        half: Optional[Union[_S, _W]] = self._worker if self._worker is not None else self._scheduler
+        return half.stats.take() if half is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> ConnectorStats:
+        return ConnectorStats(data={k: list(v) for k, v in (data or {}).items()})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Optional[ConnectorPromMetrics]:
+        if not cls.METRICS:
+            return None
+        return ConnectorPromMetrics(cls.METRICS, vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

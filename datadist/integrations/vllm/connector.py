@@ -12,17 +12,21 @@ The request protocol is NixlConnector's, so a proxy written for it works unchang
    scheduler counts the prompt as external tokens loaded asynchronously; its worker links
    to the prefill worker (once per peer), ``pull_blocks`` the prompt's blocks straight into
    vLLM's cache, then sends the prefill worker a notification over the link.
-4. The prefill worker frees the blocks on that notification, or after ``abort_timeout_s``
-   if no decode instance ever pulls them.
+4. The prefill worker frees the blocks on that notification, or when their lease runs out:
+   ``kv_lease_duration`` seconds (as NixlConnector's) after it held them, renewed by the
+   decode worker while the pull waits in its queue or runs.  A dead decode instance's
+   blocks are free within one lease; a slow one keeps them.
 
 A pull that fails reports the request's blocks through ``get_block_ids_with_load_errors``
 (vLLM then fails or recomputes the request, per ``kv_load_failure_policy``); other
-requests go on.  Pulls run on a worker thread: the engine loop never waits on a peer.
+requests go on.  Pulls run on threads of the worker (``max_concurrent_pulls`` of them):
+the engine loop never waits on a peer, and a slow or dead peer holds one thread only.
 
 Configuration (``kv_connector_extra_config``): ``host`` (address the prefill worker
 listens on and advertises; default ``$DATADIST_VLLM_HOST`` or 127.0.0.1), ``port`` (0:
 any free port; else port + tensor-parallel rank), ``transfer_backend`` (``auto``),
-``sync_kv_timeout_ms`` (10000), ``abort_timeout_s`` (480), ``link_secret_file``,
+``sync_kv_timeout_ms`` (10000), ``kv_lease_duration`` (30 s), ``max_concurrent_pulls`` (4:
+pulls in flight per worker), ``link_secret_file``,
 ``idle_wait_ms`` (10: on a step that computes nothing while blocks wait for their pull,
 the prefill worker waits this long for the decode side's notification instead of letting
 vLLM's engine loop spin; a notification ends the wait at once).
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 from .base import SplitConnector
+from .stats import DATADIST_METRICS, ConnectorStats
 from .worker import DatadistWorker, Endpoint, RecvJob, Settings
 
 if TYPE_CHECKING:
@@ -76,11 +81,25 @@ class DatadistConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     idle: bool = False
 
 
+def _positive(extra: dict[str, Any], key: str, default: float) -> float:
+    value = float(extra.get(key, default))
+    if not value > 0:
+        raise ValueError(f"DatadistConnector: kv_connector_extra_config {key}={extra.get(key)!r} must be > 0")
+    return value
+
+
+def _count(extra: dict[str, Any], key: str, default: int) -> int:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+        raise ValueError(f"DatadistConnector: kv_connector_extra_config {key}={value!r} must be an integer 1..64")
+    return value
+
+
 def _settings(vllm_config: "VllmConfig") -> Settings:
     cfg = vllm_config.kv_transfer_config
     extra = dict(cfg.kv_connector_extra_config or {})
-    known = {"host", "port", "transfer_backend", "sync_kv_timeout_ms", "abort_timeout_s", "link_secret_file",
-             "idle_wait_ms"}
+    known = {"host", "port", "transfer_backend", "sync_kv_timeout_ms", "kv_lease_duration", "link_secret_file",
+             "idle_wait_ms", "max_concurrent_pulls"}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ValueError(f"DatadistConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
@@ -88,15 +107,28 @@ def _settings(vllm_config: "VllmConfig") -> Settings:
                     port=int(extra.get("port", 0)),
                     transfer_backend=str(extra.get("transfer_backend", "auto")),
                     timeout_ms=int(extra.get("sync_kv_timeout_ms", 10000)),
-                    abort_timeout_s=float(extra.get("abort_timeout_s", 480.0)),
+                    lease_s=_positive(extra, "kv_lease_duration", 30.0),
+                    max_pulls=_count(extra, "max_concurrent_pulls", 4),
                     idle_wait_ms=int(extra.get("idle_wait_ms", 10)),
                     link_secret_file=extra.get("link_secret_file"),
                     producer=bool(cfg.is_kv_producer), consumer=bool(cfg.is_kv_consumer),
                     engine_id=str(cfg.engine_id))
 
 
+def _lease(params: dict[str, Any]) -> float:
+    """The prefill side's lease from ``kv_transfer_params`` (0: none, nothing to renew);
+    it came through the proxy, so it is bounded before the renewal thread paces on it."""
+    try:
+        lease = float(params.get("kv_lease_duration") or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+    return min(lease, 3600.0) if lease >= 0.1 else 0.0
+
+
 class DatadistConnector(SplitConnector["_Scheduler", DatadistWorker]):
     """vLLM KV connector over datadist (see the module docstring)."""
+
+    METRICS = DATADIST_METRICS
 
     def _make_scheduler(self, vllm_config: "VllmConfig") -> "_Scheduler":
         return _Scheduler(vllm_config, _settings(vllm_config))
@@ -139,7 +171,9 @@ class _Scheduler:
     def __init__(self, vllm_config: "VllmConfig", settings: Settings) -> None:
         self.settings = settings
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.block_size = vllm_config.cache_config.block_size
         self.endpoints: list[Endpoint] = []
+        self.stats = ConnectorStats()  # the workers record; this half has nothing of its own
         self._recv: dict[str, RecvJob] = {}
         self._send: dict[str, float] = {}
 
@@ -169,7 +203,14 @@ class _Scheduler:
         # Blocks the local prefix cache already holds are not pulled again; the remote
         # list is clipped to match (both end with the prompt's last block).
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        self._recv[request.request_id] = self._job(params, local, awaited=num_external_tokens > 0)
+        job = self._job(params, local, awaited=num_external_tokens > 0)
+        remote_size = params.get("remote_block_size", self.block_size)
+        if remote_size != self.block_size:
+            # A remote block would land in a local block of another size: refuse the load
+            # (vLLM fails or recomputes the request, per its policy) rather than scramble it.
+            job.refused = (f"prefill instance's block size is {remote_size!r}, this one's {self.block_size}; "
+                           "DatadistConnector needs equal block sizes")
+        self._recv[request.request_id] = job
 
     @staticmethod
     def _job(params: dict[str, Any], local: list[int], awaited: bool) -> RecvJob:
@@ -182,7 +223,7 @@ class _Scheduler:
         ports = list(params.get("remote_ports") or [params["remote_port"]] * len(clusters))
         return RecvJob(local_blocks=local, remote_blocks=remote, remote_request_id=str(params["remote_request_id"]),
                        peers=[Endpoint(str(h), int(p), c) for h, p, c in zip(hosts, ports, clusters)],
-                       awaited=awaited)
+                       awaited=awaited, lease_s=_lease(params) if awaited else 0.0)
 
     def build_meta(self) -> DatadistConnectorMetadata:
         meta = DatadistConnectorMetadata(reqs_to_recv=self._recv, reqs_to_send=self._send)
@@ -207,7 +248,7 @@ class _Scheduler:
             return False, None  # aborted prefill: nobody will pull, free now
         if not block_ids or not self.endpoints:
             return False, None
-        self._send[request.request_id] = self.settings.abort_timeout_s
+        self._send[request.request_id] = self.settings.lease_s
         first = self.endpoints[0]
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False,
@@ -215,5 +256,6 @@ class _Scheduler:
             "remote_request_id": request.request_id, "remote_host": first.host, "remote_port": first.port,
             "remote_hosts": [e.host for e in self.endpoints], "remote_ports": [e.port for e in self.endpoints],
             "remote_cluster_ids": [e.cluster_id for e in self.endpoints], "tp_size": self.tp_size,
-            "remote_num_tokens": request.num_computed_tokens,
+            "remote_num_tokens": request.num_computed_tokens, "kv_lease_duration": self.settings.lease_s,
+            "remote_block_size": self.block_size,
         }

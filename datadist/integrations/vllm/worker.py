@@ -2,9 +2,12 @@
 
 The engine registers vLLM's KV cache tensors as one blocks cache (no copy; see
 :mod:`datadist.integrations.paged`).  A prefill worker listens and holds each finished
-request's blocks until the decode worker's notification (or ``abort_timeout_s``); a decode
-worker pulls on a thread of its own, one request after another, and reports each request
-as received, with its blocks as load errors when the pull failed.
+request's blocks until the decode worker's notification, or until their lease runs out
+(``kv_lease_duration`` seconds after it held them or after the decode worker last renewed
+it); a decode worker pulls on threads of its own (up to ``max_concurrent_pulls`` requests at
+once), renews the
+lease of every pull still queued or running from a second thread, and reports each
+request as received, with its blocks as load errors when the pull failed.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from ... import (BlocksCacheKey, Cache, LLMClusterInfo, LLMConfig, LLMDataDist, 
                   TransferHandle)
 from ..affinity import on_instance_cpus
 from ..paged import PagedLayout, paged_layout
+from .stats import ConnectorStats
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +44,8 @@ class Settings:
     port: int
     transfer_backend: str
     timeout_ms: int
-    abort_timeout_s: float
+    lease_s: float
+    max_pulls: int
     idle_wait_ms: int
     link_secret_file: Optional[str]
     producer: bool
@@ -67,16 +72,23 @@ class RecvJob:
     remote_request_id: str
     peers: list[Endpoint]      # one per prefill tensor-parallel rank
     awaited: bool              # the scheduler waits for this request's load
+    lease_s: float = 0.0       # the prefill side's lease on the blocks (0: not renewed)
+    refused: str = ""          # why the load cannot be done (it fails, the peer is told)
 
 
 def pulled_note(request_ids: list[str]) -> str:
     return json.dumps({"pulled": request_ids})
 
 
-def parse_note(text: str) -> list[str]:
-    """Request ids of a decode worker's notification; [] for anything else."""
+def renew_note(request_ids: list[str]) -> str:
+    return json.dumps({"renew": request_ids})
+
+
+def parse_note(text: str, kind: str = "pulled") -> list[str]:
+    """Request ids of a decode worker's notification of ``kind`` (``pulled`` or
+    ``renew``); [] for anything else (a peer's bytes are not trusted)."""
     try:
-        ids = json.loads(text).get("pulled", [])
+        ids = json.loads(text).get(kind, [])
     except (ValueError, AttributeError):
         return []
     return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
@@ -97,12 +109,21 @@ class DatadistWorker:
         self.layout: Optional[PagedLayout] = None
         self._datadist: Optional[LLMDataDist] = None
         self._cache: Optional[Cache] = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="datadist-vllm-pull")
+        # Several pulls in flight: one slow or dead prefill peer holds one thread (up to
+        # the link timeout), not the pulls from other peers.  Pulls on one link still run
+        # one at a time (datadist serializes a link's transfers).
+        self._pool = ThreadPoolExecutor(settings.max_pulls, thread_name_prefix="datadist-vllm-pull")
         self._lock = threading.Lock()
+        self._link_lock = threading.Lock()  # the pull and the renewal threads both link
+        self.stats = ConnectorStats()
+        self._pending: dict[str, RecvJob] = {}   # decode: pulls queued or running, whose leases we renew
+        self._stop = threading.Event()
+        self._renewer: Optional[threading.Thread] = None
         self._linked: set[int] = set()
         #: A prepared pull per prefill peer: its blocks cache looked up and checked once.
         self._pulls: dict[int, TransferHandle] = {}
-        self._holding: dict[str, float] = {}     # prefill: request id -> deadline to free its blocks
+        self._holding: dict[str, float] = {}     # prefill: request id -> end of its blocks' lease
+        self._released: set[str] = set()         # prefill: pulled (the decode side told us), free now
         self._early: dict[str, float] = {}       # prefill: pulled before we held them -> when told
         self._received: set[str] = set()
         self._failed: set[str] = set()
@@ -135,7 +156,11 @@ class DatadistWorker:
         with on_instance_cpus():
             self._datadist = datadist = LLMDataDist(role, self.cluster_id)
             datadist.init(config.generate_options())
-            self._pool.submit(lambda: None).result()  # the pull thread starts here
+            for _ in range(self.settings.max_pulls):  # the pull threads start here
+                self._pool.submit(lambda: None).result()
+            if self.settings.consumer:
+                self._renewer = threading.Thread(target=self._renew_loop, name="datadist-vllm-lease", daemon=True)
+                self._renewer.start()
         self._cache = datadist.cache_manager.register_blocks_cache(layout.cache_desc(), list(layout.addrs),
                                                                    BlocksCacheKey(self.cluster_id, 0))
         if self.settings.producer:
@@ -155,11 +180,12 @@ class DatadistWorker:
         self._idle = idle
         now = time.monotonic()
         with self._lock:
-            for req_id, ttl in to_send.items():
+            for req_id, lease in to_send.items():
                 if self._early.pop(req_id, None) is None:
-                    self._holding[req_id] = now + ttl
+                    self._holding[req_id] = now + lease
                 else:
-                    self._holding[req_id] = now  # already pulled: freed on the next report
+                    self._released.add(req_id)  # already pulled: freed on the next report
+            self._pending.update(to_recv)
         for req_id, job in to_recv.items():
             self._pool.submit(self._pull, req_id, job)
 
@@ -175,19 +201,30 @@ class DatadistWorker:
         now = time.monotonic()
         with self._lock:
             for _, text in notes:
-                for req_id in parse_note(text):
-                    if req_id in self._holding:
-                        self._holding[req_id] = now
-                    else:
-                        self._early[req_id] = now
-            sent = {r for r, deadline in self._holding.items() if deadline <= now}
+                self._note(text, now)
+            expired = {r for r, deadline in self._holding.items() if deadline <= now}
+            for _ in expired:
+                self.stats.record("num_kv_expired_reqs")
+            sent = (self._released & set(self._holding)) | expired
             for req_id in sent:
                 del self._holding[req_id]
-            stale = now - self.settings.abort_timeout_s
+            self._released.clear()
+            stale = now - self.settings.lease_s
             self._early = {r: t for r, t in self._early.items() if t > stale}
             received, failed = self._received, self._failed
             self._received, self._failed = set(), set()
         return sent, received, failed
+
+    def _note(self, text: str, now: float) -> None:
+        """A decode worker's notification: blocks pulled (free them) or a lease renewed."""
+        for req_id in parse_note(text, "pulled"):
+            if req_id in self._holding:
+                self._released.add(req_id)
+            else:
+                self._early[req_id] = now
+        for req_id in parse_note(text, "renew"):
+            if req_id in self._holding:
+                self._holding[req_id] = max(self._holding[req_id], now + self.settings.lease_s)
 
     def take_load_errors(self) -> set[int]:
         with self._lock:
@@ -203,18 +240,28 @@ class DatadistWorker:
                 raise ValueError(f"prefill instance has {len(job.peers)} tensor-parallel ranks, this one "
                                  f"{self.tp_size}; DatadistConnector needs equal tensor parallelism")
             peer = job.peers[self.tp_rank]
+            if job.refused:
+                raise ValueError(job.refused)
             if job.local_blocks:
                 self._link(peer)
+                started = time.perf_counter()
                 self._pull_blocks(peer, job)
+                self.stats.record("transfer_duration", time.perf_counter() - started)
+                self.stats.record("num_blocks", len(job.local_blocks))
+                if self.layout is not None:
+                    self.stats.record("bytes_transferred",
+                                      len(job.local_blocks) * len(self.layout.addrs) * self.layout.block_bytes)
         except (LLMException, OSError, ValueError) as exc:
             error = exc
+            self.stats.record("num_failed_transfers")
             log.warning("request %s: pulling %d blocks from %s failed: %s", req_id, len(job.local_blocks),
                         peer, exc)
             if peer is not None and isinstance(exc, LLMException):
                 self._forget(peer.cluster_id)
-        if peer is not None and (error is None or peer.cluster_id in self._linked):
+        if peer is not None and (error is None or job.refused or peer.cluster_id in self._linked):
             self._tell_pulled(peer, job.remote_request_id)
         with self._lock:
+            self._pending.pop(req_id, None)
             if job.awaited:
                 self._received.add(req_id)
             if error is not None and job.awaited:
@@ -224,33 +271,66 @@ class DatadistWorker:
     def _pull_blocks(self, peer: Endpoint, job: RecvJob) -> None:
         if self._cache is None:
             raise RuntimeError("DatadistConnector worker: no registered KV cache (register_kv_caches not run)")
-        handle = self._pulls.get(peer.cluster_id)
-        if handle is None:
-            handle = self._engine().cache_manager.prepare_pull_blocks(BlocksCacheKey(peer.cluster_id, 0), self._cache)
-            self._pulls[peer.cluster_id] = handle
+        with self._link_lock:
+            handle = self._pulls.get(peer.cluster_id)
+            if handle is None:
+                handle = self._engine().cache_manager.prepare_pull_blocks(BlocksCacheKey(peer.cluster_id, 0),
+                                                                         self._cache)
+                self._pulls[peer.cluster_id] = handle
         handle.run(job.remote_blocks, job.local_blocks)
 
     def _link(self, peer: Endpoint) -> None:
-        if peer.cluster_id in self._linked:
-            return
-        cluster = LLMClusterInfo(remote_cluster_id=peer.cluster_id)
-        cluster.append_remote_ip_info(peer.host, peer.port)
-        ret, _ = self._engine().link_clusters([cluster], timeout=self.settings.timeout_ms)
-        if ret != LLMStatusCode.LLM_SUCCESS:
-            raise LLMException(f"link to prefill worker {peer.host}:{peer.port} failed: {ret.name}",
-                               status_code=ret)
-        self._linked.add(peer.cluster_id)
+        with self._link_lock:
+            if peer.cluster_id in self._linked:
+                return
+            cluster = LLMClusterInfo(remote_cluster_id=peer.cluster_id)
+            cluster.append_remote_ip_info(peer.host, peer.port)
+            ret, _ = self._engine().link_clusters([cluster], timeout=self.settings.timeout_ms)
+            if ret != LLMStatusCode.LLM_SUCCESS:
+                raise LLMException(f"link to prefill worker {peer.host}:{peer.port} failed: {ret.name}",
+                                   status_code=ret)
+            self._linked.add(peer.cluster_id)
 
     def _forget(self, cluster_id: int) -> None:
         """Drop a link that failed; the next request to that peer links again."""
-        self._linked.discard(cluster_id)
-        self._pulls.pop(cluster_id, None)
-        if self._datadist is not None:
+        with self._link_lock:
+            if cluster_id not in self._linked:
+                return
+            self._linked.discard(cluster_id)
+            self._pulls.pop(cluster_id, None)
+            if self._datadist is not None:
+                try:
+                    self._datadist.unlink_clusters([LLMClusterInfo(remote_cluster_id=cluster_id)], timeout=1000,
+                                                   force=True)
+                except LLMException:
+                    pass
+
+    # -- the lease thread ----------------------------------------------------------------
+    def _renew_loop(self) -> None:
+        """Renew the prefill side's lease of every pull still queued or running, a few
+        times per lease (NixlConnector renews at a sixth of it), so that a slow decode
+        instance keeps its blocks and a dead one frees them within one lease."""
+        while not self._stop.is_set():
+            with self._lock:
+                pending = list(self._pending.values())
+            leases = [job.lease_s for job in pending if job.lease_s > 0]
+            if leases:
+                self._renew(pending)
+            self._stop.wait(min(leases) / 6 if leases else 0.5)
+
+    def _renew(self, pending: list[RecvJob]) -> None:
+        by_peer: dict[int, tuple[Endpoint, list[str]]] = {}
+        for job in pending:
+            if job.lease_s > 0 and len(job.peers) == self.tp_size:
+                peer = job.peers[self.tp_rank]
+                by_peer.setdefault(peer.cluster_id, (peer, []))[1].append(job.remote_request_id)
+        for peer, ids in by_peer.values():
             try:
-                self._datadist.unlink_clusters([LLMClusterInfo(remote_cluster_id=cluster_id)], timeout=1000,
-                                               force=True)
-            except LLMException:
-                pass
+                self._link(peer)
+                self._engine().send_notification(peer.cluster_id, renew_note(ids))
+                self.stats.record("num_lease_renewals", len(ids))
+            except (LLMException, RuntimeError) as exc:  # the pull reports the peer's failure
+                log.debug("lease renewal to %s:%d failed: %s", peer.host, peer.port, exc)
 
     def _tell_pulled(self, peer: Endpoint, remote_request_id: str) -> None:
         """Let the prefill worker free the request's blocks (also after a failed pull:
@@ -259,12 +339,15 @@ class DatadistWorker:
             self._link(peer)
             self._engine().send_notification(peer.cluster_id, pulled_note([remote_request_id]))
         except LLMException as exc:
-            log.warning("could not tell %s:%d that request %s is pulled (%s); it frees the blocks after "
-                        "abort_timeout_s", peer.host, peer.port, remote_request_id, exc)
+            log.warning("could not tell %s:%d that request %s is pulled (%s); it frees the blocks when "
+                        "their lease runs out", peer.host, peer.port, remote_request_id, exc)
             self._forget(peer.cluster_id)
 
     # -- teardown ------------------------------------------------------------------------
     def close(self) -> None:
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join(10.0)
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._datadist is not None:
             self._datadist.finalize()

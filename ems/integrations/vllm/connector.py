@@ -28,6 +28,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 from datadist.integrations.vllm.base import SplitConnector
+from datadist.integrations.vllm.stats import EMS_METRICS, ConnectorStats
 
 from ... import CcKvOption
 from ...keys import token_chain_hashes
@@ -72,6 +73,8 @@ def _settings(vllm_config: "VllmConfig") -> Settings:
 
 class EmsConnector(SplitConnector["_Scheduler", EmsWorker]):
     """vLLM KV connector: a prefix cache on the ems pool (see the module docstring)."""
+
+    METRICS = EMS_METRICS
 
     def _make_scheduler(self, vllm_config: "VllmConfig") -> "_Scheduler":
         return _Scheduler(vllm_config, _settings(vllm_config))
@@ -126,6 +129,7 @@ class _Req:
     blocks: list[int] = field(default_factory=list)
     saved: int = 0
     has_saves: bool = False
+    counted: bool = False  # its lookup is in the stats (vLLM may ask again before it schedules it)
 
 
 class _Scheduler:
@@ -133,6 +137,7 @@ class _Scheduler:
         self.settings = settings
         self.block_size = vllm_config.cache_config.block_size
         self._cc: Any = None
+        self.stats = ConnectorStats()  # pool hits and misses of the lookups
         self._reqs: dict[str, _Req] = {}
         self._pending: dict[str, int] = {}      # request id -> first pool block of a planned load
         self._loads: dict[str, BlockJob] = {}
@@ -160,6 +165,10 @@ class _Scheduler:
             return 0, False
         option = CcKvOption(timeout=self.settings.lookup_timeout_ms)
         hits = self._cc.exists(hashes=req.hashes[start:], option=option).success
+        if not req.counted:
+            req.counted = True
+            self.stats.record("hit_blocks", hits)
+            self.stats.record("miss_blocks", len(req.hashes) - start - hits)
         tokens = min((start + hits) * self.block_size, req.prompt_len - 1)  # vLLM computes >= 1 token
         if tokens <= num_computed_tokens:
             return 0, False

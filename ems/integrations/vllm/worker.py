@@ -11,10 +11,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from datadist.integrations.paged import PagedLayout, block_views, paged_layout
+from datadist.integrations.vllm.stats import ConnectorStats
 
 from ... import CcConfig_v1, CcKvOption, Ems, EmsConfig, EmsException
 from ...future import CcFuture
@@ -96,7 +98,9 @@ class EmsWorker:
         self.tp_size = get_tensor_model_parallel_world_size()
         self.identity: Optional[PoolIdentity] = None
         self._cc: Any = None
-        self._loads: dict[str, tuple[Any, list[int]]] = {}
+        self.stats = ConnectorStats()
+        self._block_bytes = 0  # one block of every layer
+        self._loads: dict[str, tuple[Any, list[int], float]] = {}
         self._saves: dict[str, _Saving] = {}
         self._finished: set[str] = set()
         self._received: set[str] = set()
@@ -108,6 +112,7 @@ class EmsWorker:
         if cfg is None or len(cfg.kv_cache_groups) != 1:
             raise NotImplementedError("EmsConnector moves one KV cache group (hybrid models are not supported yet)")
         layout = paged_layout(kv_caches, cfg.num_blocks)
+        self._block_bytes = len(layout.addrs) * layout.block_bytes
         block_size = self.vllm_config.cache_config.block_size
         model_id = self.settings.model_id or pool_model_id(self.vllm_config.model_config.model, layout, block_size)
         device_type, _, index = layout.device.partition(":")
@@ -133,7 +138,7 @@ class EmsWorker:
                 log.warning("request %s: load of %d blocks refused: %s", req_id, len(job.block_ids), exc)
                 self._fail(req_id, job.block_ids)
                 continue
-            self._loads[req_id] = (future, job.block_ids)
+            self._loads[req_id] = (future, job.block_ids, time.perf_counter())
 
     def save(self, jobs: Mapping[str, list[BlockJob]]) -> None:
         for req_id, batch in jobs.items():
@@ -143,17 +148,19 @@ class EmsWorker:
                     saving.futures.append(self._cc.async_save(slot_mapping=job.block_ids, hashes=job.hashes,
                                                               offsets=[1] * len(job.block_ids),
                                                               option=self._option()))
+                    self.stats.record("bytes_saved", len(job.block_ids) * self._block_bytes)
                 except EmsException as exc:  # a save that fails is a later miss, nothing worse
                     log.warning("request %s: save of %d blocks refused: %s", req_id, len(job.block_ids), exc)
 
     def _fail(self, req_id: str, blocks: list[int]) -> None:
+        self.stats.record("num_failed_loads")
         self._received.add(req_id)
         self._failed.add(req_id)
         self._errors.update(blocks)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(requests whose saves are all done, loads done, loads failed) since the last call."""
-        for req_id, (future, blocks) in list(self._loads.items()):
+        for req_id, (future, blocks, started) in list(self._loads.items()):
             if not self._cc.is_ready(future):
                 continue
             del self._loads[req_id]
@@ -163,6 +170,9 @@ class EmsWorker:
             except EmsException as exc:
                 log.warning("request %s: load failed: %s", req_id, exc)
                 loaded = 0
+            # Polled once a step: the duration is up to one step long.
+            self.stats.record("load_duration", time.perf_counter() - started)
+            self.stats.record("bytes_loaded", loaded * self._block_bytes)
             if loaded < len(blocks):  # blocks the pool no longer had, or that failed their checksum
                 self._fail(req_id, blocks[loaded:])
             else:
