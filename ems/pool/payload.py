@@ -10,8 +10,8 @@ deadline, :class:`PoolDisconnected` for a connection that broke (the caller clos
 """
 from __future__ import annotations
 
-import ssl
 import socket
+import ssl
 import time
 from typing import Optional
 
@@ -42,13 +42,18 @@ def _move(sock: socket.socket, plan: Plan, deadline: Optional[float], summed: Op
     end = _deadline(deadline)
     try:
         if isinstance(sock, ssl.SSLSocket):
-            (tls.send_plan(sock, plan, end, summed=summed) if send else tls.recv_plan(sock, plan, end, summed))
+            if send:
+                tls.send_plan(sock, plan, end, summed=summed)
+            else:
+                tls.recv_plan(sock, plan, end, summed)
             return
         left = end - time.monotonic()
         sock.settimeout(max(left, 0.001))  # the C loop needs a non-blocking descriptor
         ms = max(1, int(left * 1000))
-        (native.sock_send(sock.fileno(), plan, ms, None, summed) if send
-         else native.sock_recv(sock.fileno(), plan, ms, summed))
+        if send:
+            native.sock_send(sock.fileno(), plan, ms, None, summed)
+        else:
+            native.sock_recv(sock.fileno(), plan, ms, summed)
     except TimeoutError:
         raise PoolTimeout("deadline passed during a transfer") from None
     except OSError as exc:
