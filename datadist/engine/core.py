@@ -23,6 +23,7 @@ from .agent import Agent
 from .errors import Fault, fail
 from .link import Link
 from .linking import Linker
+from .transports.collective import COLLECTIVE_BACKENDS
 from .memory import Arena, PoolAllocator
 from .notes import NoteBox
 from .options import EngineSettings
@@ -136,6 +137,10 @@ class Engine:
         self.linker = Linker(self)
         #: Where Placement.DEVICE caches live: "cpu" (host memory), "cuda:N" or "npu:N".
         self.device = resolve_device(options.device_type, options.device_id)
+        if self.backend in COLLECTIVE_BACKENDS or self.device.startswith("npu"):
+            # Its links may form process groups: the first import of torch.distributed takes
+            # seconds on a loaded host, paid here rather than inside a link's timeout.
+            import torch.distributed  # noqa: F401
         try:
             gpu = cuda.device(options.device_id) if self.device.startswith("cuda") else None
             for name, cfg in (("host", options.host_mem_pool), ("device", options.mem_pool)):
