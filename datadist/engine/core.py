@@ -229,8 +229,13 @@ class Engine:
         return False
 
     def get_link(self, cluster_id: int) -> Link:
-        """The link to ``cluster_id`` ready for transfers; ``LLM_NOT_YET_LINK`` otherwise."""
+        """The link to ``cluster_id`` ready for transfers; ``LLM_NOT_YET_LINK`` otherwise.
+        A link the peer made that is still forming its process group (its client may
+        return from ``link_clusters`` a moment before this end has joined) is waited for,
+        at most ``sync_kv_timeout``."""
         link = self.find_link(cluster_id)
+        if link is not None and not link.ready.is_set() and link.store is not None:
+            link.ready.wait(self.timeout_ms / 1000.0)
         if link is None or not link.ready.is_set():
             fail(Fault.NOT_LINKED,
                         f"cluster {cluster_id} is not linked with cluster {self.cluster_id}; call link_clusters first")
