@@ -27,7 +27,8 @@ setup(
         "redis": ["redis>=5"],
         "plot": ["matplotlib"],
         "progress": ["tqdm"],
-        "test": ["pytest", "pytest-timeout", "hypothesis", "redis>=5", "matplotlib", "tqdm", "radon", "mypy"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "redis>=5", "matplotlib", "tqdm", "radon", "mypy",
+                 "ninja"],
     },
     classifiers=[
         "Development Status :: 4 - Beta",
