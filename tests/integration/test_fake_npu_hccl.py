@@ -146,7 +146,7 @@ def test_auto_links_an_npu_engine_and_a_host_engine_over_sockets(npu_peers: Any)
     dec = npu_peers("peer", "decoder", "DECODER", DECODER_ID, base_config("auto", device_type="cpu"))
     dec.alloc("dst", BLOCKS, blocks=True)
     base = dec.fill("dst", BLOCKS, 6)
-    dec.link(prompt, port=port)
+    dec.link(prompt, port=port, timeout_ms=20_000)
     assert dec.call("engine", "link_path", PROMPT_ID) in ("shm", "tcp")
     dec.cm("pull_blocks", blocks_key(PROMPT_ID, 1), Ref("dst"), [3], [1])
     np.testing.assert_array_equal(dec.read("dst"), expect_blocks(base, data, [3], [1], BLOCKS.row_bytes))
@@ -157,7 +157,7 @@ def test_two_host_engines_keep_gloo_when_they_ask_for_it(npu_peers: Any) -> None
     prompt = npu_peers("peer", "prompt", "PROMPT", PROMPT_ID, base_config("gloo", listen_port=port,
                                                                           device_type="cpu"))
     dec = npu_peers("peer", "decoder", "DECODER", DECODER_ID, base_config("gloo", device_type="cpu"))
-    dec.link(prompt, port=port)
+    dec.link(prompt, port=port, timeout_ms=20_000)
     assert dec.call("engine", "link_path", PROMPT_ID) == "gloo"
 
 
