@@ -25,7 +25,7 @@ def report() -> Dict[str, Any]:
     except ImportError as exc:
         out["native_extension"] = f"missing: {exc}"
     from .engine import cuda
-    from .engine.core import npu_visible
+    from .engine.core import npu_probe
     from .engine.executor import executor
 
     out["executor"] = executor()
@@ -36,19 +36,42 @@ def report() -> Dict[str, Any]:
     devices = ["cpu"]
     if cuda.available():
         devices += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    if npu_visible():
-        devices.append("npu (present; this build has no NPU device-memory path)")
+    sees_npu, npu_problem = npu_probe()
+    if sees_npu:
+        devices += [f"npu:{i}" for i in range(torch.npu.device_count())]  # type: ignore[attr-defined]
     out["devices"] = devices
     transports = ["shm", "tcp"]
     if dist.is_available():
         transports += [b for b, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()))
                        if ok]
-        if importlib.util.find_spec("torch_npu") is not None:
+        if sees_npu and _has_hccl():
             transports.append("hccl")
     out["transports"] = transports
+    out["npu"] = _npu_path(sees_npu, npu_problem, "hccl" in transports)
     spec = importlib.util.find_spec("llm_datadist")
     out["llm_datadist"] = spec.origin if spec else None
     return out
+
+
+def _has_hccl() -> bool:
+    """Whether torch_npu offers its HCCL process group (imported already by the probe)."""
+    try:
+        import torch_npu
+
+        return hasattr(torch_npu._C._distributed_c10d, "ProcessGroupHCCL")
+    except (ImportError, AttributeError):
+        return False
+
+
+def _npu_path(sees: bool, problem: Optional[str], hccl: bool) -> str:
+    """What an NPU engine here does with its caches, in a sentence."""
+    if problem is not None:
+        return f"unusable: {problem}"
+    if not sees:
+        return "none (torch_npu not installed or sees no NPU)"
+    links = ("links between NPU engines use hccl (device to device; transfer_backend auto picks it)" if hccl else
+             "torch_npu lacks ProcessGroupHCCL: links between NPU engines stage through host memory")
+    return f"caches in NPU device memory (torch_npu); {links}"
 
 
 def main(argv: Optional[List[str]] = None) -> int:

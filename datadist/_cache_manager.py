@@ -69,9 +69,7 @@ def _memory_device(ints: List[int], tensors: Tuple["torch.Tensor", ...], desc: C
     if kinds:
         return kinds[0]
     if engine_device.startswith("npu") and desc.placement == Placement.DEVICE:
-        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
-                    "addrs are bare addresses on an NPU engine with Placement.DEVICE: NPU memory can only be "
-                    "registered as its tensors (pass them), host memory with Placement.HOST")
+        return engine_device  # resolved to their allocations by _registered_memory
     if engine_device.startswith("cuda"):
         return _cuda_or_host(ints, engine_device)
     return "cpu"
@@ -82,10 +80,11 @@ def _registered_memory(addrs: Sequence[Any], desc: CacheDesc, engine_device: str
 
     Tensors say where they live.  Int addresses are asked of the CUDA driver on a CUDA
     engine (so host memory registered with the default ``Placement.DEVICE``, as code
-    written for CPU machines does, still works); elsewhere they are host memory, except on
-    an NPU engine with ``Placement.DEVICE``: torch cannot wrap a bare NPU address, so those
-    are refused (register the tensors).  Device memory of another kind than the engine's
-    is refused rather than misread as host memory."""
+    written for CPU machines does, still works); on an NPU engine with ``Placement.DEVICE``
+    they are NPU memory, each resolved to the torch_npu allocation it lies in
+    (:func:`~datadist.engine.npu.adopt`; one outside every allocation of the engine's
+    device is ``LLM_PARAM_INVALID``); elsewhere they are host memory.  Device memory of
+    another kind than the engine's is refused rather than misread as host memory."""
     ints, tensors = as_tensor_addrs(addrs, desc)
     device = _memory_device(ints, tensors, desc, engine_device)
     if device == "cpu":
@@ -99,6 +98,8 @@ def _registered_memory(addrs: Sequence[Any], desc: CacheDesc, engine_device: str
     if kind == "npu":
         for t in tensors:
             npu.track(t)
+        if not tensors:  # bare addresses: the allocations they lie in, kept while registered
+            tensors = tuple(npu.adopt(ints, desc.size, device))
         return ints, tensors, device, ()
     return ints, tensors, device, cuda.export_regions(ints, desc.size)
 

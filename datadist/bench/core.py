@@ -26,7 +26,8 @@ Workloads (see PERF.md):
 
 ``--device cuda`` puts both caches on the GPU (``Placement.DEVICE``, ``device_type`` cuda;
 shm then moves them by CUDA IPC, tcp and gloo through host staging, ``nccl`` becomes
-available), and the raw copy is a torch copy of the same blocks on that GPU.
+available), and the raw copy is a torch copy of the same blocks on that GPU.  ``--device
+npu`` does the same on NPU 0 (torch_npu): ``hccl`` becomes available.
 """
 from __future__ import annotations
 
@@ -100,8 +101,10 @@ WORKLOADS = {
 SWEEP_KIB = (4, 16, 64, 256, 1024)
 WORKLOADS.update({f"sweep-{k}k": Workload(f"sweep-{k}k", k << 10, (32 << 10) // k, (32 << 10) // k, 1, False,
                                           rounds=5) for k in SWEEP_KIB})
-TRANSPORTS = ("local", "shm", "tcp", "gloo", "nccl")
-DEVICES = ("cpu", "cuda")
+TRANSPORTS = ("local", "shm", "tcp", "gloo", "nccl", "hccl")
+DEVICES = ("cpu", "cuda", "npu")
+#: Transports that move device memory of one kind only.
+_DEVICE_ONLY = {"nccl": "cuda", "hccl": "npu"}
 
 
 def sized(workload: str, rounds: Optional[int] = None, requests: Optional[int] = None,
@@ -150,9 +153,9 @@ def _config(transport: str, pool_bytes: int, listen: Optional[str] = None, devic
     cfg.device_id = 0
     cfg.sync_kv_timeout = 60000
     pool = json.dumps({"memory_size": pool_bytes, "page_shift": 16})
-    if device == "cuda":
+    if device != "cpu":
         cfg.mem_pool_cfg = pool
-        cfg.device_type = "cuda"
+        cfg.device_type = device
     else:
         cfg.host_mem_pool_cfg = pool
         cfg.device_type = "cpu"
@@ -166,7 +169,7 @@ def _desc(w: Workload, device: str = "cpu") -> "CacheDesc":
     from datadist import CacheDesc, DataType, Placement
 
     return CacheDesc(w.num_tensors, [w.cache_blocks, w.block_bytes // 2], DataType.DT_FLOAT16,
-                     Placement.DEVICE if device == "cuda" else Placement.HOST)
+                     Placement.DEVICE if device != "cpu" else Placement.HOST)
 
 
 def _pool_bytes(w: Workload) -> int:
@@ -204,9 +207,9 @@ def _decoder(conn: Connection, w: Workload, transport: str, port: int, device: s
 
 def _memcpy(w: Workload, src_blocks: List[int], dst_blocks: List[int], device: str = "cpu") -> float:
     """Seconds per batch of a numpy copy of the same blocks in one process (median); on
-    a GPU, of a torch copy of them on that GPU."""
-    if device == "cuda":
-        return _torch_copy(w, src_blocks, dst_blocks)
+    device, of a torch copy of them on that device."""
+    if device != "cpu":
+        return _torch_copy(w, src_blocks, dst_blocks, device)
     src = np.ones((w.num_tensors * w.cache_blocks, w.block_bytes), np.uint8)
     dst = np.zeros_like(src)
     n = len(src_blocks)
@@ -224,16 +227,17 @@ def _memcpy(w: Workload, src_blocks: List[int], dst_blocks: List[int], device: s
     return statistics.median(times[1:])
 
 
-def _torch_copy(w: Workload, src_blocks: List[int], dst_blocks: List[int]) -> float:
+def _torch_copy(w: Workload, src_blocks: List[int], dst_blocks: List[int], device: str) -> float:
     import torch
 
-    src = torch.ones((w.num_tensors * w.cache_blocks, w.block_bytes), dtype=torch.uint8, device="cuda")
+    src = torch.ones((w.num_tensors * w.cache_blocks, w.block_bytes), dtype=torch.uint8, device=device)
     dst = torch.zeros_like(src)
-    si = torch.tensor(src_blocks, device="cuda")
-    di = torch.tensor(dst_blocks, device="cuda")
+    si = torch.tensor(src_blocks, device=device)
+    di = torch.tensor(dst_blocks, device=device)
+    backend = getattr(torch, device)  # torch.cuda, or torch.npu (torch_npu's)
     times = []
     for _ in range(min(w.rounds, 20) + 1):
-        torch.cuda.synchronize()
+        backend.synchronize()
         t = time.perf_counter()
         for k in range(w.num_tensors):
             off = k * w.cache_blocks
@@ -241,7 +245,7 @@ def _torch_copy(w: Workload, src_blocks: List[int], dst_blocks: List[int]) -> fl
                 dst[off: off + w.cache_blocks].index_copy_(0, di, src[off: off + w.cache_blocks].index_select(0, si))
             else:
                 dst[off: off + len(src_blocks)].copy_(src[off: off + len(src_blocks)])
-        torch.cuda.synchronize()
+        backend.synchronize()
         times.append(time.perf_counter() - t)
     return statistics.median(times[1:])
 
@@ -400,7 +404,7 @@ def _result(w: Workload, transport: str, device: str, batches: List[float], call
         per_batch = len(calls) // len(batches)
         extra = {"requests": w.requests, "layers": w.layers, "calls": per_batch, "rounds": len(batches),
                  "call_mib": w.batch_bytes / per_batch / (1 << 20)}
-    return record(system=f"datadist-{transport}" + ("-cuda" if device == "cuda" else ""), workload=w.name,
+    return record(system=f"datadist-{transport}" + (f"-{device}" if device != "cpu" else ""), workload=w.name,
                   gbps=w.batch_bytes / med / 1e9, batch_ms=med * 1e3, p50_us=us[len(us) // 2],
                   p99_us=us[min(len(us) - 1, int(len(us) * 0.99))], block_kib=w.block_bytes >> 10, blocks=w.blocks,
                   scatter=w.scatter, raw_copy_gbps=w.batch_bytes / memcpy_s / 1e9, verified=True,
@@ -491,8 +495,15 @@ def _apply(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
         if not cuda.available():
             ap.error("--device cuda: torch sees no CUDA device here")
-    elif "nccl" in (args.transport or ()):
-        ap.error("--transport nccl needs --device cuda")
+    if args.device == "npu":
+        from ..engine.core import npu_probe
+
+        sees, problem = npu_probe()
+        if not sees:
+            ap.error(f"--device npu: {problem or 'torch_npu is not installed or sees no NPU'}")
+    for transport, device in _DEVICE_ONLY.items():
+        if transport in (args.transport or ()) and args.device != device:
+            ap.error(f"--transport {transport} needs --device {device}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         ap.error("--plot needs matplotlib: pip install 'datadist[plot]'")
 
@@ -530,7 +541,7 @@ def _selection(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Tuple[L
     standard = [w for w in WORKLOADS if not w.startswith("sweep-")] + ["plan"]
     sweep = [f"sweep-{k}k" for k in SWEEP_KIB]
     workloads: List[str] = sweep if args.sweep else (args.workload or standard)
-    transports: List[str] = args.transport or [t for t in TRANSPORTS if t != "nccl" or args.device == "cuda"]
+    transports: List[str] = args.transport or [t for t in TRANSPORTS if _DEVICE_ONLY.get(t, args.device) == args.device]
     _check_sizes(ap, args, workloads)
     return workloads, transports
 

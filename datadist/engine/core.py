@@ -23,31 +23,44 @@ from .agent import Agent
 from .errors import Fault, fail
 from .link import Link
 from .linking import Linker
+from .transports.collective import COLLECTIVE_BACKENDS
 from .memory import Arena, PoolAllocator
 from .metrics import EngineMetrics
 from .notes import NoteBox
 from .options import EngineSettings
 from .registry import Registry
 
-__all__ = ["Engine", "host_identity", "resolve_device", "npu_visible"]
+__all__ = ["Engine", "host_identity", "resolve_device", "npu_visible", "npu_probe"]
 
 log = logging.getLogger("datadist")
 
 MAX_LINK_CLUSTERS = 16
 
 
-def npu_visible() -> bool:
-    """Whether torch_npu is installed and sees an NPU (imported only where installed)."""
+def npu_probe() -> tuple[bool, Optional[str]]:
+    """``(sees, problem)``: whether torch_npu is installed and sees an NPU, and why not
+    where it is installed but unusable (its import or device query failed; None
+    otherwise).  torch_npu is imported only where installed."""
     if importlib.util.find_spec("torch_npu") is None:
-        return False
+        return False, None
     try:
         import torch
         import torch_npu  # noqa: F401  (registers torch.npu)
-
+    except Exception as exc:  # a broken install: reported, never taken for "no NPU" in silence
+        return False, f"torch_npu is installed but its import failed: {type(exc).__name__}: {exc}"
+    try:
         # torch.npu exists once torch_npu is imported; torch's stubs do not know it.
-        return bool(torch.npu.is_available() and torch.npu.device_count() > 0)  # type: ignore[attr-defined]
-    except Exception:  # a broken install sees no device
-        return False
+        return bool(torch.npu.is_available() and torch.npu.device_count() > 0), None  # type: ignore[attr-defined]
+    except Exception as exc:
+        return False, f"torch_npu cannot query its devices: {type(exc).__name__}: {exc}"
+
+
+def npu_visible() -> bool:
+    """Whether torch_npu is installed and sees an NPU (imported only where installed)."""
+    return npu_probe()[0]
+
+
+_warned: set[str] = set()
 
 
 def resolve_device(device_type: str, device_id: int) -> str:
@@ -55,19 +68,15 @@ def resolve_device(device_type: str, device_id: int) -> str:
     ``"cuda:<device_id>"`` or ``"cpu"`` (host memory, only where asked for).  ``auto``
     picks the NPU when torch_npu sees one, else CUDA when torch sees a device, else the CPU.
     A device that cannot be used is an error, never host memory in disguise: ``npu``
-    without torch_npu or without a device it sees, ``cuda`` without a GPU, raise
-    ``LLM_FEATURE_NOT_ENABLED`` naming what to do."""
-    if device_type == "npu" or (device_type == "auto" and npu_visible()):
-        if importlib.util.find_spec("torch_npu") is None:
-            fail(Fault.FEATURE_NOT_ENABLED,
-                        "device_type = 'npu' needs torch_npu (Ascend's PyTorch adapter), which is not installed; "
-                        "install the torch_npu build matching your torch, or set device_type 'cpu' to keep "
-                        "Placement.DEVICE caches in host memory")
-        if not npu_visible():
-            fail(Fault.FEATURE_NOT_ENABLED,
-                        "device_type = 'npu', but torch_npu sees no NPU here (driver, ASCEND_RT_VISIBLE_DEVICES); "
-                        "use device_type 'cpu' to keep Placement.DEVICE caches in host memory")
-        return f"npu:{device_id}"
+    without torch_npu, with a torch_npu that fails to import (its error) or without a
+    device it sees, ``cuda`` without a GPU, raise ``LLM_FEATURE_NOT_ENABLED`` naming what
+    to do; ``auto`` with a torch_npu that fails to import warns with its error (once)."""
+    sees, problem = npu_probe() if device_type in ("npu", "auto") else (False, None)
+    if problem is not None and device_type == "auto" and problem not in _warned:
+        _warned.add(problem)
+        log.warning("device_type 'auto' looks past the NPU: %s", problem)
+    if device_type == "npu" or (device_type == "auto" and sees):
+        return _npu_device(device_id, sees, problem)
     if device_type == "cuda" or (device_type == "auto" and cuda.driver_present()):
         if cuda.available():
             return f"cuda:{device_id}"
@@ -76,6 +85,22 @@ def resolve_device(device_type: str, device_id: int) -> str:
                         "device_type = 'cuda', but torch sees no CUDA device here (CPU-only torch, no driver, "
                         "or CUDA_VISIBLE_DEVICES empty); use device_type 'cpu' or 'auto'")
     return "cpu"
+
+
+def _npu_device(device_id: int, sees: bool, problem: Optional[str]) -> str:
+    """``npu:<device_id>``, or the error saying why an NPU cannot be used here."""
+    if importlib.util.find_spec("torch_npu") is None:
+        fail(Fault.FEATURE_NOT_ENABLED,
+             "device_type = 'npu' needs torch_npu (Ascend's PyTorch adapter), which is not installed; "
+             "install the torch_npu build matching your torch, or set device_type 'cpu' to keep "
+             "Placement.DEVICE caches in host memory")
+    if problem is not None:
+        fail(Fault.FEATURE_NOT_ENABLED, f"device_type = 'npu', but {problem}")
+    if not sees:
+        fail(Fault.FEATURE_NOT_ENABLED,
+             "device_type = 'npu', but torch_npu sees no NPU here (driver, ASCEND_RT_VISIBLE_DEVICES); "
+             "use device_type 'cpu' to keep Placement.DEVICE caches in host memory")
+    return f"npu:{device_id}"
 
 
 def host_identity() -> str:
@@ -116,6 +141,10 @@ class Engine:
         self.linker = Linker(self)
         #: Where Placement.DEVICE caches live: "cpu" (host memory), "cuda:N" or "npu:N".
         self.device = resolve_device(options.device_type, options.device_id)
+        if self.backend in COLLECTIVE_BACKENDS or self.device.startswith("npu"):
+            # Its links may form process groups: the first import of torch.distributed takes
+            # seconds on a loaded host, paid here rather than inside a link's timeout.
+            import torch.distributed  # noqa: F401
         try:
             gpu = cuda.device(options.device_id) if self.device.startswith("cuda") else None
             for name, cfg in (("host", options.host_mem_pool), ("device", options.mem_pool)):
@@ -208,8 +237,13 @@ class Engine:
         return False
 
     def get_link(self, cluster_id: int) -> Link:
-        """The link to ``cluster_id`` ready for transfers; ``LLM_NOT_YET_LINK`` otherwise."""
+        """The link to ``cluster_id`` ready for transfers; ``LLM_NOT_YET_LINK`` otherwise.
+        A link the peer made that is still forming its process group (its client may
+        return from ``link_clusters`` a moment before this end has joined) is waited for,
+        at most ``sync_kv_timeout``."""
         link = self.find_link(cluster_id)
+        if link is not None and not link.ready.is_set() and link.store is not None:
+            link.ready.wait(self.timeout_ms / 1000.0)
         if link is None or not link.ready.is_set():
             fail(Fault.NOT_LINKED,
                         f"cluster {cluster_id} is not linked with cluster {self.cluster_id}; call link_clusters first")

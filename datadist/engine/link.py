@@ -88,6 +88,7 @@ class Link(PeerLookups):
         self.transport = transport     # collective links: set once the process group exists
         self.peer_epoch_addr = peer_epoch_addr   # mapped epoch page of a same-host peer
         self.store: Optional[TCPStore] = None    # collective links: the server's TCPStore
+        self.collective: str = ""                # collective links: their process group's backend
         self.attach_token = attach_token         # server side: what the peer's ATTACH must carry
         self.lock: Turns[_Job] = Turns(self._serve_jobs)
         self.broken: Optional[str] = None

@@ -9,7 +9,12 @@ with ``ATTACH``.  Server side (the agent thread): :meth:`Linker.accept_hello` an
 ``shm`` if the peer is on this host and its arenas map here (the nonce in its epoch page
 proves it is the very process that answered), else ``tcp``; a forced ``shm`` that cannot
 map fails the link; collective backends (``gloo``/``nccl``/``hccl``) join a two-member
-process group once both connections are up.
+process group once both connections are up.  Between two NPU engines ``auto`` means
+``hccl`` (CANN moves device memory device to device; a socket transport would stage every
+byte through host memory on both ends), on one host too, except where TLS is configured
+(a process group moves payloads outside TLS).  Process groups whose communicator forms
+lazily (``hccl``, ``nccl``) are warmed by one exchange while the link is made, within the
+link's timeout, so that no transfer's ``sync_kv_timeout`` pays for it.
 
 With TLS configured (:mod:`.tls`), both connections of every link this engine opens are
 TLS, handshake first, whatever the transport; the server side does the same in the agent.
@@ -88,19 +93,33 @@ class Linker:
                     ctrl={"fd": page.fd, "size": page.size, "base": page.base, "nonce": registry.nonce},
                     arenas=[{"fd": a.fd, "size": a.size, "base": a.base} for a in self.engine.arenas],
                     device_regions=[r.to_wire() for r in self.engine.device_arena.regions] if self.engine.device_arena else [],
-                    backend=self.engine.backend)
+                    backend=self.engine.backend, device=self.engine.device)
+
+    def _collective(self, peer: wire.Hello) -> Optional[str]:
+        """The process-group backend of the link to ``peer``, or None for a socket link
+        (both ends compute the same answer from the two HELLOs)."""
+        def wanted(backend: str, device: str, other: str) -> str:
+            if (backend == "auto" and device.startswith("npu") and other.startswith("npu")
+                    and self.engine.options.tls is None):
+                return "hccl"
+            return backend
+
+        mine = wanted(self.engine.backend, self.engine.device, peer.device)
+        theirs = wanted(peer.backend, peer.device, self.engine.device)
+        if not {mine, theirs} & set(COLLECTIVE_BACKENDS):
+            return None
+        if mine != theirs:
+            fail(Fault.LINK_FAILED,
+                 f"transfer_backend {mine!r} here ({self.engine.device}), {theirs!r} on cluster {peer.cluster_id} "
+                 f"({peer.device}): collective links need the same backend on both ends")
+        return mine
 
     def _transport_to(self, peer: wire.Hello) -> tuple[Optional[Transport], Optional[int]]:
         """The transport towards ``peer`` (see the module docstring) and, for a same-host
         peer, the local address of its mapped epoch page.  Collective links get theirs once
         the process group exists (:meth:`_join_group`): None here."""
         tcp = TcpTransport()
-        collective = {self.engine.backend, peer.backend} & set(COLLECTIVE_BACKENDS)
-        if collective:
-            if self.engine.backend != peer.backend:
-                fail(Fault.LINK_FAILED,
-                            f"transfer_backend {self.engine.backend!r} here, {peer.backend!r} on cluster {peer.cluster_id}: "
-                            "collective links need the same backend on both ends")
+        if self._collective(peer) is not None:
             return None, None
         if self.engine.backend == "tcp" or peer.backend == "tcp":
             return tcp, None
@@ -173,7 +192,9 @@ class Linker:
                     on_broken=self.engine.link_broken, transport=transport, peer_epoch_addr=epoch_addr, metrics=self.engine.metrics,
                     serve_sock=sock, attach_token=secrets.token_hex(16))
         store_port = 0
-        if self.engine.backend in COLLECTIVE_BACKENDS:
+        backend = self._collective(msg)
+        if backend is not None:
+            link.collective = backend
             from torch._C._distributed_c10d import TCPStore  # torch.distributed's own, as its stubs export it
 
             ip = self.engine.options.listen_ip or "127.0.0.1"
@@ -182,7 +203,7 @@ class Linker:
             store_port = link.store.port
         self.engine.install(link)
         self.engine.live_agent().watch(link)
-        return wire.HelloAck(path=self.engine.backend if store_port else link.path, store_port=store_port,
+        return wire.HelloAck(path=backend or link.path, store_port=store_port,
                              attach_token=link.attach_token, **fields)
 
     def accept_attach(self, msg: wire.Attach, sock: socket.socket) -> wire.Reply:
@@ -202,21 +223,27 @@ class Linker:
         (the client joins as soon as it reads that reply)."""
         if link.store is not None and link.transport is None:
             try:
-                self._join_group(link, link.store, rank=0)
+                self._join_group(link, link.store, 0, link.collective,
+                                 time.monotonic() + self.engine.options.link_total_time_s)
             except Exception as exc:  # the client sees the failure as a link failure
                 log.warning("process group with cluster %d failed: %s", link.remote_cluster_id, exc)
                 link.retire(f"process group setup failed: {exc}")
                 return
             link.ready.set()
 
-    def _join_group(self, link: Link, store: Store, rank: int) -> None:
+    def _join_group(self, link: Link, store: Store, rank: int, backend: str, deadline: float) -> None:
+        """Join the link's process group of ``backend`` as ``rank`` and warm it before
+        ``deadline`` (the link's timeout)."""
         from torch._C._distributed_c10d import PrefixStore  # torch.distributed's own, as its stubs export it
 
         prefix = PrefixStore(f"datadist-link-{min(self.engine.cluster_id, link.remote_cluster_id)}-"
                                   f"{max(self.engine.cluster_id, link.remote_cluster_id)}", store)
-        group = make_group(self.engine.backend, prefix, rank, self.engine.timeout_ms / 1000.0)
-        link.transport = CollectiveTransport(self.engine.backend, group, 1 - rank, store, device=self.engine.device)
-        log.info("link to cluster %d uses %s (rank %d)", link.remote_cluster_id, self.engine.backend, rank)
+        group = make_group(backend, prefix, rank, self.engine.timeout_ms / 1000.0)
+        transport = link.transport = CollectiveTransport(backend, group, 1 - rank, store, device=self.engine.device)
+        started = time.monotonic()
+        transport.warm(rank, deadline)
+        log.info("link to cluster %d uses %s (rank %d; communicator ready in %.0f ms)", link.remote_cluster_id,
+                 backend, rank, (time.monotonic() - started) * 1000)
 
     # -- client side ---------------------------------------------------------------------
     def link(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> Fault:
@@ -276,11 +303,12 @@ class Linker:
             timeout_ms=self.engine.timeout_ms, is_client=True, local_cluster_id=self.engine.cluster_id,
             on_broken=self.engine.link_broken, transport=transport, peer_epoch_addr=epoch_addr, metrics=self.engine.metrics,
             req_sock=hello_sock, serve_sock=attach_sock)
-        if ack.store_port:
+        backend = self._collective(ack)
+        if ack.store_port and backend is not None:
             from torch._C._distributed_c10d import TCPStore  # torch.distributed's own, as its stubs export it
 
             store = TCPStore(ip, ack.store_port, 2, False, timeout=_seconds(max(0.001, deadline - time.monotonic())))
-            self._join_group(link, store, rank=1)
+            self._join_group(link, store, 1, backend, deadline)
         return link
 
     def _authenticate(self, sock: socket.socket, hello: wire.Hello, remote_cluster_id: int) -> Optional[str]:

@@ -1,12 +1,20 @@
 """NPU device memory, reached through torch_npu's tensors (never as host memory).
 
-torch offers no way to wrap a bare NPU address in a tensor, so every NPU byte datadist
-moves belongs to a tensor it knows: the engine's ``mem_pool_cfg`` pool (one allocation on
-the device) and the tensors of registered caches.  :func:`track` records such a tensor's
-address range (holding it weakly: whoever owns the tensor decides how long it lives);
-:func:`view` turns an address range inside a live one back into a ``uint8`` view of that
-tensor (``narrow``, no copy), which is what the torch executor copies with.  An address
-outside every live tracked tensor is an error, never a host read.
+Every NPU byte datadist moves belongs to a tensor it knows: the engine's ``mem_pool_cfg``
+pool (one allocation on the device), the tensors of registered caches, and tensors over
+registered bare addresses.  :func:`track` records such a tensor's address range (holding
+it weakly: whoever owns the tensor decides how long it lives); :func:`view` turns an
+address range inside a live one back into a ``uint8`` view of that tensor (``narrow``, no
+copy), which is what the torch executor copies with.
+
+A bare address (``tensor.data_ptr()``, as CANN's samples, vllm-ascend and MindIE register
+caches) is resolved by :func:`adopt` the way torch_npu's own NPU graph trees rebuild
+tensors: the allocation it lies in is looked up among torch_npu's caching-allocator blocks
+(``torch.npu.memory_snapshot()``: segments of ``address``/``total_size`` on a ``device``,
+blocks with a ``state``), and that block is wrapped without being owned
+(``torch_npu._C._construct_storage_from_data_pointer`` and
+``_construct_NPU_Tensor_From_Storage_And_Metadata``, ``torch_npu/csrc/npu/Module.cpp``).
+An address in no live allocation of the engine's device is an error, never a host read.
 
 torch_npu is imported only by engines configured for the NPU; :func:`set_device` makes the
 engine's device current on the calling thread (the engine's own threads, never the
@@ -26,7 +34,7 @@ if TYPE_CHECKING:
 
     from .cuda import IpcRegion
 
-__all__ = ["NpuArena", "track", "covers", "view", "set_device", "synchronize"]
+__all__ = ["NpuArena", "track", "covers", "view", "adopt", "set_device", "synchronize"]
 
 _lock = threading.Lock()
 _starts: list[int] = []                   # sorted bases of tracked tensors
@@ -76,10 +84,49 @@ def view(addr: int, nbytes: int, device: str) -> Any:
     """A ``uint8`` tensor over ``nbytes`` at ``addr`` of a live tracked NPU tensor."""
     base, size, tensor = _find(addr)
     if tensor is None or addr + nbytes > base + size:
-        fail(Fault.PARAM_INVALID,
-                    f"{nbytes} bytes at {addr:#x} are not inside an NPU tensor this engine knows (its pool or a "
-                    "registered cache); NPU memory is reached through its tensors only")
+        tensor = adopt([addr], nbytes, device)[0]  # a live allocation of the device, or an error
+        base, size = int(tensor.data_ptr()), int(tensor.numel())
     return _flat(tensor).narrow(0, addr - base, nbytes)
+
+
+def _allocations(device: str) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of the live blocks torch_npu's caching allocator holds on
+    ``device``, sorted."""
+    index = int(device.partition(":")[2] or 0)
+    blocks = []
+    for segment in _npu().memory_snapshot():
+        if int(segment.get("device", -1)) != index:
+            continue
+        blocks += [(int(b["address"]), int(b["size"])) for b in segment.get("blocks", ())
+                   if b.get("state") == "active_allocated"]
+    return sorted(blocks)
+
+
+def adopt(addrs: list[int], nbytes: int, device: str) -> list[Any]:
+    """For each of ``addrs``: a flat ``uint8`` tensor over the whole torch_npu allocation
+    on ``device`` that holds ``nbytes`` at that address (not owning it: the caller keeps
+    the memory alive, as with ``llm_datadist``), tracked.  ``PARAM_INVALID`` for an address
+    whose bytes do not all lie in one live allocation of ``device``."""
+    import torch
+    import torch_npu
+
+    blocks = _allocations(device)
+    starts = [b for b, _ in blocks]
+    out = []
+    for i, addr in enumerate(addrs):
+        k = bisect.bisect_right(starts, addr) - 1
+        if k < 0 or addr + nbytes > blocks[k][0] + blocks[k][1]:
+            fail(Fault.PARAM_INVALID,
+                 f"addrs[{i}] = {addr:#x} ({nbytes} bytes) is not inside a live torch_npu allocation on {device} "
+                 f"({len(blocks)} there); register NPU memory of this engine's device_id, held while registered")
+        base, size = blocks[k]
+        storage = torch_npu._C._construct_storage_from_data_pointer(base, torch.device(device), size)
+        meta = {"dtype": torch.uint8, "device": torch.device(device), "size": (size,), "stride": (1,),
+                "storage_offset": 0}
+        tensor = torch_npu._C._construct_NPU_Tensor_From_Storage_And_Metadata(meta, storage)
+        track(tensor)
+        out.append(tensor)
+    return out
 
 
 def _npu() -> Any:

@@ -69,6 +69,7 @@ class Hello(Message):
     arenas: List[Dict[str, Any]] = field(default_factory=list)     # [{"fd", "size", "base"}]
     device_regions: List[Dict[str, Any]] = field(default_factory=list)  # CUDA IPC regions of the device pool
     backend: str = "auto"
+    device: str = "cpu"                             # where the engine's device caches live: "cpu", "cuda:N", "npu:N"
     remote_cluster_id: U64 = 0                      # whom the client expects to reach
     # With a link secret (datadist.engine.auth): the sender's fresh nonce and its proof,
     # hex.  The first HELLO then carries identity only, none of the memory fields above.

@@ -256,7 +256,7 @@ class _Child:
                     keys: Sequence[Key] = (), bkey: Optional[Key] = None) -> Dict[str, Any]:
         cm = self.engine.cache_manager
         tensors = self._user_tensors(desc)
-        # NPU memory registers as its tensors (torch cannot wrap a bare NPU address)
+        # NPU memory registers as its tensors here (by address: test_fake_npu_device)
         addrs = tensors if desc.device.startswith("npu") else [t.data_ptr() for t in tensors]
         if blocks:
             cache = cm.register_blocks_cache(self._desc(desc), addrs, self._resolve(bkey))

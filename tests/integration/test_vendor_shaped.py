@@ -2,7 +2,8 @@
 ``import llm_datadist`` (tests/integration/vendor_shaped.py): pushes from the decoder,
 both ends linking to each other, a role switch handing one ip:port over, two prompts and a
 decoder, layer-wise async without block indices, a rank-table comm domain with swaps, and
-the pair domains a serving adapter (vllm-ascend) builds between prefills and a decoder.
+the pair domains a serving adapter (vllm-ascend) builds between prefills and a decoder,
+rows pulled by cache key, a cache row pulled into blocks, and a push by cache id and index.
 
 Each scenario runs as real processes joined by a gloo process group (the samples' own
 barriers); the test passes when every process exits 0, and shows each one's output if not.
@@ -13,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -22,8 +24,10 @@ SCRIPT = Path(__file__).with_name("vendor_shaped.py")
 DEADLINE_S = 100
 
 
-def run_scenario(name: str, world: int, ports: int) -> None:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+def run_scenario(name: str, world: int, ports: int, env: Optional[dict] = None) -> None:
+    """Run scenario ``name`` as ``world`` processes (``env``: their environment, default
+    this process's) and assert that every one exits 0."""
+    env = dict(env or os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     port_list = ",".join(str(free_port()) for _ in range(ports))
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), name, str(rank), str(world), port_list], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -52,6 +56,9 @@ def run_scenario(name: str, world: int, ports: int) -> None:
     ("async_whole_cache", 2, 2),
     ("rank_table_pull_and_swap", 2, 1),
     ("adapter_pair_domains", 3, 1),
+    ("pull_cache_by_keys", 2, 1),
+    ("cache_rows_to_blocks", 2, 1),
+    ("push_cache_by_index", 2, 1),
 ])
 def test_vendor_shaped_sample(name: str, world: int, ports: int) -> None:
     run_scenario(name, world, ports)

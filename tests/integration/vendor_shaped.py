@@ -2,7 +2,10 @@
 ``import llm_datadist`` exactly as those samples use it (torch tensors registered by
 address with ``Placement.DEVICE``, a gloo process group for barriers, ``link_clusters`` or
 ``link`` with a rank table, fixed roles and cluster ids).  Only what cannot run here
-changed: tensors are CPU tensors, addresses are loopback, ports are given.
+changed: addresses are loopback and ports are given.  Tensors are CPU tensors, or with
+``VENDOR_DEVICE=npu`` NPU tensors (``.npu()``, each process's device its rank, made current
+with ``torch.npu.set_device`` before anything else as the samples do; ``torch.npu`` comes
+from torch's backend autoload, as with torch_npu: nothing here imports torch_npu).
 
 Run as ``python vendor_shaped.py SCENARIO RANK WORLD PORTS`` with ``MASTER_ADDR`` and
 ``MASTER_PORT`` set; ``PORTS`` is a comma-separated list of free ports.  Exit code 0 means
@@ -12,19 +15,27 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from llm_datadist import (BlocksCacheKey, Cache, CacheDesc, DataType, LayerSynchronizer, LLMClusterInfo, LLMConfig,
-                          LLMDataDist, LLMRole, LLMStatusCode, Placement, RegisterMemStatus,
-                          TransferWithCacheKeyConfig)
+from llm_datadist import (BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType,
+                          LayerSynchronizer, LLMClusterInfo, LLMConfig, LLMDataDist, LLMRole, LLMStatusCode, Placement,
+                          RegisterMemStatus, TransferWithCacheKeyConfig)
 
 IP = "127.0.0.1"
 BLOCKS_NUM = 3
 KV_SHAPE = 10
+NPU = os.environ.get("VENDOR_DEVICE", "cpu") == "npu"
+DEVICE_ID = [0]  # this process's device: its rank on NPUs, else 0
+
+
+def dev(tensor: torch.Tensor) -> torch.Tensor:
+    """Where the samples put their caches: ``tensor.npu()`` (here: on NPUs only)."""
+    return tensor.npu() if NPU else tensor
 
 
 def barrier() -> None:
@@ -32,11 +43,13 @@ def barrier() -> None:
 
 
 def make_engine(role: LLMRole, cluster_id: int, listen: str = "", backend: str = "",
-                cache_manager: bool = False) -> LLMDataDist:
+                cache_manager: bool = False, pool: int = 0) -> LLMDataDist:
     engine = LLMDataDist(role, cluster_id)
     config = LLMConfig()
-    config.device_id = 0
+    config.device_id = DEVICE_ID[0]
     config.local_comm_res = ""
+    if pool:
+        config.mem_pool_cfg = f'{{"memory_size": {pool}}}'
     if cache_manager:
         config.enable_cache_manager = True
         config.enable_remote_cache_accessible = True
@@ -70,8 +83,9 @@ def ok(ret) -> None:
 
 def expect(tensor: torch.Tensor, rows: dict, what: str) -> None:
     for row, value in rows.items():
-        if not torch.equal(tensor[row], torch.full((KV_SHAPE,), float(value))):
-            raise AssertionError(f"{what}: row {row} is {tensor[row].tolist()}, expected all {value}")
+        got = tensor[row].cpu()
+        if not torch.equal(got, torch.full((KV_SHAPE,), float(value))):
+            raise AssertionError(f"{what}: row {row} is {got.tolist()}, expected all {value}")
 
 
 # ---------------------------------------------------------------------------- scenarios
@@ -81,7 +95,7 @@ def push_from_decoder(rank: int, ports: list) -> None:
     prompt_id, decoder_id = 0, 1
     if rank == 0:
         engine = make_engine(LLMRole.PROMPT, prompt_id, f"{IP}:{ports[0]}")
-        tensors = [torch.ones(BLOCKS_NUM, KV_SHAPE), torch.ones(BLOCKS_NUM, KV_SHAPE)]
+        tensors = [dev(torch.ones(BLOCKS_NUM, KV_SHAPE)), dev(torch.ones(BLOCKS_NUM, KV_SHAPE))]
         cache = register(engine, tensors, BlocksCacheKey(prompt_id, 0))
         barrier()  # registered
         barrier()  # the decoder pushed
@@ -90,7 +104,7 @@ def push_from_decoder(rank: int, ports: list) -> None:
         ok(engine.unlink_clusters([cluster(decoder_id, 0)], 5000, force=True))
     else:
         engine = make_engine(LLMRole.DECODER, decoder_id)
-        tensors = [torch.zeros(BLOCKS_NUM, KV_SHAPE), torch.zeros(BLOCKS_NUM, KV_SHAPE)]
+        tensors = [dev(torch.zeros(BLOCKS_NUM, KV_SHAPE)), dev(torch.zeros(BLOCKS_NUM, KV_SHAPE))]
         cache = register(engine, tensors, BlocksCacheKey(decoder_id, 0))
         barrier()
         ok(engine.link_clusters([cluster(prompt_id, ports[0])], 5000))
@@ -106,7 +120,7 @@ def link_both_ways(rank: int, ports: list) -> None:
     the decoder pushes, both unlink their own link."""
     me, peer = rank, 1 - rank
     engine = make_engine(LLMRole.PROMPT if rank == 0 else LLMRole.DECODER, me, f"{IP}:{ports[me]}", backend="hixl")
-    tensors = [torch.full((BLOCKS_NUM, KV_SHAPE), float(1 - rank)) for _ in range(2)]
+    tensors = [dev(torch.full((BLOCKS_NUM, KV_SHAPE), float(1 - rank))) for _ in range(2)]
     cache = register(engine, tensors, BlocksCacheKey(me, 0))
     barrier()  # registered
     ok(engine.link_clusters([cluster(peer, ports[peer], ports[me])], 5000))
@@ -131,7 +145,7 @@ def switch_roles(rank: int, ports: list) -> None:
     prompt_id, decoder_id = 0, 1
     if rank == 0:
         engine = make_engine(LLMRole.PROMPT, prompt_id, f"{IP}:{port}")
-        tensors = [torch.ones(BLOCKS_NUM, KV_SHAPE), torch.ones(BLOCKS_NUM, KV_SHAPE)]
+        tensors = [dev(torch.ones(BLOCKS_NUM, KV_SHAPE)), dev(torch.ones(BLOCKS_NUM, KV_SHAPE))]
         cache = register(engine, tensors, BlocksCacheKey(prompt_id, 0))
         barrier()  # registered
         barrier()  # the decoder pulled and unlinked
@@ -146,7 +160,7 @@ def switch_roles(rank: int, ports: list) -> None:
         ok(engine.unlink_clusters([cluster(decoder_id, port)], 5000, force=True))
     else:
         engine = make_engine(LLMRole.DECODER, decoder_id)
-        tensors = [torch.zeros(BLOCKS_NUM, KV_SHAPE), torch.zeros(BLOCKS_NUM, KV_SHAPE)]
+        tensors = [dev(torch.zeros(BLOCKS_NUM, KV_SHAPE)), dev(torch.zeros(BLOCKS_NUM, KV_SHAPE))]
         cache = register(engine, tensors, BlocksCacheKey(decoder_id, 0))
         barrier()
         ok(engine.link_clusters([cluster(prompt_id, port, port)], 5000))
@@ -183,14 +197,14 @@ def two_prompts_one_decoder(rank: int, ports: list) -> None:
     if rank < 2:
         me = _ip_port_id(ports[rank])
         engine = make_engine(LLMRole.PROMPT, me, f"{IP}:{ports[rank]}")
-        tensor = torch.full((BLOCKS_NUM, KV_SHAPE), float(rank + 1))
+        tensor = dev(torch.full((BLOCKS_NUM, KV_SHAPE), float(rank + 1)))
         cache = register(engine, [tensor], BlocksCacheKey(me, 0))
         barrier()  # registered
         barrier()  # the decoder is done
     else:
         me = _ip_port_id(ports[2])
         engine = make_engine(LLMRole.DECODER, me)
-        tensor = torch.zeros(BLOCKS_NUM, KV_SHAPE)
+        tensor = dev(torch.zeros(BLOCKS_NUM, KV_SHAPE))
         cache = register(engine, [tensor], BlocksCacheKey(me, 0))
         barrier()
         clusters = [cluster(_ip_port_id(p), p) for p in ports[:2]]
@@ -216,8 +230,8 @@ def async_whole_cache(rank: int, ports: list) -> None:
     prompt_id, decoder_id = 0, 1
     if rank == 0:
         engine = make_engine(LLMRole.PROMPT, prompt_id, f"{IP}:{ports[1]}", cache_manager=True)
-        tensors = [torch.arange(BLOCKS_NUM * KV_SHAPE, dtype=torch.float32).reshape(BLOCKS_NUM, KV_SHAPE)
-                   + 100 * i for i in range(2)]
+        tensors = [dev(torch.arange(BLOCKS_NUM * KV_SHAPE, dtype=torch.float32).reshape(BLOCKS_NUM, KV_SHAPE)
+                       + 100 * i) for i in range(2)]
         cache = register(engine, tensors, BlocksCacheKey(prompt_id, 0))
         barrier()
         ok(engine.link_clusters([cluster(decoder_id, ports[0], ports[1])], 5000))
@@ -229,17 +243,34 @@ def async_whole_cache(rank: int, ports: list) -> None:
         ok(engine.unlink_clusters([cluster(decoder_id, ports[0])], 5000, force=True))
     else:
         engine = make_engine(LLMRole.DECODER, decoder_id, f"{IP}:{ports[0]}", cache_manager=True)
-        tensors = [torch.zeros(BLOCKS_NUM, KV_SHAPE) for _ in range(2)]
+        tensors = [dev(torch.zeros(BLOCKS_NUM, KV_SHAPE)) for _ in range(2)]
         cache = register(engine, tensors, BlocksCacheKey(decoder_id, 0))
         barrier()
         barrier()  # the prompt's task is done
         for i, t in enumerate(tensors):
             want = torch.arange(BLOCKS_NUM * KV_SHAPE, dtype=torch.float32).reshape(BLOCKS_NUM, KV_SHAPE) + 100 * i
-            if not torch.equal(t, want):
-                raise AssertionError(f"decoder tensor {i} is {t.tolist()}")
+            if not torch.equal(t.cpu(), want):
+                raise AssertionError(f"decoder tensor {i} is {t.cpu().tolist()}")
         ok(engine.unlink_clusters([cluster(prompt_id, ports[1])], 5000, force=True))
     engine.cache_manager.unregister_cache(cache.cache_id)
     engine.finalize()
+
+
+def domain(engine: LLMDataDist, port: int) -> int:
+    """The samples' ``link``: a comm domain of clusters 1 and 2 from CANN's single-host rank
+    table ("port", our addition, default HCCL's 16666, keeps parallel runs apart), polled
+    with ``query_register_mem_status`` until it is up."""
+    table = {"server_count": "1", "status": "completed", "version": "1.2", "port": port, "server_list": [
+        {"host_ip": IP, "server_id": "1", "device": [
+            {"device_id": "0", "device_ip": IP, "rank_id": "0"},
+            {"device_id": "1", "device_ip": IP, "rank_id": "1"}]}]}
+    comm_id = engine.link("link", {1: 0, 2: 1}, json.dumps(table))
+    deadline = time.monotonic() + 30
+    while engine.query_register_mem_status(comm_id) != RegisterMemStatus.OK:
+        if engine.query_register_mem_status(comm_id) == RegisterMemStatus.FAILED or time.monotonic() > deadline:
+            raise RuntimeError("comm domain did not come up")
+        time.sleep(0.05)  # the sample polls too
+    return comm_id
 
 
 def rank_table_pull_and_swap(rank: int, ports: list) -> None:
@@ -247,25 +278,15 @@ def rank_table_pull_and_swap(rank: int, ports: list) -> None:
     the decoder (default tensor_num_per_layer), then swapped out to a CPU cache and back."""
     cluster_id = rank + 1
     engine = make_engine(LLMRole.PROMPT if rank == 0 else LLMRole.DECODER, cluster_id, cache_manager=True)
-    # CANN's single-host table; "port" (our addition, default HCCL's 16666) keeps parallel runs apart
-    table = {"server_count": "1", "status": "completed", "version": "1.2", "port": ports[0], "server_list": [
-        {"host_ip": IP, "server_id": "1", "device": [
-            {"device_id": "0", "device_ip": IP, "rank_id": "0"},
-            {"device_id": "1", "device_ip": IP, "rank_id": "1"}]}]}
     desc = CacheDesc(num_tensors=1, shape=[2, 1024], data_type=DataType.DT_FLOAT, placement=Placement.DEVICE)
-    tensor = torch.full((2, 1024), 7.0) if rank == 0 else torch.zeros(2, 1024)
+    tensor = dev(torch.full((2, 1024), 7.0) if rank == 0 else torch.zeros(2, 1024))
     key = BlocksCacheKey(1, 0) if rank == 0 else None
     cache = engine.cache_manager.register_blocks_cache(desc, [int(tensor.data_ptr())], key)
-    comm_id = engine.link("link", {1: 0, 2: 1}, json.dumps(table))
-    deadline = time.monotonic() + 30
-    while engine.query_register_mem_status(comm_id) != RegisterMemStatus.OK:
-        if engine.query_register_mem_status(comm_id) == RegisterMemStatus.FAILED or time.monotonic() > deadline:
-            raise RuntimeError("comm domain did not come up")
-        time.sleep(0.05)  # the sample polls too
+    comm_id = domain(engine, ports[0])
     barrier()  # cache ready
     if rank == 1:
         engine.cache_manager.pull_blocks(BlocksCacheKey(1, 0), cache, src_blocks=[0, 1], dst_blocks=[0, 1])
-        if not torch.equal(tensor, torch.full((2, 1024), 7.0)):
+        if not torch.equal(tensor.cpu(), torch.full((2, 1024), 7.0)):
             raise AssertionError("decoder did not receive the prompt's blocks")
         host = torch.zeros(2, 1024)
         host_desc = CacheDesc(num_tensors=1, shape=[2, 1024], data_type=DataType.DT_FLOAT, placement=Placement.HOST)
@@ -273,7 +294,7 @@ def rank_table_pull_and_swap(rank: int, ports: list) -> None:
         engine.cache_manager.swap_blocks(cache, host_cache, {0: 0, 1: 1})
         tensor.zero_()
         engine.cache_manager.swap_blocks(host_cache, cache, {0: 0, 1: 1})
-        if not torch.equal(tensor, torch.full((2, 1024), 7.0)) or not torch.equal(host, tensor):
+        if not torch.equal(tensor.cpu(), torch.full((2, 1024), 7.0)) or not torch.equal(host, tensor.cpu()):
             raise AssertionError("swap out and in did not round-trip")
     barrier()  # pulled
     engine.unlink(comm_id)
@@ -304,8 +325,8 @@ def adapter_pair_domains(rank: int, ports: list) -> None:
     config.enable_cache_manager = True
     config.enable_remote_cache_accessible = True
     engine.init(config.generate_options())
-    k_normed = [torch.full((BLOCKS_NUM, KV_SHAPE), float(10 * rank + 1)) for _ in range(2)]
-    k_pe = [torch.full((BLOCKS_NUM, 4), float(10 * rank + 2)) for _ in range(2)]
+    k_normed = [dev(torch.full((BLOCKS_NUM, KV_SHAPE), float(10 * rank + 1))) for _ in range(2)]
+    k_pe = [dev(torch.full((BLOCKS_NUM, 4), float(10 * rank + 2))) for _ in range(2)]
     caches = []
     for model_id, tensors in enumerate((k_normed, k_pe)):
         desc = CacheDesc(len(tensors), [*tensors[0].shape], DataType.DT_FLOAT)
@@ -325,7 +346,7 @@ def adapter_pair_domains(rank: int, ports: list) -> None:
             for model_id, tensors in enumerate((k_normed, k_pe)):
                 engine.cache_manager.pull_blocks(BlocksCacheKey(cluster_id=cluster_ids[p], model_id=model_id),
                                                  caches[model_id], [0, 1], [1, 2])
-                for t in tensors:
+                for t in (t.cpu() for t in tensors):
                     want = float(10 * p + model_id + 1)
                     if not (torch.all(t[1:] == want) and torch.all(t[0] == float(20 + model_id + 1))):
                         raise AssertionError(f"decoder model {model_id} after pulling from prefill {p}: {t.tolist()}")
@@ -336,12 +357,120 @@ def adapter_pair_domains(rank: int, ports: list) -> None:
     engine.finalize()
 
 
+CACHE_SHAPE = [2, 16 * 1024]
+FP16_DESC = CacheDesc(num_tensors=4, shape=CACHE_SHAPE, data_type=DataType.DT_FLOAT16, placement=Placement.DEVICE)
+
+
+def _row_value(tensor: int, row: int) -> float:
+    return float(10 * tensor + row + 1)
+
+
+def _fill_rows(engine: LLMDataDist, cache: Cache) -> None:
+    """Our addition to the samples: rows the receiving end can recognize."""
+    for i, t in enumerate(engine.cache_manager.get_cache_tensors(cache)):
+        for row in range(t.shape[0]):
+            t[row].fill_(_row_value(i, row))
+
+
+def pull_cache_by_keys(rank: int, ports: list) -> None:
+    """The pull_cache sample: a comm domain first, then pool caches; the prompt's two rows
+    under cache keys, the decoder pulls each into its own batch index; the prompt removes
+    the keys (a no-op once pulled) and frees its cache."""
+    engine = make_engine(LLMRole.PROMPT if rank == 0 else LLMRole.DECODER, rank + 1, cache_manager=True,
+                         pool=4 << 20)
+    comm_id = domain(engine, ports[0])
+    keys = [CacheKey(prompt_cluster_id=1, req_id=r, model_id=0) for r in range(2)]
+    cache = engine.cache_manager.allocate_cache(FP16_DESC, keys if rank == 0 else [])
+    if rank == 0:
+        _fill_rows(engine, cache)
+    barrier()  # cache ready
+    if rank == 1:
+        engine.cache_manager.pull_cache(keys[0], cache, batch_index=0)
+        engine.cache_manager.pull_cache(keys[1], cache, batch_index=1)
+        for i, t in enumerate(engine.cache_manager.get_cache_tensors(cache)):
+            for row in range(2):
+                if not torch.all(t[row].cpu() == _row_value(i, row)):
+                    raise AssertionError(f"decoder tensor {i} row {row} after pull_cache: {t[row].cpu()[:4]}")
+    barrier()  # pulled
+    engine.unlink(comm_id)
+    barrier()  # both unlinked
+    if rank == 0:
+        for key in keys:
+            engine.cache_manager.remove_cache_key(key)
+    engine.cache_manager.deallocate_cache(cache)
+    engine.finalize()
+
+
+def cache_rows_to_blocks(rank: int, ports: list) -> None:
+    """The pull_from_cache_to_blocks sample: the prompt's pool cache row under a cache key,
+    the decoder's registered blocks cache (tensors by address), ``pull_blocks`` with an empty
+    ``src_blocks`` into block 0."""
+    engine = make_engine(LLMRole.PROMPT if rank == 0 else LLMRole.DECODER, rank + 1, cache_manager=True,
+                         pool=4 << 20)
+    key = CacheKey(prompt_cluster_id=1, req_id=0, model_id=0)
+    tensors = []
+    if rank == 1:
+        tensors = [dev(torch.ones(*CACHE_SHAPE, dtype=torch.float16)) for _ in range(4)]
+        cache = engine.cache_manager.register_blocks_cache(FP16_DESC, [t.data_ptr() for t in tensors])
+    comm_id = domain(engine, ports[0])
+    if rank == 0:
+        cache = engine.cache_manager.allocate_cache(FP16_DESC, [key])
+        _fill_rows(engine, cache)
+    barrier()  # cache ready
+    if rank == 1:
+        engine.cache_manager.pull_blocks(key, cache, src_blocks=[], dst_blocks=[0])
+        for i, t in enumerate(tensors):
+            got = t.cpu()
+            if not (torch.all(got[0] == _row_value(i, 0)) and torch.all(got[1] == 1.0)):
+                raise AssertionError(f"decoder tensor {i} after pull_blocks from a cache row: {got[:, :4]}")
+    barrier()  # pulled
+    engine.unlink(comm_id)
+    barrier()  # both unlinked
+    if rank == 0:
+        engine.cache_manager.remove_cache_key(key)
+        engine.cache_manager.deallocate_cache(cache)
+    engine.finalize()
+
+
+def push_cache_by_index(rank: int, ports: list) -> None:
+    """The push_cache sample: caches registered by address (rows, not blocks), the decoder
+    links and pushes its batch 0 into the prompt's cache 1, batch 0, then unlinks."""
+    prompt_id, decoder_id = 0, 1
+    value = float(rank)
+    engine = make_engine(LLMRole.PROMPT if rank == 0 else LLMRole.DECODER, rank,
+                         f"{IP}:{ports[0]}" if rank == 0 else "")
+    tensors = [dev(torch.full((BLOCKS_NUM, KV_SHAPE), value)) for _ in range(2)]
+    desc = CacheDesc(num_tensors=2, shape=[BLOCKS_NUM, KV_SHAPE], data_type=DataType.DT_FLOAT,
+                     placement=Placement.DEVICE)
+    cache = engine.cache_manager.register_cache(desc, [int(t.data_ptr()) for t in tensors])
+    barrier()  # registered
+    if rank == 1:
+        ok(engine.link_clusters([cluster(prompt_id, ports[0])], 5000))
+        engine.cache_manager.push_cache(CacheKeyByIdAndIndex(cluster_id=prompt_id, cache_id=1, batch_index=0),
+                                        cache, src_batch_index=0)
+    barrier()  # pushed
+    if rank == 0:
+        if cache.cache_id != 1:
+            raise AssertionError(f"the sample pushes into cache 1; the prompt's cache is {cache.cache_id}")
+        for t in tensors:
+            expect(t, {0: 1, 1: 0, 2: 0}, "prompt after the decoder's push_cache")
+    else:
+        ok(engine.unlink_clusters([cluster(prompt_id, ports[0])], 5000))
+    barrier()  # unlinked
+    engine.cache_manager.unregister_cache(cache.cache_id)
+    engine.finalize()
+
+
 SCENARIOS = {f.__name__: f for f in (push_from_decoder, link_both_ways, switch_roles, two_prompts_one_decoder,
-                                     async_whole_cache, rank_table_pull_and_swap, adapter_pair_domains)}
+                                     async_whole_cache, rank_table_pull_and_swap, adapter_pair_domains,
+                                     pull_cache_by_keys, cache_rows_to_blocks, push_cache_by_index)}
 
 
 def main() -> None:
     scenario, rank, world, ports = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    if NPU:
+        DEVICE_ID[0] = rank
+        torch.npu.set_device(rank)  # type: ignore[attr-defined]  # torch_npu's, autoloaded
     dist.init_process_group(backend="gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         SCENARIOS[scenario](rank, [int(p) for p in ports.split(",")])

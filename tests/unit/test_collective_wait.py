@@ -50,3 +50,20 @@ def test_completed_work_returns_and_surfaces_its_error() -> None:
     with pytest.raises(RuntimeError, match="peer"):
         wait_work(_Work(done_after=0, error=RuntimeError("peer reset")), time.monotonic() + 5, group, poll=True)
     assert group.aborted == 0
+
+
+class _HcclGroup:
+    """torch_npu's binding: ``abort_hccl_comm(reason)``, and no ``abort``."""
+
+    def __init__(self) -> None:
+        self.reasons: list = []
+
+    def abort_hccl_comm(self, reason: str) -> None:
+        self.reasons.append(reason)
+
+
+def test_an_hccl_group_is_aborted_through_abort_hccl_comm() -> None:
+    group = _HcclGroup()
+    with pytest.raises(TimeoutError):
+        wait_work(_Work(done_after=3600), time.monotonic() + 0.05, group, poll=True)
+    assert group.reasons == ["deadline passed"]

@@ -10,6 +10,7 @@ memory torch can view: host, CUDA, and NPU memory of tensors the engine knows
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from typing import Any, Optional
 
@@ -20,6 +21,8 @@ from .. import cuda, npu
 from ..layout import Plan
 
 __all__ = ["torch_copy_plan"]
+
+log = logging.getLogger("datadist")
 
 _WRAP = 1 << 64
 
@@ -122,9 +125,19 @@ def _spans_viewable(plan: Plan, so: npt.NDArray[np.int64], do: npt.NDArray[np.in
     return True
 
 
+_slow_path_logged = False
+
+
 def _copy_runs(plan: Plan, so: npt.NDArray[np.int64], do: npt.NDArray[np.int64], lens: npt.NDArray[np.int64]) -> int:
     """The plan one run at a time (each run lies in one tensor): for the rare plans whose
-    tensors' spans cross NPU allocations."""
+    tensors' spans cross NPU allocations.  Says so once per process: it is a Python loop
+    per run, far slower than the batched path."""
+    global _slow_path_logged
+    if not _slow_path_logged:
+        _slow_path_logged = True
+        log.warning("torch executor: a plan of %d runs over %d tensors spans several NPU allocations per tensor; "
+                    "copying it run by run (a Python loop, slow); keep each cache tensor in one allocation",
+                    int(lens.shape[0]), int(plan.src_bases.shape[0]))
     total = 0
     for sb, db in zip(plan.src_bases.astype(object), plan.dst_bases.astype(object)):
         for s_off, d_off, n in zip(so.tolist(), do.tolist(), lens.tolist()):

@@ -78,6 +78,22 @@ def make_group(backend: str, store: Store, rank: int, timeout_s: float) -> Proce
 
 #: Backends whose ``Work.wait(timeout)`` does not honour the timeout: their work is polled.
 POLLED_BACKENDS = ("hccl",)
+#: Backends whose communicator forms on the first operation (seconds for HCCL): links warm them.
+LAZY_BACKENDS = ("nccl", "hccl")
+
+
+def abort_group(group: object, reason: str) -> None:
+    """End ``group``'s communicator and its stuck operations, through the binding's own
+    entry point: ``abort_hccl_comm(reason)`` on torch_npu's ``ProcessGroupHCCL``
+    (``abortAndClearHcclComm``), ``abort()`` on torch's ``ProcessGroupNCCL``; gloo has
+    none (its operations end at their timeout)."""
+    try:
+        if hasattr(group, "abort_hccl_comm"):
+            group.abort_hccl_comm(reason)
+        elif hasattr(group, "abort"):
+            group.abort()
+    except RuntimeError as exc:
+        log.debug("process group abort: %s", exc)
 
 
 def wait_work(work: Work, deadline: float, group: object, poll: bool) -> None:
@@ -95,11 +111,7 @@ def wait_work(work: Work, deadline: float, group: object, poll: bool) -> None:
     pause = 20e-6
     while not work.is_completed():
         if time.monotonic() >= deadline:
-            if hasattr(group, "abort"):
-                try:
-                    group.abort()
-                except RuntimeError as exc:
-                    log.debug("process group abort: %s", exc)
+            abort_group(group, "deadline passed")
             raise TimeoutError("the collective operation did not complete before the deadline")
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
@@ -126,6 +138,20 @@ class CollectiveTransport(Transport):
         self.wire_dev = {"gloo": None, "nccl": "cuda", "hccl": "npu"}[backend] if self.staging_dev == "cpu" else None
         self._store = store  # keeps the rendezvous alive as long as the group
         self._poll = backend in POLLED_BACKENDS
+
+    def warm(self, rank: int, deadline: float) -> None:
+        """Form a lazily formed communicator now (one small exchange each way, rank 0
+        sending first), before ``deadline``; a no-op for backends formed at construction.
+        Raises ``TimeoutError`` or the backend's ``RuntimeError``."""
+        if self.name not in LAZY_BACKENDS:
+            return
+        import torch
+
+        group = self._group()
+        probe = torch.zeros(1, dtype=torch.uint8, device=self.staging_dev if self.wire_dev is None else self.wire_dev)
+        for sending in ((True, False) if rank == 0 else (False, True)):
+            op = group.send if sending else group.recv
+            wait_work(op([probe], self.peer_rank, _TAG), deadline, group, self._poll)
 
     # -- initiator side ---------------------------------------------------------------
     def push(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
@@ -201,10 +227,7 @@ class CollectiveTransport(Transport):
 
     def close(self) -> None:
         group, self.group = self.group, None
-        if group is not None and hasattr(group, "abort"):
-            try:
-                group.abort()
-            except RuntimeError as exc:
-                log.debug("process group abort: %s", exc)
+        if group is not None:
+            abort_group(group, "link closed")
         self._store = None
 

@@ -1,0 +1,118 @@
+"""``DatadistConnector``'s worker halves on NPU workers (the fake NPU), driven directly:
+vLLM itself does not run on the fake device, so the two workers get what vLLM would give
+them (vllm-ascend-shaped per-layer KV caches ``(2, num_blocks, block_size, heads,
+head_dim)`` on the worker's NPU, a ``KVCacheConfig``-shaped record, tensor-parallel rank 0
+of 1 from a stand-in ``vllm.distributed.parallel_state``).  The prefill worker (NPU 0)
+registers its caches (their region addresses, ints) and holds a request's blocks; the
+decode worker (NPU 1) pulls them over hccl and tells the prefill worker, which frees them.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fake_npu_env import npu_env  # noqa: F401  (fixture)
+from harness import free_port
+
+pytestmark = [pytest.mark.fake_npu, pytest.mark.timeout(300)]
+
+_WORKER = """
+    import json, sys, time, types, torch
+    from datadist.integrations.vllm.worker import DatadistWorker, Endpoint, RecvJob, Settings
+    role, device, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    torch.npu.set_device(device)
+    NB, SHAPE = 8, (2, 8, 4, 2, 16)  # K and V, num_blocks, block_size, kv heads, head_dim
+
+    def layer(l):
+        return (torch.arange(2 * 8 * 4 * 2 * 16, dtype=torch.float32) % 1000 + l).reshape(SHAPE).half()
+
+    producer = role == "prefill"
+    caches = {f"model.layers.{l}.self_attn.attn": (layer(l) if producer else torch.zeros(SHAPE).half()).npu()
+              for l in range(3)}
+    settings = Settings(host="127.0.0.1", port=port, transfer_backend="auto", timeout_ms=20000,
+                        abort_timeout_s=60.0, idle_wait_ms=10, link_secret_file=None, producer=producer,
+                        consumer=not producer, engine_id="npu-test")
+    worker = DatadistWorker(None, settings, types.SimpleNamespace(kv_cache_groups=[object()], num_blocks=NB))
+    worker.register(caches)
+    deadline = time.monotonic() + 120
+    if producer:
+        endpoint = worker.endpoint
+        print(json.dumps([endpoint.host, endpoint.port, endpoint.cluster_id]), flush=True)
+        worker.start({}, {"req-1": 120.0})
+        while time.monotonic() < deadline:
+            sent, _, _ = worker.finished(set())
+            if sent:
+                print("freed", sorted(sent), flush=True)
+                break
+            time.sleep(0.01)  # the worker's own step loop
+    else:
+        host, port, cluster_id = json.loads(sys.stdin.readline())
+        job = RecvJob(local_blocks=[5, 6], remote_blocks=[1, 2], remote_request_id="req-1",
+                      peers=[Endpoint(host, port, cluster_id)], awaited=True)
+        worker.start({"req-1": job}, {})
+        received = failed = set()
+        while time.monotonic() < deadline and not received:
+            _, received, failed = worker.finished(set())
+            time.sleep(0.01)
+        print("received", sorted(received), "failed", sorted(failed), flush=True)
+        print("path", worker._engine().link_path(cluster_id), flush=True)
+        right = all(torch.equal(t.cpu()[:, [5, 6]], layer(l)[:, [1, 2]]) and not t.cpu()[:, [0, 1, 2, 3, 4, 7]].any()
+                    for l, t in enumerate(caches.values()))
+        print("blocks", "right" if right else "WRONG", flush=True)
+    worker.close()
+"""
+
+
+#: The pieces of vLLM the connector's modules import, as plain stand-ins (what the worker
+#: half asks of vLLM at run time is its tensor-parallel rank).
+_VLLM = {
+    "vllm/__init__.py": "",
+    "vllm/distributed/__init__.py": "",
+    "vllm/distributed/parallel_state.py": "def get_tensor_model_parallel_rank():\n    return 0\n\n\n"
+                                          "def get_tensor_model_parallel_world_size():\n    return 1\n",
+    "vllm/distributed/kv_transfer/__init__.py": "",
+    "vllm/distributed/kv_transfer/kv_connector/__init__.py": "",
+    "vllm/distributed/kv_transfer/kv_connector/v1/__init__.py": "",
+    "vllm/distributed/kv_transfer/kv_connector/v1/base.py": (
+        "import enum\n\n\nclass KVConnectorRole(enum.Enum):\n    SCHEDULER = 0\n    WORKER = 1\n\n\n"
+        "class KVConnectorBase_V1:\n    pass\n\n\nclass KVConnectorTransferResults:\n    pass\n\n\n"
+        "class KVConnectorHandshakeMetadata:\n    pass\n\n\nclass KVConnectorMetadata:\n    pass\n"),
+}
+
+
+@pytest.fixture
+def worker_env(npu_env: dict, tmp_path: Path) -> dict:
+    """The fake NPU, and the stand-ins for vLLM's modules."""
+    for name, text in _VLLM.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return {**npu_env, "PYTHONPATH": f"{npu_env['PYTHONPATH']}:{tmp_path}", "FAKE_HCCL_INIT_DELAY_S": "0.5"}
+
+
+def test_a_prefill_npu_worker_hands_a_requests_blocks_to_a_decode_npu_worker(worker_env: dict) -> None:
+    script = textwrap.dedent(_WORKER)
+    port = str(free_port())
+    prefill = subprocess.Popen([sys.executable, "-c", script, "prefill", "0", port], env=worker_env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert prefill.stdout is not None and prefill.stderr is not None
+        endpoint = prefill.stdout.readline()  # the prefill worker's endpoint, once it registered
+        if not endpoint.startswith("["):
+            prefill.wait(30)
+            pytest.fail(f"prefill worker did not start (exit {prefill.returncode}):\n{prefill.stderr.read()[-4000:]}")
+        decode = subprocess.run([sys.executable, "-c", script, "decode", "1", "0"], env=worker_env, input=endpoint,
+                                capture_output=True, text=True, timeout=180)
+        out, err = prefill.communicate(timeout=120)
+    finally:
+        if prefill.poll() is None:
+            prefill.kill()
+            prefill.wait()
+    assert decode.returncode == 0, f"decode exit {decode.returncode}\n{decode.stdout}\n{decode.stderr[-4000:]}"
+    assert prefill.returncode == 0, f"prefill exit {prefill.returncode}\n{out}\n{err[-4000:]}"
+    assert "received ['req-1'] failed []" in decode.stdout and "blocks right" in decode.stdout, decode.stdout
+    assert "path hccl" in decode.stdout, decode.stdout
+    assert "freed ['req-1']" in out, out
