@@ -232,14 +232,36 @@ class DatadistWorker:
         return errors
 
     # -- the pull thread -----------------------------------------------------------------
+    def sources(self, peers: list[Endpoint]) -> list[Endpoint]:
+        """The prefill ranks this rank would read from, as NixlConnector maps them: with
+        P prefill and D decode ranks, decode rank r reads P/D ranks from r*P/D when P >= D,
+        else rank r*P//D (which holds the heads of r among others)."""
+        count = len(peers)
+        if count >= self.tp_size:
+            per = count // self.tp_size
+            return peers[self.tp_rank * per:(self.tp_rank + 1) * per]
+        return [peers[self.tp_rank * count // self.tp_size]] if count else []
+
+    def _source(self, job: RecvJob) -> Endpoint:
+        """The prefill rank to pull from.  Unequal tensor parallelism (heads are not split
+        or joined per rank yet) refuses the job: nothing is moved, and the prefill ranks
+        this rank reads from are told, so they free the blocks at once (the first one by
+        the caller, as after any refusal)."""
+        sources = self.sources(job.peers)
+        if not sources:
+            raise ValueError("kv_transfer_params name no prefill endpoints (remote_cluster_ids is empty)")
+        if len(job.peers) != self.tp_size:
+            job.refused = (f"prefill instance has {len(job.peers)} tensor-parallel ranks, this one "
+                           f"{self.tp_size}; DatadistConnector needs equal tensor parallelism")
+            for other in sources[1:]:
+                self._tell_pulled(other, job.remote_request_id)
+        return sources[0]
+
     def _pull(self, req_id: str, job: RecvJob) -> None:
         error = None
         peer = None
         try:
-            if len(job.peers) != self.tp_size:
-                raise ValueError(f"prefill instance has {len(job.peers)} tensor-parallel ranks, this one "
-                                 f"{self.tp_size}; DatadistConnector needs equal tensor parallelism")
-            peer = job.peers[self.tp_rank]
+            peer = self._source(job)
             if job.refused:
                 raise ValueError(job.refused)
             if job.local_blocks:

@@ -8,7 +8,8 @@ between instances; these can.  A new request asks the pool (``exists``) how many
 leading blocks beyond vLLM's own prefix-cache hits the pool holds, and loads them before
 it is scheduled (``async_load``), so another instance, or this one after its own cache
 evicted them, skips their prefill.  Saves run after each step's forward (``async_save``);
-a finished request's blocks are freed once its saves are done.
+a finished request's blocks are freed once its saves are done.  ``take_events`` reports
+the blocks saved and those found evicted as vLLM's KV events (see ``events``).
 
 Configuration (``kv_connector_extra_config``): ``server`` (the pool address; default as the
 SDK: ``$EMS_SERVER`` or the node's daemon), ``timeout_ms`` (load and save, 5000),
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
@@ -32,6 +33,7 @@ from datadist.integrations.vllm.stats import EMS_METRICS, ConnectorStats
 
 from ... import CcKvOption
 from ...keys import token_chain_hashes
+from .events import PoolEvents
 from .worker import BlockJob, EmsWorker, PoolIdentity, Settings, init_pool
 
 if TYPE_CHECKING:
@@ -114,6 +116,10 @@ class EmsConnector(SplitConnector["_Scheduler", EmsWorker]):
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler_half.loading.difference_update(connector_output.finished_recving or ())
+        self._scheduler_half.confirm_saves(connector_output.finished_sending or ())
+
+    def take_events(self) -> Iterable[Any]:
+        return self._scheduler_half.events.take()
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         return self._scheduler_half.finished(request), None
@@ -125,9 +131,10 @@ class _Req:
     how many leading blocks are in the pool already (loaded, hit, or saved)."""
 
     hashes: list[int]
-    prompt_len: int
+    tokens: np.ndarray
     blocks: list[int] = field(default_factory=list)
     saved: int = 0
+    save_ranges: list[tuple[int, int]] = field(default_factory=list)  # blocks [start, end) sent to save
     has_saves: bool = False
     counted: bool = False  # its lookup is in the stats (vLLM may ask again before it schedules it)
 
@@ -142,6 +149,8 @@ class _Scheduler:
         self._pending: dict[str, int] = {}      # request id -> first pool block of a planned load
         self._loads: dict[str, BlockJob] = {}
         self.loading: set[str] = set()          # loads the workers have not reported done
+        self._saving: dict[str, _Req] = {}      # finished requests whose saves are not confirmed
+        self.events = PoolEvents(self.block_size)
 
     def connect(self, identity: PoolIdentity) -> None:
         try:
@@ -153,7 +162,7 @@ class _Scheduler:
         req = self._reqs.get(request.request_id)
         if req is None:
             tokens = np.asarray(request.prompt_token_ids or (), dtype=np.int64)
-            req = _Req(hashes=token_chain_hashes(tokens, self.block_size), prompt_len=len(tokens))
+            req = _Req(hashes=token_chain_hashes(tokens, self.block_size), tokens=tokens)
             self._reqs[request.request_id] = req
         return req
 
@@ -165,11 +174,13 @@ class _Scheduler:
             return 0, False
         option = CcKvOption(timeout=self.settings.lookup_timeout_ms)
         hits = self._cc.exists(hashes=req.hashes[start:], option=option).success
+        if start + hits < len(req.hashes):
+            self.events.missing(req.hashes[start + hits])
         if not req.counted:
             req.counted = True
             self.stats.record("hit_blocks", hits)
             self.stats.record("miss_blocks", len(req.hashes) - start - hits)
-        tokens = min((start + hits) * self.block_size, req.prompt_len - 1)  # vLLM computes >= 1 token
+        tokens = min((start + hits) * self.block_size, len(req.tokens) - 1)  # vLLM computes >= 1 token
         if tokens <= num_computed_tokens:
             return 0, False
         self._pending[request.request_id] = start
@@ -212,10 +223,11 @@ class _Scheduler:
 
     def _plan_save(self, req_id: str, req: _Req, computed: int, meta: EmsConnectorMetadata) -> None:
         """Save the prompt blocks this step completes."""
-        full = min(min(computed, req.prompt_len) // self.block_size, len(req.hashes), len(req.blocks))
+        full = min(min(computed, len(req.tokens)) // self.block_size, len(req.hashes), len(req.blocks))
         if self._cc is None or full <= req.saved:
             return
         meta.saves.setdefault(req_id, []).append(BlockJob(req.blocks[req.saved:full], req.hashes[req.saved:full]))
+        req.save_ranges.append((req.saved, full))
         req.saved = full
         req.has_saves = True
 
@@ -227,4 +239,17 @@ class _Scheduler:
             del self._loads[request.request_id]
             self.loading.discard(request.request_id)
             return False
+        if req is not None and req.has_saves:
+            self._saving[request.request_id] = req
         return request.request_id in self.loading or (req is not None and req.has_saves)
+
+    def confirm_saves(self, finished_sending: Iterable[str]) -> None:
+        """The workers finished the saves of ``finished_sending``: their blocks are stored."""
+        size = self.block_size
+        for req_id in finished_sending:
+            req = self._saving.pop(req_id, None)
+            if req is None:
+                continue
+            for start, end in req.save_ranges:
+                self.events.stored(req.hashes[start:end], req.hashes[start - 1] if start else None,
+                                   req.tokens[start * size:end * size].tolist())
