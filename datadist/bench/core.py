@@ -16,10 +16,17 @@ Workloads (see PERF.md):
                 layer per push_blocks (2 tensors x 16 blocks = 4 MiB a call), in layer order.
                 batch_ms / gbps: the whole batch (8 x 32 calls); p50_us / p99_us: one layer
                 call, over all calls of all rounds.  --requests and --layers shrink it.
+  fan-in        --decoders processes (default 8) each linked to this one, all pulling at once
+                16 random blocks of 4 tensors x 2 KiB (128 KiB) per call, 1000 times each; every
+                byte they pulled checked after the rounds (datadist/bench/fanin.py).  gbps: the
+                aggregate; batch_ms: wall time per round; p50_us / p99_us: one pull.
   plan          validation + plan building for 4096 blocks x 64 tensors (all 32 layers, in
                 order and scattered), in one process; p50/p99 per plan; "cached": the same
                 call repeated, finding its plan (keys of both lists, one lookup)
   --sweep       32 MiB in order at block sizes 4 KiB .. 1 MiB
+
+``--hog N`` runs N busy processes beside the measured ones for the whole run (every row
+records ``hog``): the condition of a machine with more runnable threads than cores.
 
 ``--plot OUT`` draws whatever ran into ``OUT.png`` and ``OUT.svg`` (matplotlib, extra
 ``[plot]``): GB/s against block size for a sweep, GB/s per workload otherwise.
@@ -41,7 +48,6 @@ import statistics
 import sys
 import time
 import threading
-from dataclasses import dataclass, replace
 from functools import partial
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -49,92 +55,24 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 import numpy as np
 
 from .. import __version__
+from .fanin import TRANSPORTS as FANIN_TRANSPORTS, run_fanin
+from .hog import Hog
 from .plan import print_plan_rows
 from .record import record
+from .shapes import (DEVICE_ONLY, DEVICES, SWEEP_KIB, TRANSPORTS, WORKLOADS, Workload, blocks, config, desc, filled_source,
+                     pool_bytes, raw_copy_seconds, sized)
 from ..engine.executor import EXECUTORS, executor, set_executor
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from .._cache_manager import CacheManager
-    from .._objects import Cache, CacheDesc
+    from .._objects import Cache
 
 __all__ = ["main", "WORKLOADS", "run", "sized"]
 
 #: One result row (:func:`datadist.bench.record.record`).
 Row = Dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    block_bytes: int
-    blocks: int            # blocks per call: per batch, or per request and layer (layerwise)
-    cache_blocks: int      # blocks in each cache
-    num_tensors: int
-    scatter: bool
-    layerwise: bool = False
-    rounds: int = 5
-    requests: int = 1      # layerwise: requests pushing at once, a thread each
-
-    @property
-    def layers(self) -> int:
-        return self.num_tensors // 2 if self.layerwise else 1
-
-    @property
-    def batch_blocks(self) -> int:
-        """Blocks of each tensor a batch moves (all requests together)."""
-        return self.blocks * self.requests
-
-    @property
-    def batch_bytes(self) -> int:
-        return self.block_bytes * self.batch_blocks * self.num_tensors
-
-
-WORKLOADS = {
-    "inorder-256k": Workload("inorder-256k", 256 << 10, 1024, 1024, 1, False),
-    "scatter-32k": Workload("scatter-32k", 32 << 10, 2048, 2048, 1, True),
-    "small-4k": Workload("small-4k", 4 << 10, 1, 16, 1, False, rounds=2000),
-    "kv-7b": Workload("kv-7b", 128 << 10, 16, 128, 64, True, layerwise=True, rounds=5, requests=8),
-}
-#: ``--sweep``: 32 MiB in order at each block size, for GB/s against block size (``--plot``).
-SWEEP_KIB = (4, 16, 64, 256, 1024)
-WORKLOADS.update({f"sweep-{k}k": Workload(f"sweep-{k}k", k << 10, (32 << 10) // k, (32 << 10) // k, 1, False,
-                                          rounds=5) for k in SWEEP_KIB})
-TRANSPORTS = ("local", "shm", "tcp", "gloo", "nccl", "hccl")
-DEVICES = ("cpu", "cuda", "npu")
-#: Transports that move device memory of one kind only.
-_DEVICE_ONLY = {"nccl": "cuda", "hccl": "npu"}
-
-
-def sized(workload: str, rounds: Optional[int] = None, requests: Optional[int] = None,
-          layers: Optional[int] = None) -> Workload:
-    """The workload ``workload`` with fewer (or more) rounds, requests or layers.
-
-    Raises ``ValueError`` for requests or layers of a workload that is not layer-wise, or
-    for more blocks than a cache holds."""
-    w = WORKLOADS[workload]
-    if (requests is not None or layers is not None) and not w.layerwise:
-        raise ValueError(f"requests and layers apply to layer-wise workloads, not to {workload}")
-    w = replace(w, rounds=w.rounds if rounds is None else rounds,
-                requests=w.requests if requests is None else requests,
-                num_tensors=w.num_tensors if layers is None else 2 * layers)
-    if min(w.rounds, w.requests, w.num_tensors) < 1:
-        raise ValueError(f"{workload}: rounds, requests and layers must be at least 1")
-    if w.batch_blocks > w.cache_blocks:
-        raise ValueError(f"{workload}: {w.requests} requests x {w.blocks} blocks do not fit caches of "
-                         f"{w.cache_blocks} blocks")
-    return w
-
-
-def _blocks(w: Workload) -> Tuple[List[int], List[int]]:
-    """Source and destination blocks of a batch; request r owns the r-th ``w.blocks`` of each."""
-    src = list(range(w.batch_blocks))
-    if w.scatter:
-        dst = [int(b) for b in np.random.default_rng(7).permutation(w.cache_blocks)[: w.batch_blocks]]
-    else:
-        dst = list(range(w.batch_blocks))
-    return src, dst
 
 
 def _digest(tensors: Iterable["torch.Tensor"], blocks: Sequence[int]) -> str:
@@ -144,36 +82,6 @@ def _digest(tensors: Iterable["torch.Tensor"], blocks: Sequence[int]) -> str:
     for t in tensors:
         h.update(t.view(-1, t.shape[-1]).cpu().numpy()[idx].tobytes())
     return h.hexdigest()
-
-
-def _config(transport: str, pool_bytes: int, listen: Optional[str] = None, device: str = "cpu") -> Dict[str, str]:
-    from datadist import LLMConfig
-
-    cfg = LLMConfig()
-    cfg.device_id = 0
-    cfg.sync_kv_timeout = 60000
-    pool = json.dumps({"memory_size": pool_bytes, "page_shift": 16})
-    if device != "cpu":
-        cfg.mem_pool_cfg = pool
-        cfg.device_type = device
-    else:
-        cfg.host_mem_pool_cfg = pool
-        cfg.device_type = "cpu"
-    cfg.transfer_backend = "shm" if transport == "local" else transport
-    if listen:
-        cfg.listen_ip_info = listen
-    return cfg.generate_options()
-
-
-def _desc(w: Workload, device: str = "cpu") -> "CacheDesc":
-    from datadist import CacheDesc, DataType, Placement
-
-    return CacheDesc(w.num_tensors, [w.cache_blocks, w.block_bytes // 2], DataType.DT_FLOAT16,
-                     Placement.DEVICE if device != "cpu" else Placement.HOST)
-
-
-def _pool_bytes(w: Workload) -> int:
-    return w.block_bytes * w.cache_blocks * w.num_tensors + (1 << 20)
 
 
 def _decoder(conn: Connection, w: Workload, transport: str, port: int, device: str,
@@ -188,66 +96,21 @@ def _decoder(conn: Connection, w: Workload, transport: str, port: int, device: s
 
     engine = LLMDataDist(LLMRole.DECODER, 2)
     try:
-        engine.init(_config(transport, _pool_bytes(w), device=device))
-        cache = engine.cache_manager.allocate_blocks_cache(_desc(w, device), BlocksCacheKey(2, 0))
+        engine.init(config(transport, pool_bytes(w), device=device))
+        cache = engine.cache_manager.allocate_blocks_cache(desc(w, device), BlocksCacheKey(2, 0))
         info = LLMClusterInfo()
         info.remote_cluster_id = 1
         info.append_remote_ip_info(prompt_ip, port)
         ret, _ = engine.link_clusters([info], timeout=10000)
         conn.send(("linked", int(ret)))
         if conn.poll(600) and conn.recv() == "digest":
-            _, dst = _blocks(w)
+            _, dst = blocks(w)
             conn.send(("digest", _digest(engine.cache_manager.get_cache_tensors(cache), dst)))
         conn.recv()
     except BaseException as exc:  # reported to the parent, which fails the run
         conn.send(("error", repr(exc)))
     finally:
         engine.finalize()
-
-
-def _memcpy(w: Workload, src_blocks: List[int], dst_blocks: List[int], device: str = "cpu") -> float:
-    """Seconds per batch of a numpy copy of the same blocks in one process (median); on
-    device, of a torch copy of them on that device."""
-    if device != "cpu":
-        return _torch_copy(w, src_blocks, dst_blocks, device)
-    src = np.ones((w.num_tensors * w.cache_blocks, w.block_bytes), np.uint8)
-    dst = np.zeros_like(src)
-    n = len(src_blocks)
-    times = []
-    for _ in range(min(w.rounds, 20) + 1):
-        t = time.perf_counter()
-        for k in range(w.num_tensors):
-            off = k * w.cache_blocks
-            if w.scatter:
-                for i, j in zip(src_blocks, dst_blocks):
-                    dst[off + j] = src[off + i]
-            else:
-                np.copyto(dst[off: off + n], src[off: off + n])
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[1:])
-
-
-def _torch_copy(w: Workload, src_blocks: List[int], dst_blocks: List[int], device: str) -> float:
-    import torch
-
-    src = torch.ones((w.num_tensors * w.cache_blocks, w.block_bytes), dtype=torch.uint8, device=device)
-    dst = torch.zeros_like(src)
-    si = torch.tensor(src_blocks, device=device)
-    di = torch.tensor(dst_blocks, device=device)
-    backend = getattr(torch, device)  # torch.cuda, or torch.npu (torch_npu's)
-    times = []
-    for _ in range(min(w.rounds, 20) + 1):
-        backend.synchronize()
-        t = time.perf_counter()
-        for k in range(w.num_tensors):
-            off = k * w.cache_blocks
-            if w.scatter:
-                dst[off: off + w.cache_blocks].index_copy_(0, di, src[off: off + w.cache_blocks].index_select(0, si))
-            else:
-                dst[off: off + len(src_blocks)].copy_(src[off: off + len(src_blocks)])
-        backend.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[1:])
 
 
 class _Decoder:
@@ -286,22 +149,6 @@ class _Decoder:
         self.process.join(30)
         if self.process.is_alive():
             self.process.kill()
-
-
-def _filled_source(cm: "CacheManager", w: Workload, device: str) -> "Cache":
-    """The source blocks cache (``BlocksCacheKey(1, 0)``), filled with seeded random data:
-    one random tensor, xor-ed with each tensor's index (every block differs from every other,
-    at a fraction of the cost of drawing each tensor)."""
-    import torch
-    from datadist import BlocksCacheKey
-
-    src = cm.allocate_blocks_cache(_desc(w, device), BlocksCacheKey(1, 0))
-    tensors = cm.get_cache_tensors(src)
-    base = torch.randint(-2**15, 2**15, tuple(tensors[0].shape), dtype=torch.int16,
-                         generator=torch.Generator().manual_seed(1))
-    for k, tensor in enumerate(tensors):
-        tensor.view(torch.int16).copy_(base ^ k)
-    return src
 
 
 def _push_batch(cm: "CacheManager", src: "Cache", src_blocks: List[int],
@@ -397,7 +244,7 @@ def _result(w: Workload, transport: str, device: str, batches: List[float], call
     """The row of a verified run: its timings (of each batch, of each call) next to a raw
     copy of the same blocks; a layer-wise workload adds its shape."""
     med = statistics.median(batches)
-    memcpy_s = _memcpy(w, src_blocks, dst_blocks, device)
+    memcpy_s = raw_copy_seconds(w, src_blocks, dst_blocks, device)
     us = sorted(t * 1e6 for t in calls)
     extra: Row = {}
     if w.layerwise:
@@ -423,17 +270,17 @@ def run(workload: str, transport: str, device: str = "cpu", *, rounds: Optional[
     from datadist import LLMDataDist, LLMRole
 
     w = sized(workload, rounds, requests, layers)
-    src_blocks, dst_blocks = _blocks(w)
+    src_blocks, dst_blocks = blocks(w)
     local = transport == "local"
     engine = LLMDataDist(LLMRole.PROMPT if not local else LLMRole.MIX, 1)
     decoder: Optional[_Decoder] = None
     try:
-        engine.init(_config(transport, _pool_bytes(w) * (2 if local else 1),
-                            listen=None if local else f"{hosts[0] if hosts else '127.0.0.1'}:0", device=device))
+        engine.init(config(transport, pool_bytes(w) * (2 if local else 1),
+                           listen=None if local else f"{hosts[0] if hosts else '127.0.0.1'}:0", device=device))
         cm = engine.cache_manager
-        src = _filled_source(cm, w, device)
+        src = filled_source(cm, w, device)
         if local:
-            dst = cm.allocate_blocks_cache(_desc(w, device))
+            dst = cm.allocate_blocks_cache(desc(w, device))
             batches = calls = _timed(partial(cm.swap_blocks, src, dst, dict(zip(src_blocks, dst_blocks))), w.rounds)
         else:
             decoder = _Decoder(w, transport, engine.listen_port, device, hosts)
@@ -476,12 +323,22 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hosts", action="append", metavar="RATE",
                     help="run over tcp between two hosts (network namespaces, root) whose links run at RATE "
                          "(1gbit, 10gbit), next to one raw TCP stream; repeat for several rates")
+    ap.add_argument("--decoders", type=_positive, metavar="N",
+                    help="fan-in: decoder processes pulling from the prompt at once (default 8)")
+    ap.add_argument("--hog", type=_count, default=0, metavar="N",
+                    help="N busy processes run beside the measured ones (a CPU hog; default 0)")
     return ap
 
 
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
+    return int(text)
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not a count (0 or more): {text!r}")
     return int(text)
 
 
@@ -501,7 +358,7 @@ def _apply(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         sees, problem = npu_probe()
         if not sees:
             ap.error(f"--device npu: {problem or 'torch_npu is not installed or sees no NPU'}")
-    for transport, device in _DEVICE_ONLY.items():
+    for transport, device in DEVICE_ONLY.items():
         if transport in (args.transport or ()) and args.device != device:
             ap.error(f"--transport {transport} needs --device {device}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -511,20 +368,35 @@ def _apply(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def _run_workload(wl: str, transports: Sequence[str], args: argparse.Namespace) -> List[Row]:
     """Run ``wl`` over each transport, printing each row as it comes."""
     rows = []
-    shape = {"requests": args.requests, "layers": args.layers} if WORKLOADS[wl].layerwise else {}
+    w = WORKLOADS[wl]
+    shape = {"requests": args.requests, "layers": args.layers} if w.layerwise else {}
     for tr in transports:
-        row = run(wl, tr, args.device, rounds=args.rounds, **shape)
+        if w.decoders and tr not in FANIN_TRANSPORTS:
+            continue  # a fan-in needs decoder processes
+        if w.decoders:
+            row = run_fanin(sized(wl, args.rounds, decoders=args.decoders), tr, args.device)
+        else:
+            row = run(wl, tr, args.device, rounds=args.rounds, **shape)
+        row["hog"] = args.hog
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)
             continue
-        calls = "" if "calls" not in row else (
-            f"   ({row['requests']} requests x {row['layers']} layers: {row['calls']} calls of "
-            f"{row['call_mib']:g} MiB a batch; p50/p99 of one call)" if row["calls"] > 1 else
-            f"   (one call of {row['call_mib']:g} MiB a batch)")
+        calls = _shape_note(row)
         print(f"{wl:14s} {tr:9s} {row['gbps']:8.2f} {row['batch_ms']:9.3f} {row['p50_us']:9.1f} "
               f"{row['p99_us']:9.1f} {row['raw_copy_gbps']:13.2f} {row['ratio']:6.2f}{calls}", flush=True)
     return rows
+
+
+def _shape_note(row: Row) -> str:
+    """What a row's batch and percentiles are, for the table (nothing for one call a batch)."""
+    if "decoders" in row:
+        return (f"   ({row['decoders']} decoders x {row['rounds']} pulls of {row['call_kib']} KiB; aggregate GB/s, "
+                f"batch: one pull of each; p50/p99 of one pull)")
+    return "" if "calls" not in row else (
+            f"   ({row['requests']} requests x {row['layers']} layers: {row['calls']} calls of "
+            f"{row['call_mib']:g} MiB a batch; p50/p99 of one call)" if row["calls"] > 1 else
+            f"   (one call of {row['call_mib']:g} MiB a batch)")
 
 
 def _plot(rows: List[Row], out: str, sweep: bool) -> None:
@@ -541,13 +413,16 @@ def _selection(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Tuple[L
     standard = [w for w in WORKLOADS if not w.startswith("sweep-")] + ["plan"]
     sweep = [f"sweep-{k}k" for k in SWEEP_KIB]
     workloads: List[str] = sweep if args.sweep else (args.workload or standard)
-    transports: List[str] = args.transport or [t for t in TRANSPORTS if _DEVICE_ONLY.get(t, args.device) == args.device]
+    transports: List[str] = args.transport or [t for t in TRANSPORTS if DEVICE_ONLY.get(t, args.device) == args.device]
     _check_sizes(ap, args, workloads)
     return workloads, transports
 
 
 def _check_sizes(ap: argparse.ArgumentParser, args: argparse.Namespace, workloads: Sequence[str]) -> None:
-    """Refuse ``--requests`` / ``--layers`` without a layer-wise workload, or too large."""
+    """Refuse ``--requests`` / ``--layers`` without a layer-wise workload, or too large, and
+    ``--decoders`` without the fan-in."""
+    if args.decoders and not any(w in WORKLOADS and WORKLOADS[w].decoders for w in workloads):
+        ap.error("--decoders applies to fan-in, which is not among the workloads")
     layerwise = [w for w in workloads if w in WORKLOADS and WORKLOADS[w].layerwise]
     if (args.requests or args.layers) and not layerwise:
         ap.error("--requests and --layers apply to kv-7b, which is not among the workloads")
@@ -572,11 +447,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.json:
         print(f"{'workload':14s} {'transport':9s} {'GB/s':>8s} {'batch ms':>9s} {'p50 us':>9s} {'p99 us':>9s} "
               f"{'raw copy GB/s':>13s} {'x raw':>6s}", flush=True)
-    for wl in workloads:
-        if wl == "plan":
-            print_plan_rows(args.json, args.rounds)
-        else:
-            rows.extend(_run_workload(wl, transports, args))
+    with Hog(args.hog):
+        for wl in workloads:
+            if wl == "plan":
+                print_plan_rows(args.json, args.rounds)
+            else:
+                rows.extend(_run_workload(wl, transports, args))
     if args.plot:
         _plot(rows, args.plot, args.sweep)
     return 0

@@ -26,7 +26,14 @@ call) reads ``gbps`` and ``batch_ms`` as the whole batch (every call of every re
 time from the first request's start to the last one's end), ``p50_us`` / ``p99_us`` as one
 layer call over all calls of all rounds, and ``blocks`` as blocks per call; it adds
 ``requests``, ``layers``, ``calls`` (calls in a batch), ``rounds`` (timed batches) and
-``call_mib`` (payload of one call).  Other rows may add fields of their own after these.
+``call_mib`` (payload of one call).  The fan-in workload (``fan-in``: several decoder
+processes pulling from one prompt at once) reads ``gbps`` as the aggregate of all decoders
+(every pulled byte over the wall time from the first decoder's start to the last one's end),
+``batch_ms`` as that wall time per round (one pull of each decoder) and ``p50_us`` /
+``p99_us`` as one pull over all pulls; it adds ``decoders``, ``rounds``, ``calls`` (pulls in
+all), ``call_kib`` (payload of one pull) and ``checked_blocks``.  Rows of ``datadist.bench``
+add ``hog``: the busy processes that ran beside the measured ones (``--hog``, 0 without).
+Other rows may add fields of their own after these.
 """
 from __future__ import annotations
 

@@ -34,6 +34,7 @@ from .handshake import REFUSAL, ServerAuth
 from .incoming import Incoming, NotTls, Pending, RateLimitedLog, tls_refusal
 from .layout import Plan
 from .link import Link
+from .polling import LOAD
 from .requests import OK, RequestHandler
 
 if TYPE_CHECKING:
@@ -47,11 +48,6 @@ log = logging.getLogger("datadist")
 _HANDSHAKE_S = 5.0
 _EMPTY = np.zeros(0, dtype=np.uint64)
 _NO_PAYLOAD = Plan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
-#: How long the agent polls a link for its next request after answering one (half of what
-#: a caller spins for its reply; none on one core, where spinning would starve the peer).
-_SPIN_US = native.SPIN_US // 2
-#: Spins that caught nothing before the agent spins only every ``_PROBE``-th request.
-_MISSES, _PROBE = 4, 8
 #: More than a frame that opens a link may hold (taken from a refused plaintext peer).
 _OPENING_BYTES = 1 << 17
 
@@ -90,6 +86,7 @@ class Agent:
     def __init__(self, engine: Engine, listen: Optional[tuple[str, int]]) -> None:
         self.engine = engine
         self._sel = selectors.DefaultSelector()
+        self._watched = 0  # links registered with the selector
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -193,6 +190,7 @@ class Agent:
             # every read of a request that has started arriving.
             sock.settimeout(self.engine.timeout_ms / 1000.0)
             self._sel.register(sock, selectors.EVENT_READ, link)
+            self._watched += 1
 
     def unwatch(self, link: Link) -> None:
         self.call(lambda: self._unregister(link))
@@ -204,7 +202,8 @@ class Agent:
         try:
             self._sel.unregister(sock)
         except (KeyError, ValueError):
-            pass
+            return
+        self._watched -= 1
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread and close the agent's sockets; idempotent."""
@@ -388,26 +387,31 @@ class Agent:
 
     # -- serving --------------------------------------------------------------------------
     def _serve_burst(self, link: Link) -> None:
-        """Serve a request of ``link``, then the next ones as long as each arrives within
-        :data:`_SPIN_US` of the previous answer: a peer moving layer after layer (or block
-        after block) then never waits for this thread to wake from the selector, which
-        costs more than the spin on a busy or virtual machine.  Adaptive: after
-        :data:`_MISSES` spins in a row that caught nothing (sparse traffic, or a machine
-        too busy to answer quickly) only every :data:`_PROBE`-th request spins, until one
-        catches a request again.  A spin polls without the GIL; other links wait at most
-        that long."""
+        """Serve a request of ``link``, then the next ones as long as each arrives within a
+        spin after the previous answer: a peer moving layer after layer (or block after
+        block) then never waits for this thread to wake from the selector.  Whether and
+        how long to spin is ``link.serve_spin``'s decision (:mod:`.polling`: none while
+        the machine has more runnable threads than cores, rarely after spins that caught
+        nothing).  With other links watched the spin watches them all (the selector's own
+        descriptor): a request of another link ends it, and the loop serves that one, so
+        no link waits for a spin on another.  A spin polls without the GIL."""
         self._serve(link)
-        while tls.buffered(link.serve_sock) and link.broken is None and not self._stop:
-            self._serve(link)  # requests already decrypted: the selector would not wake for them
-        link.spin_turn += 1
-        if link.spin_misses >= _MISSES and link.spin_turn % _PROBE:
-            return
         sock = link.serve_sock
+        policy = link.serve_spin
         while not self._stop and link.broken is None and sock is not None and sock.fileno() >= 0:
-            if not (tls.buffered(sock) or native.spin_readable(sock.fileno(), _SPIN_US)):
-                link.spin_misses += 1
+            if tls.buffered(sock):
+                self._serve(link)  # requests already decrypted: the selector would not wake for them
+                continue
+            spin = policy.spin_us(LOAD.busy())
+            if not spin:
                 return
-            link.spin_misses = 0
+            fd = sock.fileno()
+            if not native.spin_readable(fd if self._watched <= 1 else self._sel.fileno(), spin):
+                policy.missed()
+                return
+            policy.caught()
+            if self._watched > 1 and not native.spin_readable(fd, 1):
+                return  # another link's request: the loop serves it
             self._serve(link)
 
     def _serve(self, link: Link) -> None:

@@ -12,7 +12,7 @@ first asks the socket for bytes it has decrypted already.
 Thread rules: public calls hold ``lock`` for the whole transfer (one transfer per link at a
 time, taken in arrival order; a prepared transfer that finds the link busy is run by the
 holder, see :mod:`.turns`; ``unlink`` during a transfer is ``LLM_LINK_BUSY``).  The agent
-thread touches only ``serve_sock``, ``broken`` and the ``spin_*`` counters.
+thread touches only ``serve_sock``, ``broken`` and ``serve_spin``.
 """
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ from ssl import SSLSocket
 from typing import TYPE_CHECKING, Callable, NamedTuple, NoReturn, Optional, Sequence, Union
 
 from .errors import EngineError, Fault, fail
-from .transports.base import ANY_CACHE, Prepared, RemoteCache, StaleLookup, Transport
+from .transports.base import Prepared, RemoteCache, StaleLookup, Transport
 from .turns import Turns, Unserved
 from . import native, tls, wire
+from .polling import LOAD, SpinPolicy
 from .keys import CacheRef
 from .layout import Plan, tensor_span
 from .lookups import PeerLookups
@@ -49,6 +50,11 @@ def _retry(outcome: bool | Exception, from_cache: bool) -> bool:
     cached lookup can cause)."""
     return isinstance(outcome, StaleLookup) or (
         from_cache and isinstance(outcome, EngineError) and outcome.fault in _RETRYABLE)
+
+
+#: How long the agent polls for a link's next request after answering one, at most: half of
+#: what a caller spins for its reply (whether either spins at all: :mod:`.polling`).
+SERVE_SPIN_US = native.SPIN_US // 2
 
 
 class _Job(NamedTuple):
@@ -97,8 +103,8 @@ class Link(PeerLookups):
         self._closed = False
         self._close_when_idle = False
         self.closing = False         # set by unlink: the end of the streams is expected
-        self.spin_turn = 0           # agent thread: requests served, and spins in a row that
-        self.spin_misses = 0         # caught no next request (``Agent._serve_burst``)
+        self.req_spin = SpinPolicy(native.SPIN_US)   # waits for this end's replies (turn holder)
+        self.serve_spin = SpinPolicy(SERVE_SPIN_US)  # agent thread: waits for the peer's next request
         #: The engine's counts (told of a break and of the release), if any, and this link's
         #: transfer counts (written only by the holder of ``lock``, :mod:`.metrics`).
         self.metrics = metrics
@@ -165,7 +171,10 @@ class Link(PeerLookups):
             self.send_request(msg, deadline, send_plan)
             return self.read_reply(deadline)
         try:
-            head = native.request(sock.fileno(), msg, send_plan, len(wire.OK_FRAME), native.ms_until(deadline))
+            spin = self.req_spin.spin_us(LOAD.busy())
+            started = time.perf_counter()
+            head = native.request(sock.fileno(), msg, send_plan, len(wire.OK_FRAME), native.ms_until(deadline), spin)
+            self.req_spin.outcome(spin, (time.perf_counter() - started) * 1e6)
             if head == wire.OK_FRAME:
                 return wire.OK
             sock.settimeout(max(0.001, deadline - time.monotonic()))
@@ -193,7 +202,10 @@ class Link(PeerLookups):
         sock = self._request_sock()
         try:
             if not (isinstance(sock, SSLSocket) and sock.pending()):  # TLS: bytes poll() cannot see
-                native.wait_readable(sock.fileno(), native.ms_until(deadline))
+                spin = self.req_spin.spin_us(LOAD.busy())
+                started = time.perf_counter()
+                native.wait_readable(sock.fileno(), native.ms_until(deadline), spin)
+                self.req_spin.outcome(spin, (time.perf_counter() - started) * 1e6)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             return wire.read_answer(sock)
         except (OSError, wire.WireError) as exc:  # TimeoutError is an OSError

@@ -10,7 +10,7 @@ from typing import List
 import pytest
 from ems_helpers import ENV
 
-from datadist.bench import core as bench
+from datadist.bench import core as bench, shapes
 from datadist.bench.record import FIELDS
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,9 +27,9 @@ def test_kv_7b_is_a_7b_models_cache_pushed_by_8_requests() -> None:
     assert w.block_bytes == 16 * 32 * 128 * 2  # 16 tokens x 32 heads x 128 dims x fp16
     assert w.block_bytes * w.blocks * 2 == 4 << 20  # one layer call: K and V, 16 blocks each
     assert w.batch_bytes == 1 << 30 and w.block_bytes * w.cache_blocks * w.num_tensors == 1 << 30
-    src, dst = bench._blocks(w)
+    src, dst = shapes.blocks(w)
     assert src == list(range(128)) and sorted(dst) == list(range(128)) and dst != src
-    assert bench._pool_bytes(w) >= 1 << 30
+    assert shapes.pool_bytes(w) >= 1 << 30
 
 
 def test_sizes_are_checked() -> None:
