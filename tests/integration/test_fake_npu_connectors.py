@@ -34,7 +34,7 @@ _WORKER = """
     caches = {f"model.layers.{l}.self_attn.attn": (layer(l) if producer else torch.zeros(SHAPE).half()).npu()
               for l in range(3)}
     settings = Settings(host="127.0.0.1", port=port, transfer_backend="auto", timeout_ms=20000,
-                        abort_timeout_s=60.0, idle_wait_ms=10, link_secret_file=None, producer=producer,
+                        lease_s=60.0, max_pulls=4, idle_wait_ms=10, link_secret_file=None, producer=producer,
                         consumer=not producer, engine_id="npu-test")
     worker = DatadistWorker(None, settings, types.SimpleNamespace(kv_cache_groups=[object()], num_blocks=NB))
     worker.register(caches)
@@ -49,6 +49,7 @@ _WORKER = """
                 print("freed", sorted(sent), flush=True)
                 break
             time.sleep(0.01)  # the worker's own step loop
+        sys.stdin.readline()  # the decode worker is done with the link: close it only now
     else:
         host, port, cluster_id = json.loads(sys.stdin.readline())
         job = RecvJob(local_blocks=[5, 6], remote_blocks=[1, 2], remote_request_id="req-1",
@@ -81,6 +82,10 @@ _VLLM = {
         "import enum\n\n\nclass KVConnectorRole(enum.Enum):\n    SCHEDULER = 0\n    WORKER = 1\n\n\n"
         "class KVConnectorBase_V1:\n    pass\n\n\nclass KVConnectorTransferResults:\n    pass\n\n\n"
         "class KVConnectorHandshakeMetadata:\n    pass\n\n\nclass KVConnectorMetadata:\n    pass\n"),
+    # vLLM's stats base is a dataclass holding ``data``; the worker records into it.
+    "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py": (
+        "import dataclasses\n\n\n@dataclasses.dataclass\nclass KVConnectorStats:\n"
+        "    data: dict = dataclasses.field(default_factory=dict)\n\n\nclass KVConnectorPromMetrics:\n    pass\n"),
 }
 
 
@@ -97,7 +102,7 @@ def test_a_prefill_npu_worker_hands_a_requests_blocks_to_a_decode_npu_worker(wor
     script = textwrap.dedent(_WORKER)
     port = str(free_port())
     prefill = subprocess.Popen([sys.executable, "-c", script, "prefill", "0", port], env=worker_env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert prefill.stdout is not None and prefill.stderr is not None
         endpoint = prefill.stdout.readline()  # the prefill worker's endpoint, once it registered
@@ -106,7 +111,7 @@ def test_a_prefill_npu_worker_hands_a_requests_blocks_to_a_decode_npu_worker(wor
             pytest.fail(f"prefill worker did not start (exit {prefill.returncode}):\n{prefill.stderr.read()[-4000:]}")
         decode = subprocess.run([sys.executable, "-c", script, "decode", "1", "0"], env=worker_env, input=endpoint,
                                 capture_output=True, text=True, timeout=180)
-        out, err = prefill.communicate(timeout=120)
+        out, err = prefill.communicate("done\n", timeout=120)
     finally:
         if prefill.poll() is None:
             prefill.kill()
