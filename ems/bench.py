@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from datadist.bench.children import collect_reports
 from datadist.bench.record import record
 from datadist.engine.executor import executor
 
@@ -296,15 +297,7 @@ def _client(server: str, args: argparse.Namespace, index: int, conn: Connection)
 
 
 def _reports(conns: List[Connection], what: str) -> List[Tuple[Any, ...]]:
-    out = []
-    for i, conn in enumerate(conns):
-        if not conn.poll(600):
-            raise SystemExit(f"client {i} sent no {what!r} report within 600 s")
-        msg = conn.recv()
-        if msg[0] != what:
-            raise SystemExit(f"client {i} failed: {msg}")
-        out.append(msg)
-    return out
+    return collect_reports(conns, what, "client", 600, SystemExit)
 
 
 def run_clients(args: argparse.Namespace) -> List[Dict[str, Any]]:

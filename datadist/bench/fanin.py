@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .children import collect_reports
 from .record import record
 from .shapes import Workload, config, desc, filled_source, pool_bytes, raw_copy_seconds, source_base
 from ..engine.executor import executor
@@ -114,15 +115,7 @@ class _Decoders:
     def reports(self, what: str) -> List[Tuple[Any, ...]]:
         """Every decoder's next report, which must be ``what``; raises naming the first that
         failed or stayed silent."""
-        out = []
-        for i, conn in enumerate(self.conns):
-            if not conn.poll(_REPORT_S):
-                raise RuntimeError(f"decoder {i} sent no {what!r} report within {_REPORT_S:.0f} s")
-            msg = conn.recv()
-            if msg[0] != what:
-                raise RuntimeError(f"decoder {i} failed: {msg}")
-            out.append(msg)
-        return out
+        return collect_reports(self.conns, what, "decoder", _REPORT_S)
 
     def run(self) -> List[Tuple[Any, ...]]:
         """Start them, wait until all are linked and warm, start their rounds at once and

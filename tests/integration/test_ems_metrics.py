@@ -6,12 +6,11 @@ import os
 import socket
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from typing import Dict, Tuple
 
 import pytest
 
+from http_get import http_get
 from metrics_doc import documented_families, served_families
 from ems_helpers import ENV, check, daemon_factory, free_port, run_client  # noqa: F401
 
@@ -31,17 +30,9 @@ print(saved.success, loaded.success, missed.success)
 """
 
 
-def _get(url: str) -> Tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            return reply.status, reply.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
 def _samples(port: int) -> Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float]:
     """Every sample of the daemon's /metrics: (name, sorted labels) -> value."""
-    status, text = _get(f"http://127.0.0.1:{port}/metrics")
+    status, text = http_get(f"http://127.0.0.1:{port}/metrics")
     assert status == 200, text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
@@ -50,7 +41,7 @@ def _samples(port: int) -> Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float]:
 def test_families_count_requests_tiers_puts_and_refusals(daemon_factory, tmp_path) -> None:  # noqa: F811
     port = free_port()
     daemon = daemon_factory(disk_dir=tmp_path / "disk", extra=["--metrics-port", f"127.0.0.1:{port}"])
-    assert _get(f"http://127.0.0.1:{port}/healthz") == (200, "ready: memory, disk\n")
+    assert http_get(f"http://127.0.0.1:{port}/healthz") == (200, "ready: memory, disk\n")
     assert check(run_client(SAVE_AND_LOAD.format(server=daemon.dir))).split() == ["2", "2", "0"]
     with socket.socket(socket.AF_UNIX) as bad:
         bad.settimeout(20)
@@ -62,7 +53,7 @@ def test_families_count_requests_tiers_puts_and_refusals(daemon_factory, tmp_pat
         except ConnectionResetError:  # closed with some of our bytes unread: the end too
             pass
 
-    assert served_families(_get(f"http://127.0.0.1:{port}/metrics")[1]) == documented_families("ems_")
+    assert served_families(http_get(f"http://127.0.0.1:{port}/metrics")[1]) == documented_families("ems_")
     got = _samples(port)
     assert got[("ems_requests_total", (("operation", "commit"), ("outcome", "ok")))] >= 1
     assert got[("ems_requests_total", (("operation", "hello"), ("outcome", "ok")))] >= 1
@@ -87,7 +78,7 @@ def test_health_names_an_unreachable_remote_tier(daemon_factory, tmp_path) -> No
     port = free_port()
     daemon = daemon_factory(remote=f"redis://127.0.0.1:{free_port()}",
                             extra=["--metrics-port", f"127.0.0.1:{port}"])
-    status, text = _get(f"http://127.0.0.1:{port}/healthz")
+    status, text = http_get(f"http://127.0.0.1:{port}/healthz")
     assert status == 503 and text.startswith("not ready: remote: redis://127.0.0.1:"), text
     check(run_client(SAVE_AND_LOAD.format(server=daemon.dir)))
     assert _samples(port)[("ems_tier_errors_total", (("tier", "remote"),))] >= 1

@@ -7,13 +7,14 @@ import os
 import subprocess
 import sys
 import textwrap
-import urllib.error
 import urllib.request
 from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 
+
 from datadist import LLMStatusCode as S
+from http_get import http_get
 from metrics_doc import documented_families, served_families
 from harness import (DECODER_ID, PROMPT_ID, Desc, Peer, Ref, base_config, blocks_key, expect_llm, free_port)
 
@@ -74,14 +75,6 @@ def test_metrics_count_transfers_bytes_outcomes_and_links(peer_factory: Callable
     assert prompt.call("engine", "metrics")["transfers"] == []
 
 
-def _get(url: str) -> Tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            return reply.status, reply.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
 def test_endpoint_serves_the_families_and_health(peer_factory: Callable[..., Any]) -> None:
     """``datadist.MetricsPort`` serves Prometheus' text format at /metrics, and /healthz."""
     pytest.importorskip("prometheus_client")
@@ -94,7 +87,7 @@ def test_endpoint_serves_the_families_and_health(peer_factory: Callable[..., Any
     other.alloc("dst", BLOCKS, blocks=True)
     other.cm("pull_blocks", blocks_key(PROMPT_ID, 7), Ref("dst"), [1], [0])
 
-    status, text = _get(f"http://127.0.0.1:{port}/metrics")
+    status, text = http_get(f"http://127.0.0.1:{port}/metrics")
     assert status == 200
     cluster = DECODER_ID + 5
     assert (f'datadist_transfers_total{{cluster="{cluster}",operation="pull_blocks",outcome="LLM_SUCCESS",'
@@ -102,8 +95,8 @@ def test_endpoint_serves_the_families_and_health(peer_factory: Callable[..., Any
     assert (f'datadist_transfer_bytes_total{{cluster="{cluster}",operation="pull_blocks",transport="tcp"}} '
             f'{float(4 * BLOCK_BYTES)}') in text
     assert served_families(text) == documented_families("datadist_")  # docs/operations.md's table
-    assert _get(f"http://127.0.0.1:{port}/healthz") == (200, "1 engine(s) initialized\n")
-    assert _get(f"http://127.0.0.1:{port}/nothing")[0] == 404
+    assert http_get(f"http://127.0.0.1:{port}/healthz") == (200, "1 engine(s) initialized\n")
+    assert http_get(f"http://127.0.0.1:{port}/nothing")[0] == 404
     other.call("finalize")
     with pytest.raises(OSError):  # the endpoint went with the engine
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
