@@ -12,7 +12,6 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 
-
 from datadist import LLMStatusCode as S
 from http_get import http_get
 from metrics_doc import documented_families, served_families
