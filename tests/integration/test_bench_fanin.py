@@ -3,24 +3,17 @@ decoders pulled, and a shortened run (few decoders and rounds, with and without 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from typing import List
 
 import pytest
 import torch
-from ems_helpers import ENV
+from bench_cli import run_bench
 
 from datadist.bench import fanin, shapes
 from datadist.bench.hog import Hog
 from datadist.bench.record import FIELDS
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _run(*args: str, timeout: float = 50) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "datadist.bench", *args], capture_output=True, text=True,
-                          env=ENV, timeout=timeout)
 
 
 def test_fan_in_is_8_decoders_pulling_16_blocks_of_4_tensors_of_2_kib() -> None:
@@ -58,7 +51,7 @@ def test_a_hog_runs_busy_processes_only_inside_its_block() -> None:
 
 @pytest.mark.timeout(150)
 def test_a_shortened_fan_in_reports_verified_rows_of_the_one_schema() -> None:
-    proc = _run("--workload", "fan-in", "--transport", "shm", "--transport", "tcp", "--transport", "local",
+    proc = run_bench("--workload", "fan-in", "--transport", "shm", "--transport", "tcp", "--transport", "local",
                 "--decoders", "2", "--rounds", "30", "--hog", "1", "--json", timeout=140)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -77,6 +70,6 @@ def test_a_shortened_fan_in_reports_verified_rows_of_the_one_schema() -> None:
     (["--workload", "fan-in", "--hog", "x"], "--hog"),
 ])
 def test_bad_flags_are_one_line(flags: List[str], named: str) -> None:
-    proc = _run(*flags, "--transport", "shm")
+    proc = run_bench(*flags, "--transport", "shm")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert named in proc.stderr.strip().splitlines()[-1], proc.stderr

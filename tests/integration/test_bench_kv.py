@@ -3,22 +3,15 @@ shortened run over both process-to-process transports (few requests and layers).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from typing import List
 
 import pytest
-from ems_helpers import ENV
+from bench_cli import run_bench
 
 from datadist.bench import core as bench, shapes
 from datadist.bench.record import FIELDS
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _run(*args: str, timeout: float = 50) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "datadist.bench", *args], capture_output=True, text=True,
-                          env=ENV, timeout=timeout)
 
 
 def test_kv_7b_is_a_7b_models_cache_pushed_by_8_requests() -> None:
@@ -57,7 +50,7 @@ def test_a_failing_request_fails_the_round_with_its_own_error() -> None:
 
 @pytest.mark.timeout(90)
 def test_a_shortened_kv_7b_run_reports_verified_rows_of_the_one_schema() -> None:
-    proc = _run("--workload", "kv-7b", "--transport", "shm", "--transport", "tcp", "--requests", "2", "--layers",
+    proc = run_bench("--workload", "kv-7b", "--transport", "shm", "--transport", "tcp", "--requests", "2", "--layers",
                 "2", "--rounds", "2", "--json", timeout=80)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -78,6 +71,6 @@ def test_a_shortened_kv_7b_run_reports_verified_rows_of_the_one_schema() -> None
     (["--workload", "kv-7b", "--rounds", "0"], "--rounds"),
 ])
 def test_bad_sizes_are_one_line(flags: List[str], named: str) -> None:
-    proc = _run(*flags, "--transport", "shm")
+    proc = run_bench(*flags, "--transport", "shm")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert named in proc.stderr.strip().splitlines()[-1], proc.stderr

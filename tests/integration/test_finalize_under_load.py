@@ -3,7 +3,7 @@ every call its peer has in flight to it, ends with a status (an ``LLMException``
 a bound: none hangs, none dies of something else, the process survives."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
@@ -29,12 +29,17 @@ def _check(errors: List[Optional[Dict[str, Any]]]) -> None:
         assert e["status_code"] in ENDINGS, e
 
 
-@pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t in ("shm", "tcp")])
-def test_finalize_ends_the_calls_in_flight_with_a_status(peer_factory: Any, transport: str) -> None:
-    pair = peer_factory("pair", transport)
-    p, d = pair.peers()
+def _linked_pair(peer_factory: Any, transport: str) -> Tuple[Any, Any]:
+    """A linked prompt and decoder, each with its blocks cache (source, destination)."""
+    p, d = peer_factory("pair", transport).peers()
     p.alloc("src", BLOCKS, blocks=True, bkey=blocks_key(PROMPT_ID))
     d.alloc("dst", BLOCKS, blocks=True, bkey=blocks_key(DECODER_ID))
+    return p, d
+
+
+@pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t in ("shm", "tcp")])
+def test_finalize_ends_the_calls_in_flight_with_a_status(peer_factory: Any, transport: str) -> None:
+    p, d = _linked_pair(peer_factory, transport)
     pull = ("pull_blocks", (blocks_key(PROMPT_ID), Ref("dst"), ALL, ALL), {})
     out = d.call("finalize_under_load", *pull, THREADS, BOUND_S, timeout=BOUND_S + 30)
     assert min(out["calls"]) >= 1
@@ -44,10 +49,7 @@ def test_finalize_ends_the_calls_in_flight_with_a_status(peer_factory: Any, tran
 
 @pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t in ("shm", "tcp")])
 def test_the_peer_of_a_finalized_engine_gets_a_status(peer_factory: Any, transport: str) -> None:
-    pair = peer_factory("pair", transport)
-    p, d = pair.peers()
-    p.alloc("src", BLOCKS, blocks=True, bkey=blocks_key(PROMPT_ID))
-    d.alloc("dst", BLOCKS, blocks=True, bkey=blocks_key(DECODER_ID))
+    p, d = _linked_pair(peer_factory, transport)
     pending = d.start_call("loop", "pull_blocks", (blocks_key(PROMPT_ID), Ref("dst"), ALL, ALL), {}, BOUND_S + 10)
     assert pending.note() == "running"
     p.call("finalize")
