@@ -121,7 +121,10 @@ def test_all_pinned_means_no_space(store):
     assert store.reserve(store.new_owner(), ts, ["x"], [PAGE], False)[0] >= 0
 
 
-def test_spill_to_tier_and_fill_back_and_corruption():
+@pytest.fixture
+def spilled():
+    """A store of two pages over a disk tier after values a, b, c were put: a was spilled
+    to the disk tier.  Yields ``(store, disk, tenant space, owner)``."""
     disk = FakeTier()
     s = Store(2 * PAGE, arena_size=4 * PAGE, disk=disk)
     try:
@@ -129,17 +132,22 @@ def test_spill_to_tier_and_fill_back_and_corruption():
         put(s, owner, ts, "a", 1)
         put(s, owner, ts, "b", 2)
         put(s, owner, ts, "c", 3)  # evicts a -> disk
-        assert ("t", "a") in disk.data and s.counters["spills"] == 1
-        assert s.exists(ts, ["a", "b", "c"], False) == 3
-        lease, got = s.get(owner, ts, ["a"], False)
-        assert len(got) == 1 and (arena_bytes(ts, got[0].off) == 1).all()
-        s.release(owner, lease)
-        disk.data[("t", "z")] = (bytes(PAGE), checksum(np.zeros(PAGE, np.uint8)))
-        disk.corrupt = True
-        _lease, got = s.get(owner, ts, ["z"], False)
-        assert got == [] and disk.discarded == ["z"] and s.counters["corrupt"] == 1
+        yield s, disk, ts, owner
     finally:
         s.close(spill=False)
+
+
+def test_spill_to_tier_and_fill_back_and_corruption(spilled):
+    s, disk, ts, owner = spilled
+    assert ("t", "a") in disk.data and s.counters["spills"] == 1
+    assert s.exists(ts, ["a", "b", "c"], False) == 3
+    lease, got = s.get(owner, ts, ["a"], False)
+    assert len(got) == 1 and (arena_bytes(ts, got[0].off) == 1).all()
+    s.release(owner, lease)
+    disk.data[("t", "z")] = (bytes(PAGE), checksum(np.zeros(PAGE, np.uint8)))
+    disk.corrupt = True
+    _lease, got = s.get(owner, ts, ["z"], False)
+    assert got == [] and disk.discarded == ["z"] and s.counters["corrupt"] == 1
 
 
 def test_tenants_have_separate_arenas(store):
@@ -169,26 +177,18 @@ def test_allocator_first_fit_and_coalescing():
         arena.close()
 
 
-def test_gets_are_counted_by_tier_and_pending_puts_by_reservation():
+def test_gets_are_counted_by_tier_and_pending_puts_by_reservation(spilled):
     """A get counts a hit or a miss in each tier it looks in (memory first, then the disk
     tier, named by the tier); reservations count as pending puts until committed."""
-    disk = FakeTier()
-    s = Store(2 * PAGE, arena_size=4 * PAGE, disk=disk)
-    try:
-        ts, owner = s.space("t"), s.new_owner()
-        put(s, owner, ts, "a", 1)
-        put(s, owner, ts, "b", 2)
-        put(s, owner, ts, "c", 3)  # evicts a -> disk
-        lease, _ = s.get(owner, ts, ["b", "a", "x"], False)  # memory hit, disk hit, miss everywhere
-        s.release(owner, lease)
-        counts = {k: v for k, v in s.stats().items() if k.startswith(("memory_", "fake_"))}
-        assert s.tiers == ["memory", "fake"]
-        assert counts == {"memory_hits": 1, "memory_hit_bytes": PAGE, "memory_misses": 2,
-                          "fake_hits": 1, "fake_hit_bytes": PAGE, "fake_misses": 1}
-        assert s.pending_puts() == 0
-        (off,) = s.reserve(owner, ts, ["d"], [PAGE], False)
-        assert off >= 0 and s.pending_puts() == 1
-        s.abort(owner, ts, [off])
-        assert s.pending_puts() == 0
-    finally:
-        s.close(spill=False)
+    s, _disk, ts, owner = spilled
+    lease, _ = s.get(owner, ts, ["b", "a", "x"], False)  # memory hit, disk hit, miss everywhere
+    s.release(owner, lease)
+    counts = {k: v for k, v in s.stats().items() if k.startswith(("memory_", "fake_"))}
+    assert s.tiers == ["memory", "fake"]
+    assert counts == {"memory_hits": 1, "memory_hit_bytes": PAGE, "memory_misses": 2,
+                      "fake_hits": 1, "fake_hit_bytes": PAGE, "fake_misses": 1}
+    assert s.pending_puts() == 0
+    (off,) = s.reserve(owner, ts, ["d"], [PAGE], False)
+    assert off >= 0 and s.pending_puts() == 1
+    s.abort(owner, ts, [off])
+    assert s.pending_puts() == 0
