@@ -292,6 +292,7 @@ class Peer:
              expect_ok: bool = True) -> Tuple[int, List[int]]:
         """``link_clusters`` from this peer (the client) to ``remote`` (the server)."""
         port = port if port is not None else remote.listen_port
+        remote.wait_ready()  # its listener is up only once its engine has initialized
         ret, rets = self.call("link", [(remote.cluster_id, remote.address, port)], timeout_ms,
                               timeout=timeout_ms / 1000 + CALL_TIMEOUT_S)
         if expect_ok:

@@ -20,17 +20,22 @@ exists and is empty or holds this process's pid.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import datetime
 import os
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
 
 _PAUSE_MIN, _PAUSE_MAX = 50e-6, 2e-3
+_EXIT_JOIN_S = 5.0
+
+_GROUPS: "weakref.WeakSet[ProcessGroupHCCL]" = weakref.WeakSet()
 
 
 class HcclError(RuntimeError):
@@ -96,6 +101,7 @@ class ProcessGroupHCCL:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"fake-hccl-{rank}", daemon=True)
         self._thread.start()
+        _GROUPS.add(self)
 
     def rank(self) -> int:
         return self._rank
@@ -201,3 +207,15 @@ class ProcessGroupHCCL:
                 if work in self._pending:
                     self._pending.remove(work)
             work._finish(error)
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Abort every live group and join its thread before the interpreter finalizes: a
+    daemon thread still inside a store call (C++) while finalization tears the store down
+    ends the process in ``std::terminate``."""
+    groups = list(_GROUPS)
+    for group in groups:
+        group.abort_hccl_comm("process exit")
+    for group in groups:
+        group._thread.join(_EXIT_JOIN_S)
