@@ -34,7 +34,7 @@ from .handshake import REFUSAL, ServerAuth
 from .incoming import Incoming, NotTls, Pending, RateLimitedLog, tls_refusal
 from .layout import Plan
 from .link import Link
-from .polling import LOAD
+from .polling import LOAD, SpinPolicy
 from .requests import OK, RequestHandler
 
 if TYPE_CHECKING:
@@ -405,14 +405,23 @@ class Agent:
             spin = policy.spin_us(LOAD.busy())
             if not spin:
                 return
-            fd = sock.fileno()
-            if not native.spin_readable(fd if self._watched <= 1 else self._sel.fileno(), spin):
-                policy.missed()
+            if self._watched > 1:
+                # Wait for any link's request, then let the loop serve every ready link in
+                # turn: serving this link again first would let one fast peer starve the rest.
+                self._spin_outcome(policy, native.spin_readable(self._sel.fileno(), spin))
                 return
-            policy.caught()
-            if self._watched > 1 and not native.spin_readable(fd, 1):
-                return  # another link's request: the loop serves it
+            if not self._spin_outcome(policy, native.spin_readable(sock.fileno(), spin)):
+                return
             self._serve(link)
+
+    @staticmethod
+    def _spin_outcome(policy: SpinPolicy, caught: bool) -> bool:
+        """Tell ``policy`` whether its spin caught a request; returns ``caught``."""
+        if caught:
+            policy.caught()
+        else:
+            policy.missed()
+        return caught
 
     def _serve(self, link: Link) -> None:
         sock = link.serve_sock
