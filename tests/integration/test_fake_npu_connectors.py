@@ -1,10 +1,13 @@
-"""``DatadistConnector``'s worker halves on NPU workers (the fake NPU), driven directly:
+"""The connectors' worker halves on NPU workers (the fake NPU), driven directly:
 vLLM itself does not run on the fake device, so the two workers get what vLLM would give
 them (vllm-ascend-shaped per-layer KV caches ``(2, num_blocks, block_size, heads,
 head_dim)`` on the worker's NPU, a ``KVCacheConfig``-shaped record, tensor-parallel rank 0
 of 1 from a stand-in ``vllm.distributed.parallel_state``).  The prefill worker (NPU 0)
 registers its caches (their region addresses, ints) and holds a request's blocks; the
 decode worker (NPU 1) pulls them over hccl and tells the prefill worker, which frees them.
+``EmsConnector``'s halves do the same through an ``ems-server``: the prefill worker saves a
+request's blocks from NPU 0 into the pool, the decode worker loads them into other blocks of
+NPU 1.
 """
 from __future__ import annotations
 
@@ -82,6 +85,9 @@ _VLLM = {
         "import enum\n\n\nclass KVConnectorRole(enum.Enum):\n    SCHEDULER = 0\n    WORKER = 1\n\n\n"
         "class KVConnectorBase_V1:\n    pass\n\n\nclass KVConnectorTransferResults:\n    pass\n\n\n"
         "class KVConnectorHandshakeMetadata:\n    pass\n\n\nclass KVConnectorMetadata:\n    pass\n"),
+    "vllm/distributed/kv_events.py": (
+        "MEDIUM_CPU = 'CPU'\n\n\nclass BlockStored:\n    def __init__(self, **kw):\n        self.__dict__.update(kw)\n\n\n"
+        "class BlockRemoved(BlockStored):\n    pass\n"),
     # vLLM's stats base is a dataclass holding ``data``; the worker records into it.
     "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py": (
         "import dataclasses\n\n\n@dataclasses.dataclass\nclass KVConnectorStats:\n"
@@ -121,3 +127,58 @@ def test_a_prefill_npu_worker_hands_a_requests_blocks_to_a_decode_npu_worker(wor
     assert "received ['req-1'] failed []" in decode.stdout and "blocks right" in decode.stdout, decode.stdout
     assert "path hccl" in decode.stdout, decode.stdout
     assert "freed ['req-1']" in out, out
+
+
+_EMS_WORKER = """
+    import sys, time, types, torch
+    from ems.integrations.vllm.worker import BlockJob, EmsWorker, Settings
+    role, device = sys.argv[1], int(sys.argv[2])
+    torch.npu.set_device(device)
+    SHAPE = (2, 8, 4, 2, 16)  # K and V, num_blocks, block_size, kv heads, head_dim
+
+    def layer(l):
+        return (torch.arange(2 * 8 * 4 * 2 * 16, dtype=torch.float32) % 1000 + l).reshape(SHAPE).half()
+
+    saving = role == "prefill"
+    caches = {f"model.layers.{l}.self_attn.attn": (layer(l) if saving else torch.zeros(SHAPE).half()).npu()
+              for l in range(3)}
+    config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=4),
+                                   model_config=types.SimpleNamespace(model="npu-tiny"))
+    worker = EmsWorker(config, Settings(server=None, timeout_ms=20000, lookup_timeout_ms=5000, model_id=None),
+                       types.SimpleNamespace(kv_cache_groups=[object()], num_blocks=8))
+    worker.register(caches)
+    print("device", next(iter(caches.values())).device, "identity device", worker.identity.device_id, flush=True)
+    deadline = time.monotonic() + 120
+    if saving:
+        worker.save({"req-1": [BlockJob(block_ids=[1, 2], hashes=[0x51, 0x52])]})
+        sent = set()
+        while time.monotonic() < deadline and not sent:
+            sent, _, _ = worker.finished({"req-1"})
+            time.sleep(0.01)  # the worker's own step loop
+        print("saved", sorted(sent), flush=True)
+    else:
+        worker.load({"req-1": BlockJob(block_ids=[5, 6], hashes=[0x51, 0x52])})
+        received = set()
+        while time.monotonic() < deadline and not received:
+            _, received, failed = worker.finished(set())
+            time.sleep(0.01)
+        print("received", sorted(received), "failed", sorted(failed), flush=True)
+        right = all(torch.equal(t.cpu()[:, [5, 6]], layer(l)[:, [1, 2]]) and not t.cpu()[:, [0, 1, 2, 3, 4, 7]].any()
+                    for l, t in enumerate(caches.values()))
+        print("blocks", "right" if right else "WRONG", flush=True)
+    worker.close()
+"""
+
+
+def test_a_prefill_npu_worker_saves_blocks_an_ems_decode_npu_worker_loads(worker_env: dict, ems_pool_dir: str) -> None:
+    script = textwrap.dedent(_EMS_WORKER)
+    env = {**worker_env, "EMS_SERVER": ems_pool_dir}
+    outs = []
+    for role, device in (("prefill", "0"), ("decode", "1")):
+        done = subprocess.run([sys.executable, "-c", script, role, device], env=env, capture_output=True, text=True,
+                              timeout=180)
+        assert done.returncode == 0, f"{role} exit {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}"
+        outs.append(done.stdout)
+    assert "device npu:0 identity device 0" in outs[0] and "saved ['req-1']" in outs[0], outs[0]
+    assert "device npu:1 identity device 1" in outs[1], outs[1]
+    assert "received ['req-1'] failed []" in outs[1] and "blocks right" in outs[1], outs[1]
