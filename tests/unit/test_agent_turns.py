@@ -1,0 +1,71 @@
+"""The agent's order of service over real socket pairs: with several links watched, a link
+it has just served does not go first again while another link's request waits (one fast
+peer must not keep the agent while the others wait)."""
+from __future__ import annotations
+
+import selectors
+import socket
+from typing import Iterator
+
+import pytest
+
+from datadist.engine import polling
+from datadist.engine.agent import Agent
+from datadist.engine.link import Link
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def two_links(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Agent, Link, Link, list[Link], socket.socket, socket.socket]]:
+    """An agent's serving loop state (no thread of its own) watching links A and B; serving a
+    link reads one byte (one request) of it.  Yields the agent, both links, the links served
+    in order, and the peers' ends of A and B."""
+    agent = Agent.__new__(Agent)  # the loop's state only: these tests call its steps themselves
+    agent._sel = selectors.DefaultSelector()
+    agent._stop = False
+    agent._watched = 0
+    socks = []
+    links = []
+    for cluster in (1, 2):
+        ours, peer = socket.socketpair()
+        socks += [ours, peer]
+        link = Link(remote_cluster_id=cluster, remote_role=0, peer_pid=0, timeout_ms=5000, is_client=False,
+                    serve_sock=ours)
+        agent._sel.register(ours, selectors.EVENT_READ, link)
+        agent._watched += 1
+        links.append(link)
+    served: list[Link] = []
+
+    def serve(link: Link) -> None:
+        served.append(link)
+        assert link.serve_sock is not None
+        link.serve_sock.recv(1)
+
+    monkeypatch.setattr(agent, "_serve", serve)
+    monkeypatch.setattr(polling.LOAD, "busy", lambda: False)  # an idle machine: the agent may spin
+    try:
+        yield agent, links[0], links[1], served, socks[1], socks[3]
+    finally:
+        agent._sel.close()
+        for s in socks:
+            s.close()
+
+
+def test_a_link_just_served_waits_for_the_others(two_links) -> None:
+    agent, a, b, served, a_peer, b_peer = two_links
+    a_peer.sendall(b"12")  # A's request and its next one, already there
+    b_peer.sendall(b"1")   # B's request, waiting
+    agent._serve_burst(a)
+    assert served == [a]   # back to the loop, which serves B next
+    ready = [key.data for key, _ in agent._sel.select(0)]
+    assert a in ready and b in ready
+
+
+def test_a_lone_link_keeps_its_burst(two_links) -> None:
+    agent, a, b, served, a_peer, _ = two_links
+    agent._sel.unregister(b.serve_sock)
+    agent._watched = 1
+    a_peer.sendall(b"123")  # requests that arrive back to back are served without the loop
+    agent._serve_burst(a)
+    assert served == [a, a, a]
