@@ -1,5 +1,12 @@
-"""Opening links: the handshake on both ends, which builds each :class:`~.link.Link`
-complete (its transport, sockets and attach token) before the engine installs it.
+"""Opening links: the handshake on both ends, which makes each :class:`~.link.Link`.
+
+The client's link is complete when the engine installs it: both sockets, its transport, a
+collective link's process group joined.  The server installs its link when the ``HELLO``
+is accepted, with what it has then (the socket it serves, a socket transport, the attach
+token, a collective link's ``TCPStore``); the ``ATTACH`` brings its request socket, and a
+collective link gets its transport once the process group is joined
+(:meth:`Linker.after_attach`).  Its ``ready`` event is set only then: the engine hands out
+ready links only (``Engine.get_link``).
 
 Client side (:meth:`Linker.link`): connect to the server's listen address, ``HELLO`` (this
 engine's pid, host, epoch page and pool arenas; with a link secret, an authenticated
