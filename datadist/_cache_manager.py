@@ -5,7 +5,7 @@ contract's exceptions, nothing changed on failure), builds one coalesced plan wi
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -23,8 +23,8 @@ from .engine.layout import Plan, plan_units
 from .engine.memo import remember
 from .engine.memory import PoolExhausted
 from .engine.registry import Registry
-from ._planning import (Side, cache_ref, blocks_plan, int_arg, layer_range_arg, row_plan, row_size_arg,
-                        tensors_per_layer)
+from ._planning import (Side, cache_ref, blocks_plan, int_arg, layer_range_arg, local_side, peer_cluster, row_plan,
+                        row_size_arg, tensors_per_layer)
 from ._transfer_async import CacheTask, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig, start_task
 from .engine.transports.base import RemoteCache
 from .engine.transports.local import LocalTransport
@@ -37,8 +37,6 @@ __all__ = ["CacheManager"]
 #: Call shapes of push_blocks / pull_blocks whose handles a cache manager keeps.
 _HANDLES = 128
 
-#: A key naming a peer cache (or one of its rows).
-_PeerKey = Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey]
 #: Registered memory: its int addresses, the tensors among ``addrs``, its device, its IPC regions.
 _Memory = Tuple[List[int], Tuple["torch.Tensor", ...], str, Tuple[cuda.IpcRegion, ...]]
 
@@ -273,21 +271,7 @@ class CacheManager:
 
     # -- local side of transfers --------------------------------------------------------
     def _local(self, cache: Cache) -> Side:
-        if not isinstance(cache, Cache):
-            raise TypeError(f"cache must be a Cache, got {type(cache).__name__}")
-        if cache.cache_id < 0:  # Cache.create_cpu_cache: not registered with the engine
-            return Side.of_cache(cache)
-        rec = self._registry.get(cache.cache_id)
-        if rec is None:
-            raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                        f"cache {cache.cache_id} is not (or no longer) known to this engine")
-        return Side(rec.addrs, rec.num_tensors, rec.tensor_size, rec.batch_size, rec.device, rec.dtype)
-
-    @staticmethod
-    def _key_cluster(key: object, what: str, kinds: Tuple[Type[_PeerKey], ...]) -> int:
-        if not isinstance(key, kinds):
-            raise TypeError(f"{what} must be one of {', '.join(k.__name__ for k in kinds)}, got {type(key).__name__}")
-        return key.cluster_id  # the key's owner (prompt_cluster_id of a CacheKey or BlocksCacheKey)
+        return local_side(self._registry, cache)
 
     # -- pulls ---------------------------------------------------------------------------
     def pull_cache(self, cache_key: Union[CacheKey, CacheKeyByIdAndIndex], cache: Cache, batch_index: int = 0,
@@ -295,7 +279,7 @@ class CacheManager:
                    tensor_num_per_layer: int = 2) -> None:
         """Pull one remote row (by ``CacheKey`` or ``CacheKeyByIdAndIndex``) into row
         ``batch_index`` of ``cache``; ``size`` bytes per tensor (-1: the whole row)."""
-        cluster = self._key_cluster(cache_key, "cache_key", (CacheKey, CacheKeyByIdAndIndex))
+        cluster = peer_cluster(cache_key, "cache_key", (CacheKey, CacheKeyByIdAndIndex))
         dst = self._local(cache)
         row = int_arg("batch_index", batch_index)
         if not 0 <= row < dst.batch_size:
@@ -337,7 +321,7 @@ class CacheManager:
                    src_batch_index: int = 0, src_layer_range: Optional[range] = None,
                    dst_layer_range: Optional[range] = None, size: int = -1, tensor_num_per_layer: int = 2) -> None:
         """Push row ``src_batch_index`` of ``src_cache`` into the remote row the key names."""
-        cluster = self._key_cluster(dst_cache_key, "dst_cache_key", (CacheKeyByIdAndIndex, CacheKey))
+        cluster = peer_cluster(dst_cache_key, "dst_cache_key", (CacheKeyByIdAndIndex, CacheKey))
         src = self._local(src_cache)
         row = int_arg("src_batch_index", src_batch_index)
         if not 0 <= row < src.batch_size:
@@ -375,7 +359,7 @@ class CacheManager:
     def _prepared(self, push: bool, peer_key: Any, cache: Cache, src_blocks: Optional[Sequence[int]],
                   dst_blocks: Optional[Sequence[int]], src_layer_range: Optional[range],
                   dst_layer_range: Optional[range], tensor_num_per_layer: int) -> TransferHandle:
-        handle = TransferHandle(self, push, peer_key, cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        handle = self._new_handle(push, peer_key, cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
         if (src_blocks is None) != (dst_blocks is None):
             raise TypeError("give both src_blocks and dst_blocks, or neither")
         if src_blocks is not None and dst_blocks is not None:
@@ -393,10 +377,17 @@ class CacheManager:
             known = handles.get(ident)
             if known is not None:
                 return known
-        handle = TransferHandle(self, push, peer_key, cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        handle = self._new_handle(push, peer_key, cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
         if ident is not None:
             remember(handles, ident, handle, _HANDLES)
         return handle
+
+    def _new_handle(self, push: bool, peer_key: Any, cache: Cache, src_layer_range: Optional[range],
+                    dst_layer_range: Optional[range], tensor_num_per_layer: int) -> TransferHandle:
+        """A handle that reaches links and the registry through the engine running when it
+        asks (a finalized one's errors are the contract's)."""
+        return TransferHandle(lambda cluster: self._engine.get_link(cluster), lambda: self._registry, push, peer_key,
+                              cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs: Sequence[Union[TransferConfig, TransferWithCacheKeyConfig]],

@@ -19,11 +19,11 @@ peer refuses a stale request, which is then looked up and planned again).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Hashable, Optional, Sequence, Sized, Tuple, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional, Sequence, Sized, Tuple, cast
 
 from ._objects import BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex
-from ._planning import (BlockList, Side, block_list_arg, blocks_plan, cache_ref, check_nonempty,
-                        row_blocks_plan)
+from ._planning import (BlockList, PeerKey, Side, block_list_arg, blocks_plan, cache_ref, check_nonempty,
+                        local_side, peer_cluster, row_blocks_plan)
 from ._status import LLMStatusCode, api_class, raise_error
 from .engine import native
 from .engine.layout import Plan
@@ -31,7 +31,6 @@ from .engine.memo import Weighed
 from .engine.transports.base import Prepared, RemoteCache
 
 if TYPE_CHECKING:
-    from ._cache_manager import CacheManager
     from .engine.link import Link
     from .engine.registry import CacheRecord, Registry
 
@@ -45,7 +44,6 @@ MAX_BATCH = 256
 #: key take about 40 bytes per entry, so a handle holds at most about 1.3 MiB of them.
 PLAN_BLOCKS_PER_HANDLE = 32768
 
-PeerKey = Union[BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex]
 _PUSH_KEYS = (BlocksCacheKey, CacheKeyByIdAndIndex)
 _PULL_KEYS = (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex)
 
@@ -144,13 +142,17 @@ class TransferHandle:
     A handle may be run from several threads (transfers on one link run one at a time).
     """
 
-    def __init__(self, manager: CacheManager, push: bool, peer_key: PeerKey, cache: Cache,
-                 src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
-                 tensor_num_per_layer: int = 2) -> None:
-        self._cluster = manager._key_cluster(peer_key, "dst_cache_key" if push else "src_cache_key",
-                                             _PUSH_KEYS if push else _PULL_KEYS)
-        self._side = manager._local(cache)
-        self._manager = manager
+    def __init__(self, links: Callable[[int], Link], registry: Callable[[], Registry], push: bool,
+                 peer_key: PeerKey, cache: Cache, src_layer_range: Optional[range] = None,
+                 dst_layer_range: Optional[range] = None, tensor_num_per_layer: int = 2) -> None:
+        """``links(cluster_id)`` gives the link to a peer ready for transfers (or raises
+        the contract's error), ``registry()`` this engine's registry; both are asked again
+        when the link goes down."""
+        self._cluster = peer_cluster(peer_key, "dst_cache_key" if push else "src_cache_key",
+                                     _PUSH_KEYS if push else _PULL_KEYS)
+        self._links = links
+        self._registry_of = registry
+        self._side = local_side(registry(), cache)
         self._push = push
         self._peer_key = peer_key
         self._cache_id = cache.cache_id
@@ -167,10 +169,9 @@ class TransferHandle:
 
     def _bind(self) -> None:
         """Take up the engine's current registry record of the cache and link to the peer."""
-        engine = self._manager._engine
-        self._registry = engine.live_registry()
+        self._registry = self._registry_of()
         self._record = self._registry.get(self._cache_id) if self._cache_id >= 0 else None
-        self._link = engine.get_link(self._cluster)
+        self._link = self._links(self._cluster)
 
     # -- public ----------------------------------------------------------------------------
     def prepare(self, src_blocks: BlockList, dst_blocks: BlockList) -> None:

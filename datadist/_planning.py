@@ -7,7 +7,7 @@ coalesced :class:`~datadist.engine.layout.Plan`.
 from __future__ import annotations
 
 import operator
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Type, Union
 
 import numpy as np
 from numpy.typing import NDArray
@@ -17,14 +17,17 @@ from ._status import LLMStatusCode, raise_error
 from .engine import native
 from .engine.keys import CacheRef, RefKind
 from .engine.layout import Plan, U64Array, block_offsets, layer_tensor_indices, plan_units
+from .engine.registry import Registry
 from .engine.transports.base import RemoteCache
 
 #: Block indices as callers give them: a list, tuple or range of ints, or an int array.
 BlockList = Union[Sequence[int], NDArray[np.integer]]
 #: Tensor indices of one side of a transfer.
 TensorIndices = NDArray[np.int64]
+#: A key naming a peer cache (or one of its rows).
+PeerKey = Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey]
 
-__all__ = ["cache_ref", "Side", "int_arg", "tensors_per_layer", "layer_range_arg", "block_list_arg", "check_nonempty", "selection", "same_dtype", "same_stride", "blocks_plan", "row_plan", "row_blocks_plan", "row_size_arg"]
+__all__ = ["cache_ref", "peer_cluster", "local_side", "PeerKey", "Side", "int_arg", "tensors_per_layer", "layer_range_arg", "block_list_arg", "check_nonempty", "selection", "same_dtype", "same_stride", "blocks_plan", "row_plan", "row_blocks_plan", "row_size_arg"]
 
 
 class Side:
@@ -52,6 +55,21 @@ class Side:
     @classmethod
     def of_remote(cls, r: RemoteCache) -> "Side":
         return cls(r.addrs, r.num_tensors, r.tensor_size, r.batch_size, r.device, r.dtype)
+
+
+def local_side(registry: Registry, cache: Cache) -> Side:
+    """The local side of a transfer with ``cache``: as ``registry`` records it now (a
+    cache it does not know is ``LLM_KV_CACHE_NOT_EXIST``), or as the object describes it
+    for a cache never registered (``Cache.create_cpu_cache``)."""
+    if not isinstance(cache, Cache):
+        raise TypeError(f"cache must be a Cache, got {type(cache).__name__}")
+    if cache.cache_id < 0:
+        return Side.of_cache(cache)
+    rec = registry.get(cache.cache_id)
+    if rec is None:
+        raise_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    f"cache {cache.cache_id} is not (or no longer) known to this engine")
+    return Side(rec.addrs, rec.num_tensors, rec.tensor_size, rec.batch_size, rec.device, rec.dtype)
 
 
 # ------------------------------------------------------------------------- validation
@@ -204,6 +222,15 @@ def row_size_arg(size: object, src: Side, dst: Side, offset: int = 0) -> int:
     if not 0 < n <= limit:
         raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"size = {n} is invalid: must be -1 or in (0, {limit}] bytes")
     return n
+
+
+def peer_cluster(key: object, what: str, kinds: Tuple[Type[PeerKey], ...]) -> int:
+    """The cluster that owns the peer cache ``key`` names (the ``prompt_cluster_id`` of a
+    ``CacheKey`` or ``BlocksCacheKey``); ``TypeError`` naming ``what`` unless ``key`` is
+    one of ``kinds``."""
+    if not isinstance(key, kinds):
+        raise TypeError(f"{what} must be one of {', '.join(k.__name__ for k in kinds)}, got {type(key).__name__}")
+    return key.cluster_id
 
 
 def cache_ref(key: CacheKeyByIdAndIndex | CacheKey | BlocksCacheKey) -> CacheRef:

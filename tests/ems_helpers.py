@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import shutil
 import signal
 import socket
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Iterator, List, Optional
 
 import pytest
+from waiting import until
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -236,18 +236,23 @@ class RedisServer:
     def _wait_ready(self, timeout: float = 20.0) -> None:
         import redis
 
-        deadline = time.monotonic() + timeout
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        while True:
+
+        def answers() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"redis-server on port {self.port} exited with {self.proc.returncode}")
             try:
-                client.ping()
-                client.close()
-                return
+                return bool(client.ping())
             except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    raise AssertionError(f"redis-server on port {self.port} did not start")
-                select.select([], [], [], 0.05)  # the server is still binding; retry shortly
+                return False  # still binding
+
+        try:
+            until(answers, timeout, f"redis-server on port {self.port} answers", every=0.05)
+        except AssertionError:
+            self.stop()
+            raise
+        finally:
+            client.close()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

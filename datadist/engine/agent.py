@@ -23,7 +23,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union, cast
+from typing import Any, Callable, Optional, Protocol, Union, cast
 
 import numpy as np
 
@@ -34,13 +34,13 @@ from .handshake import REFUSAL, ServerAuth
 from .incoming import Incoming, NotTls, Pending, RateLimitedLog, tls_refusal
 from .layout import Plan
 from .link import Link
+from .notes import NoteBox
+from .options import EngineSettings
 from .polling import LOAD, SpinPolicy
+from .registry import Registry
 from .requests import OK, RequestHandler
 
-if TYPE_CHECKING:
-    from .core import Engine
-
-__all__ = ["Agent", "warn_if_unauthenticated"]
+__all__ = ["Agent", "AgentHost", "Handshakes", "warn_if_unauthenticated"]
 
 log = logging.getLogger("datadist")
 
@@ -78,13 +78,49 @@ def warn_if_unauthenticated(addr: tuple[str, int], secret: object, tls_config: o
                 "LLMConfig.tls_cert_file, tls_key_file and tls_ca_file, on every engine", addr[0], addr[1])
 
 
-class Agent:
-    """Serves peers of one engine; see the module docstring.  ``engine`` provides
-    ``registry``, ``timeout_ms``, ``accept_hello(msg, sock)``, ``accept_attach(msg, sock)``
-    and ``drop_link(link)``."""
+class AgentHost(Protocol):
+    """What the agent uses of its engine (:class:`~.core.Engine`): its identity and
+    settings, the registry and note box that requests are served from, and ``drop_link``
+    for a link the peer unlinked."""
 
-    def __init__(self, engine: Engine, listen: Optional[tuple[str, int]]) -> None:
+    @property
+    def cluster_id(self) -> int: ...
+
+    @property
+    def timeout_ms(self) -> int: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def options(self) -> EngineSettings: ...
+
+    @property
+    def notes(self) -> NoteBox: ...
+
+    def live_registry(self) -> Registry: ...
+
+    def drop_link(self, link: Link, notify: bool) -> None: ...
+
+
+class Handshakes(Protocol):
+    """The server side of opening links (:class:`~.linking.Linker`), run by the agent on
+    each new connection's first frame; ``after_attach`` once the ATTACH reply went out."""
+
+    def accept_hello(self, msg: wire.Hello, sock: socket.socket) -> wire.HelloAck: ...
+
+    def accept_attach(self, msg: wire.Attach, sock: socket.socket) -> wire.Reply: ...
+
+    def after_attach(self, cluster_id: int) -> None: ...
+
+
+class Agent:
+    """Serves peers of one engine (``engine``); new connections are opened into links by
+    ``handshakes``.  See the module docstring."""
+
+    def __init__(self, engine: AgentHost, handshakes: Handshakes, listen: Optional[tuple[str, int]]) -> None:
         self.engine = engine
+        self._handshakes = handshakes
         self._sel = selectors.DefaultSelector()
         self._watched = 0  # links registered with the selector
         self._wake_r, self._wake_w = socket.socketpair()
@@ -95,8 +131,7 @@ class Agent:
         self._stop = False
         self._incoming = Incoming(max(engine.timeout_ms / 1000.0, _HANDSHAKE_S))
         self._refusals = RateLimitedLog(log)
-        assert engine.registry is not None
-        self._requests = RequestHandler(engine.registry, engine.notes, engine.timeout_ms)
+        self._requests = RequestHandler(engine.live_registry(), engine.notes, engine.timeout_ms)
         self.listeners: dict[tuple[str, int], socket.socket] = {}
         if listen is not None:
             try:
@@ -327,9 +362,7 @@ class Agent:
         if getattr(reply, "status", 0):
             sock.close()
         elif isinstance(msg, wire.Attach):
-            link = self.engine.links.get((msg.cluster_id, False))
-            if link is not None:
-                self.engine.linker.after_attach(link)
+            self._handshakes.after_attach(msg.cluster_id)
 
     def _tls_opened(self, pend: Pending) -> bool:
         """Advance ``pend``'s TLS handshake; True once done (its first frame is read next,
@@ -351,17 +384,17 @@ class Agent:
         secret the opening or the proven HELLO); None when a challenge was sent instead."""
         secret = self.engine.options.link_secret
         if isinstance(msg, wire.Attach):
-            return self.engine.linker.accept_attach(msg, sock)
+            return self._handshakes.accept_attach(msg, sock)
         assert isinstance(msg, wire.Hello)
         if secret is None:  # an opening asks for a secret this engine does not hold
-            return _refusal() if _opening(msg) else self.engine.linker.accept_hello(msg, sock)
+            return _refusal() if _opening(msg) else self._handshakes.accept_hello(msg, sock)
         if pend.auth is None:  # the opening: answer with a challenge, then wait for the proof
             self._challenge(msg, sock, secret)
             return None
         state, client = pend.auth
         if (msg.cluster_id, msg.remote_cluster_id) == (client, self.engine.cluster_id) \
                 and state.check(msg.nonce, msg.proof):
-            return self.engine.linker.accept_hello(msg, sock)
+            return self._handshakes.accept_hello(msg, sock)
         return _refusal()
 
     def _challenge(self, msg: wire.Hello, sock: socket.socket, secret: Secret) -> None:

@@ -161,7 +161,7 @@ class Engine:
                 if gpu is not None and cuda.pin(arena.base, arena.size):
                     self.pinned.append(arena)  # host <-> device copies of its caches run at DMA speed
             self.registry = Registry(cluster_id, secrets.randbits(63))
-            self.agent = Agent(self, options.listen_address)
+            self.agent = Agent(self, self.linker, options.listen_address)
             self.exposure = self._expose(options.metrics_address)
         except BaseException:
             self.close()
@@ -186,6 +186,11 @@ class Engine:
         with self.links_lock:
             return self.links.get((cluster_id, True)) or self.links.get((cluster_id, False))
 
+    def held(self, cluster_id: int, initiated: bool) -> Optional[Link]:
+        """The link to ``cluster_id`` that this end made (``initiated``) or accepted, if any."""
+        with self.links_lock:
+            return self.links.get((cluster_id, initiated))
+
     def linked_clusters(self) -> list[int]:
         with self.links_lock:
             return sorted({cluster for cluster, _ in self.links})
@@ -200,6 +205,8 @@ class Engine:
             self.registry.source_lost(cluster_id, reason)
 
     def install(self, link: Link) -> None:
+        """Keep ``link`` (replacing and closing the one held for its peer and end) and have
+        the agent watch its ``serve_sock``."""
         self.live_registry().source_linked(link.remote_cluster_id)
         self.metrics.installed(link.remote_cluster_id, link.is_client)
         key = (link.remote_cluster_id, link.is_client)
@@ -207,9 +214,11 @@ class Engine:
             old = self.links.pop(key, None)
             self.links[key] = link
             self._links_changed.notify_all()
+        agent = self.live_agent()
         if old is not None:
-            self.live_agent().unwatch(old)
+            agent.unwatch(old)
             old.close()
+        agent.watch(link)
 
     def link(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> Fault:
         """Link to the engine listening at ``ip:port`` (:meth:`.linking.Linker.link`)."""

@@ -27,11 +27,11 @@ import ctypes
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Optional, SupportsInt
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, SupportsInt
 
 from .errors import Fault, fail
 from . import _native
-from .memory import PeerSpan
+from .memory import IpcRegion, PeerSpan
 
 if TYPE_CHECKING:
     from _ctypes import CFuncPtr
@@ -243,22 +243,6 @@ def is_device_memory(addr: int) -> bool:
     with _current().entered() as drv:
         code = drv.cuPointerGetAttribute(ctypes.byref(kind), _CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr)
     return code == 0 and kind.value == _CU_MEMORYTYPE_DEVICE
-
-
-@dataclass(frozen=True)
-class IpcRegion:
-    """An exported device allocation: peers on this host map it with ``handle``."""
-
-    handle: bytes
-    base: int
-    size: int
-
-    def to_wire(self) -> dict[str, str | int]:
-        return {"handle": self.handle.hex(), "base": self.base, "size": self.size}
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> "IpcRegion":
-        return cls(bytes.fromhex(d["handle"]), int(d["base"]), int(d["size"]))
 
 
 def export_regions(addrs: Iterable[SupportsInt], nbytes: int) -> tuple[IpcRegion, ...]:

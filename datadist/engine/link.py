@@ -73,8 +73,9 @@ class Link(PeerLookups):
     """A link to one peer engine: this end's request stream (``req_sock``), the stream the
     agent serves the peer's requests on (``serve_sock``), the transport its plans move by,
     and the cache of the peer's lookups.  It is the :class:`~.transports.base.Channel`
-    its transport talks through.  Built complete by :mod:`.linking`; one transfer at a time
-    (``lock``)."""
+    its transport talks through.  Made by :mod:`.linking` (what a server-side link gets
+    only once the peer attaches: see there); usable once ``ready`` is set; one transfer at
+    a time (``lock``)."""
 
     def __init__(self, *, remote_cluster_id: int, remote_role: int, peer_pid: int, timeout_ms: int,
                  is_client: bool, local_cluster_id: int = 0,

@@ -1,5 +1,12 @@
-"""Opening links: the handshake on both ends, which builds each :class:`~.link.Link`
-complete (its transport, sockets and attach token) before the engine installs it.
+"""Opening links: the handshake on both ends, which makes each :class:`~.link.Link`.
+
+The client's link is complete when the engine installs it: both sockets, its transport, a
+collective link's process group joined.  The server installs its link when the ``HELLO``
+is accepted, with what it has then (the socket it serves, a socket transport, the attach
+token, a collective link's ``TCPStore``); the ``ATTACH`` brings its request socket, and a
+collective link gets its transport once the process group is joined
+(:meth:`Linker.after_attach`).  Its ``ready`` event is set only then: the engine hands out
+ready links only (``Engine.get_link``).
 
 Client side (:meth:`Linker.link`): connect to the server's listen address, ``HELLO`` (this
 engine's pid, host, epoch page and pool arenas; with a link secret, an authenticated
@@ -28,7 +35,7 @@ import secrets
 import socket
 import ssl
 import time
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -37,7 +44,9 @@ from .errors import EngineError, Fault, fail
 from .handshake import REFUSAL, ClientAuth
 from .layout import Plan
 from .link import Link
-from .memory import PeerArena
+from .memory import Arena, PeerArena, PoolMemory
+from .metrics import EngineMetrics
+from .options import EngineSettings
 from .registry import EPOCH_PAGE_SIZE, Registry
 from .transports.base import Transport
 from .transports.collective import COLLECTIVE_BACKENDS, CollectiveTransport, make_group
@@ -47,15 +56,60 @@ from .transports.tcp import TcpTransport
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
-    from .core import Engine
-
-__all__ = ["Linker"]
+__all__ = ["Linker", "LinkerHost"]
 
 log = logging.getLogger("datadist")
 
 
 def _seconds(s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=s)
+
+
+class LinkerHost(Protocol):
+    """What the linker uses of its engine (:class:`~.core.Engine`): who it is (what a
+    HELLO says), the memory same-host peers map, and the engine's links: the one held
+    for a peer, and where a new one goes (``install``, which also has the agent watch it)."""
+
+    @property
+    def cluster_id(self) -> int: ...
+
+    @property
+    def role(self) -> int: ...
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def timeout_ms(self) -> int: ...
+
+    @property
+    def options(self) -> EngineSettings: ...
+
+    @property
+    def metrics(self) -> EngineMetrics: ...
+
+    @property
+    def arenas(self) -> Sequence[Arena]: ...
+
+    @property
+    def device_arena(self) -> Optional[PoolMemory]: ...
+
+    def live_registry(self) -> Registry: ...
+
+    def held(self, cluster_id: int, initiated: bool) -> Optional[Link]: ...
+
+    def link_broken(self, cluster_id: int, reason: str) -> None: ...
+
+    def install(self, link: Link) -> None: ...
 
 
 class _Opening:
@@ -82,7 +136,7 @@ class _Opening:
 class Linker:
     """The handshakes of one engine (client and server side)."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: LinkerHost) -> None:
         self.engine = engine
 
     # -- hello ---------------------------------------------------------------------------
@@ -169,11 +223,10 @@ class Linker:
         if msg.remote_cluster_id != self.engine.cluster_id:
             return wire.HelloAck(status=int(Fault.LINK_FAILED),
                                  message=f"no cluster {msg.remote_cluster_id} at this address")
-        with self.engine.links_lock:
-            old = self.engine.links.get((msg.cluster_id, False))
-            if old is not None and old.broken is None and old.peer_pid != msg.pid:
-                return wire.HelloAck(status=int(Fault.ALREADY_LINKED),
-                                     message=f"cluster {msg.cluster_id} is already linked here")
+        old = self.engine.held(msg.cluster_id, initiated=False)
+        if old is not None and old.broken is None and old.peer_pid != msg.pid:
+            return wire.HelloAck(status=int(Fault.ALREADY_LINKED),
+                                 message=f"cluster {msg.cluster_id} is already linked here")
         if old is not None and old.broken is None:
             # The same process links again, which a client does only once its own end is
             # broken (a deadline passed mid-transfer): the end of stream never reached this
@@ -202,13 +255,11 @@ class Linker:
                                   wait_for_workers=False)
             store_port = link.store.port
         self.engine.install(link)
-        self.engine.live_agent().watch(link)
         return wire.HelloAck(path=backend or link.path, store_port=store_port,
                              attach_token=link.attach_token, **fields)
 
     def accept_attach(self, msg: wire.Attach, sock: socket.socket) -> wire.Reply:
-        with self.engine.links_lock:
-            link = self.engine.links.get((msg.cluster_id, False))
+        link = self.engine.held(msg.cluster_id, initiated=False)
         # Only the peer that just linked knows the token: nobody else can take over the
         # request connection of a link that is opening.
         if link is None or link.req_sock is not None or not hmac.compare_digest(link.attach_token, msg.token):
@@ -218,10 +269,11 @@ class Linker:
             link.ready.set()
         return wire.Reply()
 
-    def after_attach(self, link: Link) -> None:
-        """Server side, after the ATTACH reply went out: join the link's process group
-        (the client joins as soon as it reads that reply)."""
-        if link.store is not None and link.transport is None:
+    def after_attach(self, cluster_id: int) -> None:
+        """Server side, after the ATTACH reply went out to ``cluster_id``: join the process
+        group of the link it attached to (the client joins as soon as it reads that reply)."""
+        link = self.engine.held(cluster_id, initiated=False)
+        if link is not None and link.store is not None and link.transport is None:
             try:
                 self._join_group(link, link.store, 0, link.collective,
                                  time.monotonic() + self.engine.options.link_total_time_s)
@@ -248,8 +300,7 @@ class Linker:
     # -- client side ---------------------------------------------------------------------
     def link(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> Fault:
         """Link to the server at ``ip:port``; returns the per-cluster status."""
-        with self.engine.links_lock:
-            old = self.engine.links.get((remote_cluster_id, True))
+        old = self.engine.held(remote_cluster_id, initiated=True)
         if old is not None and old.broken is None:
             return Fault.ALREADY_LINKED
         opening = _Opening()
@@ -267,7 +318,6 @@ class Linker:
             return result
         result.ready.set()
         self.engine.install(result)
-        self.engine.live_agent().watch(result)
         log.info("linked to cluster %d at %s:%d over %s", remote_cluster_id, ip, port, result.path)
         return Fault.OK
 

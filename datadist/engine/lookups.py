@@ -11,7 +11,7 @@ import ctypes
 from typing import TYPE_CHECKING, NoReturn, Optional, Union
 
 from . import wire
-from .cuda import IpcRegion
+from .memory import IpcRegion
 from .errors import Fault, fail
 from .keys import CacheRef, RefKind
 from .registry import Registry

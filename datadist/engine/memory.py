@@ -16,12 +16,9 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import Any, Mapping, Optional, Protocol
 
-if TYPE_CHECKING:
-    from .cuda import IpcRegion
-
-__all__ = ["Arena", "InvalidFree", "PeerArena", "PeerSpan", "PoolAllocator", "PoolExhausted", "PoolMemory",
+__all__ = ["Arena", "InvalidFree", "IpcRegion", "PeerArena", "PeerSpan", "PoolAllocator", "PoolExhausted", "PoolMemory",
            "SharedMapping", "bytes_view", "round_to_pages"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -121,6 +118,24 @@ class Arena(SharedMapping):
         self._closed = True
         super().close()
         os.close(self.fd)
+
+
+@dataclass(frozen=True)
+class IpcRegion:
+    """An exported device allocation: peers on this host map it with ``handle``
+    (:mod:`.cuda` makes and opens them; here, with the other descriptions of memory a peer
+    reaches, so that a module naming one needs no CUDA)."""
+
+    handle: bytes
+    base: int
+    size: int
+
+    def to_wire(self) -> dict[str, str | int]:
+        return {"handle": self.handle.hex(), "base": self.base, "size": self.size}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> "IpcRegion":
+        return cls(bytes.fromhex(d["handle"]), int(d["base"]), int(d["size"]))
 
 
 @dataclass

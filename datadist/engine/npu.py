@@ -32,7 +32,7 @@ from .errors import Fault, fail
 if TYPE_CHECKING:
     import torch
 
-    from .cuda import IpcRegion
+    from .memory import IpcRegion
 
 __all__ = ["NpuArena", "track", "covers", "view", "adopt", "set_device", "synchronize"]
 

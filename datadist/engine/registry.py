@@ -22,7 +22,7 @@ from .errors import Fault, fail
 from .memory import Arena
 
 if TYPE_CHECKING:
-    from .cuda import IpcRegion
+    from .memory import IpcRegion
 
 __all__ = ["CacheRecord", "Registry", "EPOCH_PAGE_SIZE"]
 

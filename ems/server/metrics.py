@@ -10,20 +10,35 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
 from datadist.engine.exporter import MetricsServer, process_registry
 from datadist.engine.metrics import OpCounts, cumulative
 
 if TYPE_CHECKING:
-    from .daemon import Daemon
+    from .store import Store
 
-__all__ = ["ServerMetrics", "DaemonCollector", "Endpoint", "REFUSED_OUTCOMES", "health", "serve_metrics"]
+__all__ = ["ServerMetrics", "DaemonCollector", "Endpoint", "Observed", "REFUSED_OUTCOMES", "health", "serve_metrics"]
 
 log = logging.getLogger("ems.server")
 
 #: Request outcomes that refuse the client (counted as refusals too).
 REFUSED_OUTCOMES = ("auth", "version")
+
+
+class Observed(Protocol):
+    """What the families and the health check read of a daemon (``ems.server.daemon.Daemon``)."""
+
+    @property
+    def metrics(self) -> "ServerMetrics": ...
+
+    @property
+    def store(self) -> Optional[Store]: ...
+
+    @property
+    def stopped(self) -> threading.Event: ...
+
+    def connections(self) -> int: ...
 
 
 class ServerMetrics:
@@ -75,7 +90,7 @@ def _le(bound: float) -> str:
 class DaemonCollector:
     """A ``prometheus_client`` collector of one daemon's families (read at each scrape)."""
 
-    def __init__(self, daemon: "Daemon") -> None:
+    def __init__(self, daemon: Observed) -> None:
         self._daemon = daemon
 
     def collect(self) -> Iterator[Any]:
@@ -140,7 +155,7 @@ def _store_families(store: Any, counter: Any, gauge: Any) -> Iterator[Any]:
     yield from (*families, pending, memory, values)
 
 
-def health(daemon: "Daemon") -> Tuple[bool, str]:
+def health(daemon: Observed) -> Tuple[bool, str]:
     """Whether the daemon is ready (``/healthz``): it serves, and every tier it has
     answers (:meth:`~.tiers.base.Tier.health`); with a line per part."""
     store = daemon.store
@@ -167,7 +182,7 @@ class Endpoint:
         self._registry.unregister(self._collector)
 
 
-def serve_metrics(daemon: "Daemon", address: str) -> Endpoint:
+def serve_metrics(daemon: Observed, address: str) -> Endpoint:
     """Serve ``daemon``'s families and health on ``[HOST:]PORT`` (host 0.0.0.0 by default).
     Raises ``ImportError`` without prometheus_client, ``ValueError`` for an address that
     cannot be listened on."""

@@ -12,7 +12,7 @@ from typing import Callable
 import pytest
 
 from ems_helpers import ENV
-from harness import wait_until
+from waiting import PACED, until
 from datadist.bench.netns import Cluster, leftovers, sweep_stale
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
@@ -62,7 +62,7 @@ def test_close_removes_namespaces_links_and_processes(netns_ok: None) -> None:
     sleeper = subprocess.Popen(c[1].argv("sleep", "300"))
     try:
         # `ip netns exec` enters the namespace a moment after it starts
-        wait_until(c[1].pids, 10, "the process started inside host 1")
+        until(c[1].pids, 10, "the process started inside host 1", every=PACED)
         assert len(leftovers(c.run_id)) >= 3  # two namespaces and the bridge at least
     finally:
         c.close()

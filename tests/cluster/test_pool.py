@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List
 import pytest
 
 from ems_helpers import ENV, EmsDaemon
-from harness import wait_until
+from waiting import PACED, until
 from datadist.bench.netns import Cluster, Host
 
 pytestmark = [pytest.mark.cluster, pytest.mark.redis, pytest.mark.timeout(240)]
@@ -91,8 +91,8 @@ def _start_redis(host: Host, directory: Path) -> subprocess.Popen:
         "--dir", str(directory), "--protected-mode", "no", "--cluster-enabled", "yes",
         "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_until(lambda: "PONG" in _redis_cli(host, "ping") or proc.poll() is not None, 20,
-               f"redis-server in {host}")
+    until(lambda: "PONG" in _redis_cli(host, "ping") or proc.poll() is not None, 20,
+          f"redis-server in {host}", every=PACED)
     assert proc.poll() is None, f"redis-server in {host} exited with {proc.returncode}"
     return proc
 
@@ -119,7 +119,7 @@ def pool(cluster_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Iter
         out = masters[0].run("redis-cli", "--cluster", "create", *[f"{h.address}:{REDIS_PORT}" for h in masters],
                              "--cluster-replicas", "0", "--cluster-yes")
         assert "[OK] All 16384 slots covered" in out.stdout, out.stdout
-        wait_until(lambda: _cluster_ok(masters), 30, "every Redis node reports cluster_state ok")
+        until(lambda: _cluster_ok(masters), 30, "every Redis node reports cluster_state ok", every=PACED)
         url = f"redis+cluster://{masters[0].address}:{REDIS_PORT}"
         for host in cluster.hosts[:2]:
             daemon = EmsDaemon(tmp / f"node-{host.index}", remote=url, launcher=host.argv())
@@ -175,7 +175,7 @@ def test_killed_ems_server_restarts_and_its_client_reconnects(pool: Pool) -> Non
     daemon.kill()
     assert a.ask("health") == {"health": False}, "a client of a killed ems-server still reported a healthy pool"
     daemon.start(timeout=60)
-    wait_until(lambda: a.ask("health") == {"health": True}, 30, "the client found the restarted ems-server")
+    until(lambda: a.ask("health") == {"health": True}, 30, "the client found the restarted ems-server", every=PACED)
     keys = KEYS[20:]
     assert all(a.ask("save", keys).values()), "saves after the ems-server restarted failed"
     assert set(a.ask("load", keys).values()) == {"hit"}, "loads after the ems-server restarted did not hit"

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from datadist import LLMStatusCode as S
-from harness import Desc, Peer, Ref, base_config, blocks_key, expect_blocks, key_config, wait_until
+from harness import Desc, Peer, Ref, base_config, blocks_key, expect_blocks, key_config
+from waiting import PACED, until
 from datadist.bench.netns import Cluster, Host
 from tls_helpers import make_pki, tls_config
 
@@ -271,8 +272,8 @@ def test_prompt_host_dies_mid_transfer(engines: XPyD) -> None:
     blocks = list(range(64))
     pending = dec.start_call("cm", "pull_blocks", (blocks_key(dead.cluster_id, 1), Ref("kv"), blocks, blocks), {})
     t0 = time.monotonic()
-    wait_until(lambda: t.host(dec).counters()["rx"] - rx0 > 2 << 20, TIMEOUT_MS / 1000,
-               "2 MiB of the pull arrived at decoder0")
+    until(lambda: t.host(dec).counters()["rx"] - rx0 > 2 << 20, TIMEOUT_MS / 1000,
+          "2 MiB of the pull arrived at decoder0", every=PACED)
     t_dead = host.die()
     with pytest.raises(Exception) as info:
         pending.result(TIMEOUT_MS / 1000 + 20)
@@ -282,7 +283,7 @@ def test_prompt_host_dies_mid_transfer(engines: XPyD) -> None:
         f"a pull from a host that died returned {info.value!r}, not LLM_TIMEOUT or LLM_LINK_FAILED")
     assert took < TIMEOUT_MS / 1000 + SLACK_S, (
         f"a pull from a dead host failed only after {took:.1f} s ({time.monotonic() - t_dead:.1f} s after it died)")
-    wait_until(lambda: not dead.alive, 10, "the dead host's engine is gone")
+    until(lambda: not dead.alive, 10, "the dead host's engine is gone", every=PACED)
     for d in t.decoders:
         d.write("kv", data[d.name])
         code, _ = _pull(d, alive, blocks, blocks)

@@ -37,14 +37,15 @@ from harness_oracle import (as_array, expect_blocks, expect_row_to_blocks, expec
 from harness_specs import (DECODER_ID, POOL_CFG, PROMPT_ID, SYNC_KV_TIMEOUT_MS, TRANSPORTS, Desc,
                            Key, Ref, base_config, blocks_key, cache_key, id_key, key_config,
                            transfer_config)
+from waiting import PACED, until
 
 __all__ = [
     "TRANSPORTS", "PROMPT_ID", "DECODER_ID", "POOL_CFG", "SYNC_KV_TIMEOUT_MS",
     "Key", "Ref", "Desc", "PeerError", "PeerDied", "Peer", "Pair", "Pending", "PairHolder",
     "cache_key", "id_key", "blocks_key", "transfer_config", "key_config", "free_port", "base_config", "start_pair",
     "expect_llm", "expect_exc", "random_bytes", "layer_tensors", "expect_blocks",
-    "expect_row_to_blocks", "expect_rows", "as_array", "shm_listing", "wait_until",
-    "wait_empty", "rss_bytes", "peer_factory", "pair_holder", "pair",
+    "expect_row_to_blocks", "expect_rows", "as_array", "shm_listing", "rss_bytes", "peer_factory",
+    "pair_holder", "pair",
 ]
 
 #: Deadline of one command; generous because the machine is small and shared.
@@ -217,7 +218,8 @@ class Peer:
         otherwise still serve a request sent right after."""
         os.kill(self.pid, signal.SIGSTOP)
         self._stopped = True
-        wait_until(lambda: _all_stopped(self.pid), STOP_TIMEOUT_S, f"{self.name} (pid {self.pid}) stopped")
+        until(lambda: _all_stopped(self.pid), STOP_TIMEOUT_S, f"{self.name} (pid {self.pid}) stopped",
+              every=PACED)
 
     def cont(self) -> None:
         """Resume a frozen child (SIGCONT)."""
@@ -492,27 +494,3 @@ def _all_stopped(pid: int) -> bool:
     except FileNotFoundError:  # a thread ended meanwhile: look again
         return False
     return bool(states) and all(state in ("T", "t") for state in states)
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``predicate`` until it is truthy; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.02)
-
-
-def wait_empty(leftovers: Callable[[], Sequence[Any]], timeout: float, what: str) -> None:
-    """Poll ``leftovers`` until it returns nothing; fail listing the last leftovers."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = leftovers()
-        if not left:
-            return
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"not within {timeout} s: {what}; still there: {list(left)}")
-        time.sleep(0.02)

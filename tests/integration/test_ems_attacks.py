@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from ems_helpers import daemon_factory, init_cc, kvcache  # noqa: F401
-from harness import rss_bytes, wait_until
+from harness import rss_bytes
+from waiting import PACED, until
 
 from ems import Ems, EmsErrorCode, EmsException
 from ems.pool import wire
@@ -190,7 +191,7 @@ def test_connection_cap_refuses_clearly(daemon_factory) -> None:
             return True
         except EmsException:
             return False
-    wait_until(admitted, 10, "a client admitted once connections closed")
+    until(admitted, 10, "a client admitted once connections closed", every=PACED)
     cc = Ems.get_cc()
     assert cc.exists([1]).success == 0
     Ems._shutdown()

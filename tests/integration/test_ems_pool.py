@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 import pytest
 
 from ems_helpers import check, daemon_factory, init_cc, run_client  # noqa: F401
+from waiting import until
 
 from ems import CcKvOption, Ems, EmsException, KvBufferWrapper
 from ems.common.exception import EmsErrorCode
@@ -133,11 +133,8 @@ def test_auto_starts_a_shared_detached_daemon_that_idles_out(tmp_path):
     lines = check(second).split()
     assert lines[:2] == ["1", "True"] and int(lines[2]) == pid  # the same daemon served both
     holder.close()
-    deadline = time.monotonic() + 30
-    try:
-        while _alive(pid):
-            assert time.monotonic() < deadline, "auto-started daemon did not exit when idle"
-            time.sleep(0.1)  # waiting on another process's exit: no handle to wait on
+    try:  # another process's exit: no handle to wait on
+        until(lambda: not _alive(pid), 30, "the auto-started daemon exits when idle", every=0.1)
     finally:
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)

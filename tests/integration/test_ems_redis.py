@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 from ems_helpers import RedisServer, daemon_factory, free_port, init_cc, kvcache, need_redis  # noqa: F401
-from harness import wait_until
+from waiting import PACED, until
 
 from ems import CcKvOption, Ems, KvBufferWrapper, PrimaryKey
 
@@ -44,8 +44,8 @@ def cluster_url(tmp_path):
         import redis
         from redis.cluster import RedisCluster
         # slots are assigned; wait until every node agrees the cluster is up
-        wait_until(lambda: all(redis.Redis(port=s.port).cluster("info").get("cluster_state") == "ok"
-                               for s in servers), 30, "every cluster node reports cluster_state ok")
+        until(lambda: all(redis.Redis(port=s.port).cluster("info").get("cluster_state") == "ok"
+                          for s in servers), 30, "every cluster node reports cluster_state ok", every=PACED)
         RedisCluster(host="127.0.0.1", port=servers[0].port).ping()
         yield f"redis+cluster://127.0.0.1:{servers[0].port}", servers
     finally:

@@ -8,14 +8,15 @@ no /dev/shm entry of ours outlives the processes.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Set
+from typing import Any, Callable, Dict, List, Sequence, Set
 
 import numpy as np
 import pytest
 
 from datadist import LLMStatusCode as S
 from harness import (DECODER_ID, PROMPT_ID, TRANSPORTS, Desc, Pair, Peer, Ref, blocks_key,
-                     expect_blocks, id_key, shm_listing, wait_empty, wait_until)
+                     expect_blocks, id_key, shm_listing)
+from waiting import PACED, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,6 +53,12 @@ def _new_fds(base: Snapshot, now: Snapshot) -> Dict[int, str]:
 
 def _new_threads(base: Snapshot, now: Snapshot) -> List[Any]:
     return sorted(set(map(tuple, now["threads"])) - set(map(tuple, base["threads"])))
+
+
+def _released(leftovers: Callable[[], Sequence[Any]], what: str) -> None:
+    """Until ``leftovers`` lists nothing (an engine lets go of a link as its agent notices
+    the end); at 5 s, fail listing what is still there."""
+    until(lambda: not leftovers(), 5.0, lambda: f"{what}; still there: {list(leftovers())}", every=PACED)
 
 
 def _link_leftovers(peer: Peer, inited: Snapshot, peer_maps: Set[str]) -> List[str]:
@@ -144,11 +151,11 @@ def test_sigkill_of_a_peer(peer_factory: Any, transport: str, victim: str) -> No
     else:
         probe = ("pull_blocks", (blocks_key(PROMPT_ID), Ref("dst"), [0], [0]), {})
     # A call racing with the death may still succeed (one-sided copies need no peer).
-    failed = wait_until(lambda: survivor.call("timed_cm", *probe)["error"], 5.0,
-                        f"{survivor.name}'s transfers to the killed {victim} fail")
+    failed = until(lambda: survivor.call("timed_cm", *probe)["error"], 5.0,
+                   f"{survivor.name}'s transfers to the killed {victim} fail", every=PACED)
     assert failed in ("LLMException", "ParamInvalidError"), failed
-    wait_empty(lambda: _link_leftovers(survivor, inited, peer_maps), 5.0,
-               f"{survivor.name} releases the link to the killed {victim}")
+    _released(lambda: _link_leftovers(survivor, inited, peer_maps),
+              f"{survivor.name} releases the link to the killed {victim}")
     survivor.call("finalize")
     _assert_released(snaps["base"][survivor.name], survivor.snapshot(), survivor.name)
     survivor.shutdown()
@@ -167,5 +174,5 @@ def test_unlink_releases_the_link(peer_factory: Any, transport: str) -> None:
         inited, working = snaps["inited"][peer.name], snaps["working"][peer.name]
         peer_maps = set(working["maps"]) - set(inited["maps"])
 
-        wait_empty(lambda: _link_leftovers(peer, inited, peer_maps), 5.0,
-                   f"{peer.name} releases the unlinked link")
+        _released(lambda: _link_leftovers(peer, inited, peer_maps),
+                  f"{peer.name} releases the unlinked link")

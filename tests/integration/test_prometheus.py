@@ -17,7 +17,8 @@ import pytest
 
 from ems_helpers import check, daemon_factory, run_client  # noqa: F401
 from metrics_doc import documented_families
-from harness import PROMPT_ID, DECODER_ID, Desc, Ref, base_config, blocks_key, free_port, wait_until
+from harness import PROMPT_ID, DECODER_ID, Desc, Ref, base_config, blocks_key, free_port
+from waiting import PACED, until
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(shutil.which("prometheus") is None,
@@ -87,7 +88,7 @@ class Prometheus:
             seen.append(self.value(expr))
             return seen[-1] is not None and want(seen[-1])
 
-        wait_until(good, PROMETHEUS_S, f"{what}: {expr}")
+        until(good, PROMETHEUS_S, f"{what}: {expr}", every=PACED)
         return float(seen[-1])  # type: ignore[arg-type]
 
     def close(self) -> None:
@@ -107,7 +108,7 @@ def prometheus_factory(tmp_path: Path) -> Iterator[Callable[[Dict[str, List[int]
     def make(targets: Dict[str, List[int]]) -> Prometheus:
         server = Prometheus(tmp_path, targets)
         made.append(server)
-        wait_until(server.ready, PROMETHEUS_S, "prometheus ready")
+        until(server.ready, PROMETHEUS_S, "prometheus ready", every=PACED)
         return server
 
     yield make

@@ -17,7 +17,8 @@ import pytest
 from datadist import LLMStatusCode as S
 from harness import (DECODER_ID, PROMPT_ID, Desc, Key, Pair, Peer, Ref, base_config, blocks_key,
                      expect_blocks, expect_exc, expect_llm, expect_row_to_blocks, expect_rows, id_key,
-                     key_config, start_pair, transfer_config, wait_until)
+                     key_config, start_pair, transfer_config)
+from waiting import PACED, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -159,7 +160,7 @@ def test_layers_are_sent_as_they_are_released(trio: Trio) -> None:
     for layer in ALL:
         _open(trio.prompt, [layer])
         want = _sent_blocks(c, range(0, layer + 1))
-        wait_until(lambda: _holds(trio.decoder, "dst", want), WAIT_S, f"layers 0..{layer} arrived")
+        until(lambda: _holds(trio.decoder, "dst", want), WAIT_S, f"layers 0..{layer} arrived", every=PACED)
         if layer < ALL.stop - 1:
             assert _synchronize(trio.prompt, 20) == S.LLM_TIMEOUT
     assert _synchronize(trio.prompt, None) == S.LLM_SUCCESS
@@ -427,8 +428,8 @@ def test_frozen_decoder_does_not_hold_back_the_other(own_trio: Any, transport: s
            src_block_indices=SRC_BLOCKS, dst_block_indices=DST_BLOCKS)
     t.decoder2.stop()
     _open(t.prompt, list(ALL))
-    wait_until(lambda: _results(t.prompt, 0)[0] == S.LLM_SUCCESS, slow_ms / 1000 / 2,
-               "the first decoder's config finished while decoder 2 is frozen")
+    until(lambda: _results(t.prompt, 0)[0] == S.LLM_SUCCESS, slow_ms / 1000 / 2,
+          "the first decoder's config finished while decoder 2 is frozen", every=PACED)
     out = t.prompt.call("task", "task", "get_results", slow_ms + WAIT_MS, timeout=slow_ms / 1000 + WAIT_S + 5)
     assert out["result"] == [S.LLM_SUCCESS, S.LLM_TIMEOUT], out
     t.decoder2.cont()
@@ -450,7 +451,7 @@ def test_killed_decoder_ends_its_config_in_error(own_trio: Any, transport: str) 
     _open(t.prompt, [0, 1])
     first = expect_blocks(dst2, c["src"], SRC_BLOCKS, DST_BLOCKS, BLOCKS.row_bytes,
                           src_layers=range(0, 2), dst_layers=range(0, 2))
-    wait_until(lambda: _holds(t.decoder2, "dst", first), WAIT_S, "layers 0-1 reached decoder 2")
+    until(lambda: _holds(t.decoder2, "dst", first), WAIT_S, "layers 0-1 reached decoder 2", every=PACED)
     t.decoder2.kill()
     # The prompt learns of the death from its link (end of stream); a push loop ends when it has.
     noticed = t.prompt.call("loop", "push_blocks", (blocks_key(DECODER2_ID, 1), Ref("src"), [0], [0]), {},

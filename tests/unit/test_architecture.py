@@ -4,17 +4,24 @@ imported, except in the one test that is about what an import loads).
 * no import cycle between modules, nor between packages (directories);
 * datadist's layers (the table below) are one-way: a module imports only modules of its
   own layer or of lower ones;
-* ``ems`` never imports datadist's API layer (``datadist`` itself, ``datadist._*``);
-  ``datadist.engine.*`` is what it builds on;
-* the pool daemon's modules load without datadist's cache manager;
+* ``ems`` never imports datadist's API layer (``datadist._*``); ``datadist.engine.*`` is
+  what it builds on;
+* importing any ``ems`` module loads no module of datadist's API layer, followed through
+  every module it loads on the way (the package ``datadist`` itself excepted: its names
+  load on first use); checked on the source, and in a fresh interpreter for ``ems``,
+  ``ems.integrations.vllm`` and the pool daemon's modules;
 * modules stay under :data:`MAX_MODULE_LINES` lines and functions under cyclomatic
   complexity :data:`MAX_COMPLEXITY` (radon).
 
-Every import counts, lazy ones inside functions included, except those under ``if
-TYPE_CHECKING:``.  An import names the most specific module it reaches: ``from a.b import
-c`` is ``a.b.c`` when that is a module, else ``a.b``; the parent packages Python runs on
-the way (``a``, ``a.b``) are not counted as imports of the importer.  Imports computed at
-run time (``importlib.import_module(name)``) are not seen.
+Every import counts as a dependency, lazy ones inside functions and type-only ones (under
+``if TYPE_CHECKING:``) included: a type-only import is still a module that must be read
+to understand the importer, so no cycle may close through one either.  What a module
+*loads* is another matter: its imports at module level that run (not lazy, not type-only)
+and the parent packages of each module loaded.  An import names the most specific module
+it reaches: ``from a.b import c`` is ``a.b.c`` when that is a module, else ``a.b``; the
+parent packages Python runs on the way (``a``, ``a.b``) are not counted as imports of the
+importer (they are as what it loads).  Imports computed at run time
+(``importlib.import_module(name)``) are not seen.
 """
 from __future__ import annotations
 
@@ -67,11 +74,12 @@ PACKAGES: Tuple[str, ...] = ("datadist", "ems", "llm_datadist")
 #: (d): the layers of :data:`LAYERS` that no ``ems`` module may import.
 EMS_FORBIDDEN_LAYERS: Tuple[str, ...] = ("API",)
 
-#: (e): modules that must load without these (checked in a fresh interpreter).
-MUST_NOT_LOAD: Dict[str, Tuple[str, ...]] = {
-    "ems.server.store": ("datadist._cache_manager",),
-    "ems.server.daemon": ("datadist._cache_manager",),
-}
+#: Modules whose import must load no module of datadist's API layer, checked in a fresh
+#: interpreter (vLLM, where it is not installed, stands in as empty modules).
+LOADS_NO_API: Tuple[str, ...] = ("ems", "ems.integrations.vllm", "ems.server.store", "ems.server.daemon")
+#: The API-layer module that everything under ``datadist`` loads: the package, whose
+#: names load on first use (``datadist/__init__.py``).
+API_PACKAGE = "datadist"
 
 #: Size and complexity limits, for the modules of these packages.
 LIMITED_PACKAGES: Tuple[str, ...] = ("datadist", "ems")
@@ -88,6 +96,12 @@ class Import:
     target: str  # the module reached
     line: int
     lazy: bool  # inside a function
+    type_only: bool = False  # under ``if TYPE_CHECKING:``
+    names: bool = False  # ``from target import name``, names the module defines (not its submodules)
+
+    @property
+    def note(self) -> str:
+        return " (type-only)" if self.type_only else " (lazy)" if self.lazy else ""
 
 
 @dataclass
@@ -138,20 +152,21 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _import_nodes(tree: ast.AST) -> Iterator[Tuple[ast.stmt, bool]]:
-    """Every import statement with whether it is inside a function, skipping the bodies of
-    ``if TYPE_CHECKING:`` (their ``else`` runs)."""
-    todo: List[Tuple[ast.AST, bool]] = [(tree, False)]
+def _import_nodes(tree: ast.AST) -> Iterator[Tuple[ast.stmt, bool, bool]]:
+    """Every import statement with whether it is inside a function and whether it is
+    type-only (in the body of an ``if TYPE_CHECKING:``; its ``else`` runs)."""
+    todo: List[Tuple[ast.AST, bool, bool]] = [(tree, False, False)]
     while todo:
-        node, lazy = todo.pop()
+        node, lazy, type_only = todo.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node, lazy
+            yield node, lazy, type_only
             continue
         if isinstance(node, ast.If) and _is_type_checking(node.test):
-            todo.extend((child, lazy) for child in node.orelse)
+            todo.extend((child, lazy, True) for child in node.body)
+            todo.extend((child, lazy, type_only) for child in node.orelse)
             continue
         inner = lazy or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-        todo.extend((child, inner) for child in ast.iter_child_nodes(node))
+        todo.extend((child, inner, type_only) for child in ast.iter_child_nodes(node))
 
 
 def _internal(name: str) -> bool:
@@ -163,9 +178,9 @@ def _resolve(modules: Dict[str, Module]) -> None:
         if module.source is None:
             continue
         tree = ast.parse(module.source, filename=str(module.path))
-        for node, lazy in _import_nodes(tree):
+        for node, lazy, type_only in _import_nodes(tree):
             if isinstance(node, ast.Import):
-                names = [(alias.name, node.lineno) for alias in node.names]
+                names = [(alias.name, node.lineno, False) for alias in node.names]
             else:
                 assert isinstance(node, ast.ImportFrom)
                 if node.level:
@@ -177,12 +192,13 @@ def _resolve(modules: Dict[str, Module]) -> None:
                 names = []
                 for alias in node.names:
                     sub = f"{base}.{alias.name}"
-                    names.append((sub if alias.name != "*" and sub in modules else base, node.lineno))
-            for name, line in names:
+                    submodule = alias.name != "*" and sub in modules
+                    names.append((sub if submodule else base, node.lineno, not submodule))
+            for name, line, of_names in names:
                 if not _internal(name):
                     continue
                 if name in modules:
-                    module.imports.append(Import(name, line, lazy))
+                    module.imports.append(Import(name, line, lazy, type_only, of_names))
                 else:
                     module.unresolved.append((name, line))
 
@@ -195,13 +211,50 @@ def _modules() -> Dict[str, Module]:
 
 
 def _edges(modules: Dict[str, Module]) -> Dict[str, Dict[str, Import]]:
-    """importer -> imported -> the first import of it (for the report)."""
+    """importer -> imported -> the first import of it (for the report), every kind of
+    import counted."""
     edges: Dict[str, Dict[str, Import]] = defaultdict(dict)
     for module in modules.values():
         for imp in module.imports:
             if imp.target != module.name:
                 edges[module.name].setdefault(imp.target, imp)
     return edges
+
+
+def _parents(name: str) -> Iterator[str]:
+    """The packages Python runs before module ``name``: ``a`` and ``a.b`` for ``a.b.c``."""
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        yield ".".join(parts[:i])
+
+
+def _loads(modules: Dict[str, Module], start: str) -> Dict[str, Tuple[str, str]]:
+    """What importing ``start`` loads of the tree: every module reached through the
+    imports that run at import time (module level, not type-only) and the parent packages
+    of each module loaded, with how it was reached (the module that loaded it, and the
+    place or the reason)."""
+    reached: Dict[str, Tuple[str, str]] = {start: ("", "")}
+    queue = deque([start])
+    while queue:
+        here = queue.popleft()
+        module = modules[here]
+        nexts = [(parent, "its parent package") for parent in _parents(here)]
+        nexts += [(imp.target, module.where(imp.line)) for imp in module.imports if not (imp.lazy or imp.type_only)]
+        for there, why in nexts:
+            if there in modules and there not in reached:
+                reached[there] = (here, why)
+                queue.append(there)
+    return reached
+
+
+def _chain(reached: Dict[str, Tuple[str, str]], end: str) -> str:
+    """How ``end`` came to be loaded, from the module first imported."""
+    steps = []
+    while reached[end][0]:
+        before, why = reached[end]
+        steps.append(f"    {before} loads {end} ({why})")
+        end = before
+    return "\n".join(reversed(steps))
 
 
 def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
@@ -322,8 +375,20 @@ def test_the_checkers_themselves() -> None:
     assert _layer_of("datadist.engine.wire") == 6 and _layer_of("datadist.engine._native") == 6
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
                      "def f():\n    import c\n")
-    assert sorted((n.names[0].name, lazy) for n, lazy in _import_nodes(tree) if isinstance(n, ast.Import)) == [
-        ("b", False), ("c", True)]
+    assert sorted((n.names[0].name, lazy, type_only) for n, lazy, type_only in _import_nodes(tree)
+                  if isinstance(n, ast.Import)) == [("a", False, True), ("b", False, False), ("c", True, False)]
+    assert list(_parents("a.b.c")) == ["a", "a.b"]
+    fake = {name: Module(name, ROOT / name, is_package=name in ("p", "p.q"), source="", imports=imports)
+            for name, imports in (("p", []), ("p.q", [Import("x", 1, lazy=False)]), ("p.q.r", []),
+                                  ("x", [Import("y", 2, lazy=True), Import("z", 3, lazy=False, type_only=True)]),
+                                  ("y", []), ("z", []))}
+    reached = _loads(fake, "p.q.r")
+    assert sorted(reached) == ["p", "p.q", "p.q.r", "x"]  # no lazy or type-only import followed
+    assert reached["x"][0] == "p.q" and "p.q loads x" in _chain(reached, "x")
+    # ``from ... import LLMDataDist`` in the vLLM worker takes names from the package, and
+    # ``from ..paged import paged_layout`` a module.
+    worker = {(imp.target, imp.names) for imp in _modules()["datadist.integrations.vllm.worker"].imports}
+    assert ("datadist", True) in worker and ("datadist.integrations.paged", False) not in worker
 
 
 def test_every_internal_import_names_a_module() -> None:
@@ -341,7 +406,7 @@ def _cycle_report(cycles: List[List[str]], edges: Dict[str, Dict[str, Import]],
         for a, b in zip(cycle, cycle[1:]):
             if a in modules and b in edges.get(a, {}):
                 imp = edges[a][b]
-                lines.append(f"    {modules[a].where(imp.line)}: {a} imports {b}{' (lazy)' if imp.lazy else ''}")
+                lines.append(f"    {modules[a].where(imp.line)}: {a} imports {b}{imp.note}")
     return "\n".join(lines)
 
 
@@ -367,7 +432,7 @@ def test_layers_are_one_way() -> None:
             assert lower is not None and upper is not None
             if upper < lower:
                 violations.append(f"{modules[importer].where(imp.line)}: {_describe(importer)} imports "
-                                  f"{_describe(target)}{' (lazy)' if imp.lazy else ''}")
+                                  f"{_describe(target)}{imp.note}")
     assert not violations, "imports of a higher layer:\n" + "\n".join(violations)
 
 
@@ -404,21 +469,85 @@ def test_ems_does_not_import_the_datadist_api() -> None:
         for target, imp in sorted(targets.items()):
             if _layered(target) and _layer_of(target) in forbidden:
                 violations.append(f"{modules[importer].where(imp.line)}: {importer} imports "
-                                  f"{_describe(target)}{' (lazy)' if imp.lazy else ''}")
+                                  f"{_describe(target)}{imp.note}")
     assert not violations, "ems importing datadist's API layer (it may use datadist.engine.*):\n" + "\n".join(violations)
 
 
-@pytest.mark.parametrize("module", sorted(MUST_NOT_LOAD))
-def test_ems_server_modules_load_without_the_datadist_api(module: str) -> None:
-    code = f"import sys, {module}; print('\\n'.join(sorted(sys.modules)))"
+def _api_module(name: str) -> bool:
+    """A module of datadist's API layer other than the package itself."""
+    return name != API_PACKAGE and _layered(name) and _layer_of(name) in _layer_indices(("API",))
+
+
+def test_ems_modules_load_no_datadist_api_module() -> None:
+    """Followed through everything an import loads: an ``ems`` module reaching, say,
+    ``datadist.integrations.vllm.base`` loads that package's ``__init__``, and whatever
+    it imports.  Taking names from the package ``datadist`` (``from datadist import
+    Cache``) loads the API-layer module that defines them."""
+    modules = _modules()
+    violations = []
+    for name in sorted(modules):
+        if name.split(".", 1)[0] != "ems" or modules[name].source is None:
+            continue
+        reached = _loads(modules, name)
+        for api in sorted(m for m in reached if _api_module(m)):
+            violations.append(f"importing {name} loads {api}:\n{_chain(reached, api)}")
+        for importer in sorted(reached):
+            line = next((imp.line for imp in modules[importer].imports if imp.target == API_PACKAGE and imp.names
+                         and not (imp.lazy or imp.type_only)), None)
+            if line is not None:
+                violations.append(f"importing {name} loads datadist's API layer: {modules[importer].where(line)} "
+                                  f"takes names from {API_PACKAGE}\n{_chain(reached, importer)}")
+    assert not violations, "ems modules loading datadist's API layer:\n" + "\n".join(violations)
+
+
+#: Run first in the interpreter of :func:`test_importing_loads_no_datadist_api_module`:
+#: where vLLM is not installed, every ``vllm`` module is an empty one whose attributes are
+#: classes (what the connectors import from it is names, subclassed or used in annotations).
+_VLLM_STAND_IN = """
+import importlib.abc, importlib.machinery, importlib.util, sys, types
+
+class _Anything(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Anything(name, (), {})
+
+class _Module(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _Anything(name, (), {})
+        setattr(self, name, value)
+        return value
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "vllm":
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _Module(spec.name)
+
+    def exec_module(self, module):
+        module.__path__ = []
+
+if importlib.util.find_spec("vllm") is None:
+    sys.meta_path.append(_Finder())
+"""
+
+
+@pytest.mark.parametrize("module", LOADS_NO_API)
+def test_importing_loads_no_datadist_api_module(module: str) -> None:
+    code = f"{_VLLM_STAND_IN}\nimport {module}\nprint('\\n'.join(sorted(sys.modules)))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     loaded = set(proc.stdout.split())
-    bad = sorted(set(MUST_NOT_LOAD[module]) & loaded)
-    api = sorted(m for m in loaded if _layered(m) and _layer_of(m) in _layer_indices(("API",)))
-    assert not bad, f"importing {module} loads {bad} (datadist API-layer modules loaded: {api})"
+    assert module in loaded, proc.stdout
+    api = sorted(m for m in loaded if _api_module(m))
+    assert not api, f"importing {module} loads datadist's API-layer modules {api}"
 
 
 def _limited() -> List[Module]:

@@ -1,17 +1,27 @@
 """The transport interface.
 
-Calls happen in this order, always from the thread of the public API call that holds the
-link's lock:
+A transport moves the bytes of plans; it never looks anything up.  The link resolves the
+peer's cache first (:meth:`~datadist.engine.lookups.PeerLookups.lookup`: a cached
+:class:`RemoteCache` while the peer's epoch stands, else a ``RESOLVE`` round trip on the
+link's request socket) and the caller's planner plans against it.  Then, on the thread
+that holds the link's turn (the caller's own, or the holder running transfers queued
+behind it, :mod:`datadist.engine.turns`):
 
-1. ``resolve(link, key_message, deadline)`` -- only when the link's cached lookup is stale;
-   every transport resolves over the link's request socket (a small RPC).
-2. ``push(link, plan, remote, deadline)`` or ``pull(link, plan, remote, deadline)``: execute
-   a plan whose peer-side addresses are in the peer's address space.  A push's plan runs
-   local -> peer, a pull's peer -> local.  ``prepare(link, plan, remote, push)`` does the
-   work of either that depends only on the plan (rebasing into a mapped arena, binding
-   the executor) once and returns a :data:`Step` that runs it, for transfers repeated
-   with one plan.
-3. ``close()`` when the link goes away.
+1. ``prepare(link, plan, remote, push)`` -- once per plan: the work that depends only on
+   the plan (rebasing into a mapped arena, binding the executor, encoding a request), and
+   a :data:`Step` that runs the rest; the base class's step calls ``push`` or ``pull``.
+2. The step, ``step(deadline)``, for one transfer, or ``run_batch(link, steps, deadline)``
+   for several of one link (a socket transport pipelines their requests).  ``push(link,
+   plan, remote, deadline)`` / ``pull(...)`` execute a plan whose peer-side addresses are
+   in the peer's address space: a push's plan runs local -> peer, a pull's peer -> local.
+   A step the peer refuses as planned on a stale lookup raises :class:`StaleLookup`; the
+   link looks up again and goes back to 1.  A step stays valid, and is run again, for as
+   long as the lookup it rests on (the caller keeps it: ``Prepared``).
+3. ``close()`` once, when the link is released.
+
+A collective transport has two calls more: ``warm`` while the link is made, and
+``serve_push`` / ``serve_pull`` on the peer's agent thread for the requests that arrive
+by it.
 
 A transport reaches its peer only through the link's control :class:`Channel` (requests,
 replies, the request stream a payload follows), so it can be driven by any object with that
@@ -33,7 +43,7 @@ from .. import wire
 from ..layout import Plan
 
 if TYPE_CHECKING:
-    from ..cuda import IpcRegion
+    from ..memory import IpcRegion
 
 #: Reply status of a request planned against an outdated lookup (resolve again, retry).
 STALE = -2
