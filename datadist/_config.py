@@ -20,7 +20,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Dict, Optional
 
-from ._option_keys import OPTION_METRICS_PORT
+from ._option_keys import OPTION_METRICS_PORT, OPTION_TRANSFER_CHECKSUM
 from ._option_keys import (DEFAULT_LINK_RETRY_COUNT, DEFAULT_LINK_TOTAL_TIME_S, DEFAULT_SYNC_KV_TIMEOUT_MS,
                            DEVICE_TYPES, ENV_LINK_SECRET, OPTION_BUF_POOL_CFG, OPTION_CLUSTER_INFO,
                            OPTION_DEPLOY_RES_PATH, OPTION_DEVICE_ID, OPTION_DEVICE_TYPE, OPTION_ENABLE_CACHE_MANAGER,
@@ -67,6 +67,7 @@ __all__ = [
     "OPTION_TLS_CERT_FILE",
     "OPTION_TLS_KEY_FILE",
     "OPTION_TLS_CA_FILE",
+    "OPTION_TRANSFER_CHECKSUM",
 ]
 
 _log = logging.getLogger(__name__)
@@ -204,13 +205,16 @@ class LLMConfig:
                           doc="PEM CA certificate(s) that a peer's certificate must chain to (the trust anchor)")
     metrics_port = _Option(OPTION_METRICS_PORT, int, str, doc='Prometheus endpoint, "[host:]port" or a port '
                            "(docs/operations.md); default: DATADIST_METRICS_PORT, else none")
+    transfer_checksum = _Option(OPTION_TRANSFER_CHECKSUM, bool, default=False,
+                                doc="Sum every socket transfer on both ends; a mismatch fails it with "
+                                    "LLM_LINK_FAILED (docs/security.md); default off")
 
     _OPTIONS = (device_id, sync_kv_timeout, listen_ip_info, enable_cache_manager, enable_remote_cache_accessible,
                 mem_pool_cfg, host_mem_pool_cfg, link_total_time, link_retry_count, local_comm_res,
                 rdma_traffic_class, rdma_service_level, transfer_backend, device_type, deploy_res_path,
                 cluster_info, output_max_size, enable_switch_role, mem_utilization, buf_pool_cfg,
                 global_resource_config, link_secret, link_secret_file, tls_cert_file, tls_key_file, tls_ca_file,
-                metrics_port)
+                metrics_port, transfer_checksum)
 
     def __init__(self) -> None:
         self._ge_options: Dict[str, str] = {}

@@ -29,7 +29,7 @@ from ._option_keys import (ENV_METRICS_PORT, OPTION_METRICS_PORT, Bad, CANN_INTE
                            OPTION_MEM_POOL_CONFIG, OPTION_OUTPUT_MAX_SIZE, OPTION_RDMA_SERVICE_LEVEL,
                            OPTION_RDMA_TRAFFIC_CLASS, OPTION_SESSION_DEVICE_ID, OPTION_SYNC_KV_TIMEOUT,
                            OPTION_TLS_CA_FILE, OPTION_TLS_CERT_FILE, OPTION_TLS_KEY_FILE, OPTION_TRANSFER_BACKEND,
-                           PAGE_SHIFT_RANGE, PROPERTY_OF_KEY, RDMA_SERVICE_LEVEL_MAX, TLS_OPTIONS, TRANSFER_BACKENDS,
+                           OPTION_TRANSFER_CHECKSUM, PAGE_SHIFT_RANGE, PROPERTY_OF_KEY, RDMA_SERVICE_LEVEL_MAX, TLS_OPTIONS, TRANSFER_BACKENDS,
                            TRANSFER_BACKEND_ALIASES, UINT32_MAX, describe_key)
 from ._status import ParamInvalidError
 from .engine.auth import Secret, load_secret
@@ -106,6 +106,12 @@ class EngineOptions:
             (``datadist.MetricsPort`` "[host:]port", else the environment
             ``DATADIST_METRICS_PORT``; host 0.0.0.0 when only a port is given; port 0: the
             system picks); both None: no endpoint (``LLMDataDist.metrics()`` counts anyway).
+        transfer_checksum: end-to-end integrity of the socket transfers this engine starts
+            (``datadist.TransferChecksum``, default False): the sender sums each payload
+            while sending it, the receiver while receiving it, and a mismatch fails the
+            transfer with ``LLM_LINK_FAILED`` (docs/security.md).  One-sided shm copies are
+            not covered; not with a collective ``transfer_backend``, whose payloads would
+            bypass it.
 
     Constructing one directly validates it the same way (``__post_init__``).
     """
@@ -129,6 +135,7 @@ class EngineOptions:
     tls: Optional[TlsConfig] = None
     metrics_host: Optional[str] = None
     metrics_port: Optional[int] = None
+    transfer_checksum: bool = False
 
     def __post_init__(self) -> None:
         self._check_int("device_id", 0, INT32_MAX)
@@ -168,12 +175,23 @@ class EngineOptions:
             self._check_type("link_secret", Secret)
         if self.tls is not None:
             self._check_type("tls", TlsConfig)
-            if self.transfer_backend in ("gloo", "nccl", "hccl"):
-                self._bad("transfer_backend", f"a collective backend moves payloads through torch.distributed, "
-                                              f"outside TLS ({OPTION_TLS_CERT_FILE}, {OPTION_TLS_KEY_FILE}, "
-                                              f"{OPTION_TLS_CA_FILE} are set): use auto, shm or tcp with TLS")
+        self._check_type("transfer_checksum", bool)
+        self._check_collective()
 
         self._check_optional_int("metrics_port", 0, 65535)
+
+    def _check_collective(self) -> None:
+        """A collective backend moves payloads through torch.distributed, past TLS and past
+        the transfer checksums: refused with either."""
+        if self.transfer_backend not in ("gloo", "nccl", "hccl"):
+            return
+        if self.tls is not None:
+            self._bad("transfer_backend", f"a collective backend moves payloads through torch.distributed, "
+                                          f"outside TLS ({OPTION_TLS_CERT_FILE}, {OPTION_TLS_KEY_FILE}, "
+                                          f"{OPTION_TLS_CA_FILE} are set): use auto, shm or tcp with TLS")
+        if self.transfer_checksum:
+            self._bad("transfer_backend", f"a collective backend moves payloads through torch.distributed, which "
+                                          f"{OPTION_TRANSFER_CHECKSUM} does not cover: use auto, shm or tcp with it")
 
     # -- derived views
 
@@ -454,6 +472,7 @@ _PARSERS: Dict[str, Callable[[Any], Dict[str, Any]]] = {
     OPTION_TLS_KEY_FILE: _checked(_path_text),
     OPTION_TLS_CA_FILE: _checked(_path_text),
     OPTION_METRICS_PORT: _metrics_address,
+    OPTION_TRANSFER_CHECKSUM: _fields("transfer_checksum", convert=_to_bool),
     OPTION_SESSION_DEVICE_ID: _checked(_to_int),
     OPTION_DEPLOY_RES_PATH: _checked(_to_text),
     OPTION_CLUSTER_INFO: _checked(_to_json_text),

@@ -25,6 +25,10 @@ Workloads (see PERF.md):
                 call repeated, finding its plan (keys of both lists, one lookup)
   --sweep       32 MiB in order at block sizes 4 KiB .. 1 MiB
 
+``--checksum`` turns on end-to-end checksums of the socket transfers (``transfer_checksum``:
+the pushes of this process, the pulls of fan-in's decoders; every row records
+``checksum``): its cost is the difference to a run without it.
+
 ``--hog N`` runs N busy processes beside the measured ones for the whole run (every row
 records ``hog``): the condition of a machine with more runnable threads than cores.
 
@@ -260,13 +264,14 @@ def _result(w: Workload, transport: str, device: str, batches: List[float], call
 
 def run(workload: str, transport: str, device: str = "cpu", *, rounds: Optional[int] = None,
         requests: Optional[int] = None, layers: Optional[int] = None,
-        hosts: Optional[Tuple[str, str]] = None) -> Row:
+        hosts: Optional[Tuple[str, str]] = None, checksum: bool = False) -> Row:
     """Run one workload over one transport; returns the result row (raises on bad data).
 
     ``rounds``, ``requests`` and ``layers`` resize it (:func:`sized`).  Over ``local`` a
     batch is one ``swap_blocks`` of all its blocks (it takes no layer range).  ``hosts``
     (this process's address, the decoder's network namespace) puts the decoder on another
-    host: this process listens on that address (see :mod:`.hosts`)."""
+    host: this process listens on that address (see :mod:`.hosts`).  ``checksum``: this
+    process's transfers (the pushes) carry end-to-end checksums (``transfer_checksum``)."""
     from datadist import LLMDataDist, LLMRole
 
     w = sized(workload, rounds, requests, layers)
@@ -276,7 +281,8 @@ def run(workload: str, transport: str, device: str = "cpu", *, rounds: Optional[
     decoder: Optional[_Decoder] = None
     try:
         engine.init(config(transport, pool_bytes(w) * (2 if local else 1),
-                           listen=None if local else f"{hosts[0] if hosts else '127.0.0.1'}:0", device=device))
+                           listen=None if local else f"{hosts[0] if hosts else '127.0.0.1'}:0", device=device,
+                           checksum=checksum))
         cm = engine.cache_manager
         src = filled_source(cm, w, device)
         if local:
@@ -299,7 +305,9 @@ def run(workload: str, transport: str, device: str = "cpu", *, rounds: Optional[
         engine.finalize()
         if decoder is not None:
             decoder.join()
-    return _result(w, transport, device, batches, calls, src_blocks, dst_blocks)
+    row = _result(w, transport, device, batches, calls, src_blocks, dst_blocks)
+    row["checksum"] = checksum
+    return row
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -327,6 +335,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="fan-in: decoder processes pulling from the prompt at once (default 8)")
     ap.add_argument("--hog", type=_count, default=0, metavar="N",
                     help="N busy processes run beside the measured ones (a CPU hog; default 0)")
+    ap.add_argument("--checksum", action="store_true",
+                    help="end-to-end checksums of every socket transfer (transfer_checksum; shm and local "
+                         "copies are not summed): compare with a run without it for the option's cost")
     return ap
 
 
@@ -374,9 +385,9 @@ def _run_workload(wl: str, transports: Sequence[str], args: argparse.Namespace) 
         if w.decoders and tr not in FANIN_TRANSPORTS:
             continue  # a fan-in needs decoder processes
         if w.decoders:
-            row = run_fanin(sized(wl, args.rounds, decoders=args.decoders), tr, args.device)
+            row = run_fanin(sized(wl, args.rounds, decoders=args.decoders), tr, args.device, checksum=args.checksum)
         else:
-            row = run(wl, tr, args.device, rounds=args.rounds, **shape)
+            row = run(wl, tr, args.device, rounds=args.rounds, checksum=args.checksum, **shape)
         row["hog"] = args.hog
         rows.append(row)
         if args.json:
@@ -441,7 +452,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.hosts:
         from .hosts import main_hosts
 
-        return main_hosts(ap, args, [w for w in workloads if w != "plan"], run,
+        return main_hosts(ap, args, [w for w in workloads if w != "plan"], partial(run, checksum=args.checksum),
                           {w for w, spec in WORKLOADS.items() if spec.layerwise})
     rows: List[Row] = []
     if not args.json:

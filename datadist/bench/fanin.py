@@ -62,13 +62,14 @@ def wrong_bytes(tensors: List[Any], touched: List[int]) -> int:
     return wrong
 
 
-def _decoder(conn: Connection, w: Workload, transport: str, port: int, index: int, device: str) -> None:
+def _decoder(conn: Connection, w: Workload, transport: str, port: int, index: int, device: str,
+             checksum: bool) -> None:
     """Child: link to the prompt, pull, report ``(start, end, call seconds, wrong bytes, blocks checked)``."""
     from datadist import BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMRole
 
     engine = LLMDataDist(LLMRole.DECODER, 2 + index)
     try:
-        engine.init(config(transport, pool_bytes(w), device=device))
+        engine.init(config(transport, pool_bytes(w), device=device, checksum=checksum))
         cm = engine.cache_manager
         dst = cm.allocate_blocks_cache(desc(w, device))
         info = LLMClusterInfo()
@@ -102,14 +103,14 @@ def _decoder(conn: Connection, w: Workload, transport: str, port: int, index: in
 class _Decoders:
     """The spawned decoder processes of a run and the pipes to them."""
 
-    def __init__(self, w: Workload, transport: str, port: int, device: str) -> None:
+    def __init__(self, w: Workload, transport: str, port: int, device: str, checksum: bool) -> None:
         ctx = mp.get_context("spawn")
         self.conns: List[Connection] = []
         self.processes = []
         for i in range(w.decoders):
             conn, child = ctx.Pipe()
             self.conns.append(conn)
-            self.processes.append(ctx.Process(target=_decoder, args=(child, w, transport, port, i, device),
+            self.processes.append(ctx.Process(target=_decoder, args=(child, w, transport, port, i, device, checksum),
                                               daemon=True))
 
     def reports(self, what: str) -> List[Tuple[Any, ...]]:
@@ -142,9 +143,10 @@ class _Decoders:
             raise RuntimeError(f"decoder processes exited badly (index, exit code): {bad}")
 
 
-def run_fanin(w: Workload, transport: str, device: str = "cpu") -> Row:
+def run_fanin(w: Workload, transport: str, device: str = "cpu", checksum: bool = False) -> Row:
     """Run the fan-in workload ``w`` over ``transport``; returns the verified row (raises
-    if any decoder failed or any byte it pulled is wrong)."""
+    if any decoder failed or any byte it pulled is wrong).  ``checksum``: the decoders'
+    pulls carry end-to-end checksums (``transfer_checksum``)."""
     from datadist import LLMDataDist, LLMRole
 
     if transport not in TRANSPORTS:
@@ -156,7 +158,7 @@ def run_fanin(w: Workload, transport: str, device: str = "cpu") -> Row:
         filled_source(engine.cache_manager, w, device)
         port = engine.listen_port
         assert port is not None  # a prompt engine initialized with a listen address listens
-        decoders = _Decoders(w, transport, port, device)
+        decoders = _Decoders(w, transport, port, device, checksum)
         done = decoders.run()
     finally:
         if decoders is not None:
@@ -176,4 +178,4 @@ def run_fanin(w: Workload, transport: str, device: str = "cpu") -> Row:
                   block_kib=w.block_bytes >> 10, blocks=w.blocks, scatter=True,
                   raw_copy_gbps=call_bytes / raw_copy_seconds(w, sample, sample, device) / 1e9, verified=True,
                   executor=executor(), device=device, transport=transport, decoders=w.decoders, rounds=w.rounds,
-                  calls=calls, call_kib=call_bytes >> 10, checked_blocks=min(d[5] for d in done))
+                  calls=calls, call_kib=call_bytes >> 10, checked_blocks=min(d[5] for d in done), checksum=checksum)

@@ -32,7 +32,8 @@ processes pulling from one prompt at once) reads ``gbps`` as the aggregate of al
 ``batch_ms`` as that wall time per round (one pull of each decoder) and ``p50_us`` /
 ``p99_us`` as one pull over all pulls; it adds ``decoders``, ``rounds``, ``calls`` (pulls in
 all), ``call_kib`` (payload of one pull) and ``checked_blocks``.  Rows of ``datadist.bench``
-add ``hog``: the busy processes that ran beside the measured ones (``--hog``, 0 without).
+add ``hog``: the busy processes that ran beside the measured ones (``--hog``, 0 without),
+and ``checksum``: whether the transfers carried end-to-end checksums (``--checksum``).
 Other rows may add fields of their own after these.
 """
 from __future__ import annotations

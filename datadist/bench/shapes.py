@@ -98,10 +98,14 @@ def blocks(w: Workload) -> Tuple[List[int], List[int]]:
     return src, dst
 
 
-def config(transport: str, pool_bytes: int, listen: Optional[str] = None, device: str = "cpu") -> Dict[str, str]:
+def config(transport: str, pool_bytes: int, listen: Optional[str] = None, device: str = "cpu",
+           checksum: bool = False) -> Dict[str, str]:
+    """The options of a bench engine; ``checksum``: the socket transfers it starts carry
+    end-to-end checksums (``transfer_checksum``)."""
     from datadist import LLMConfig
 
     cfg = LLMConfig()
+    cfg.transfer_checksum = checksum
     cfg.device_id = 0
     cfg.sync_kv_timeout = 60000
     pool = json.dumps({"memory_size": pool_bytes, "page_shift": 16})

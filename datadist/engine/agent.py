@@ -39,6 +39,7 @@ from .options import EngineSettings
 from .polling import LOAD, SpinPolicy
 from .registry import Registry
 from .requests import OK, RequestHandler
+from .transports import checked
 
 __all__ = ["Agent", "AgentHost", "Handshakes", "warn_if_unauthenticated"]
 
@@ -483,10 +484,13 @@ class Agent:
             self._requests.payload = None
 
     def _answer(self, sock: socket.socket, reply: wire.Message) -> None:
-        """Send ``reply`` and the payload of a pull right behind it."""
+        """Send ``reply`` and the payload of a pull right behind it (then, for a summed
+        pull, the payload's checksum)."""
         frame = wire.OK_FRAME if reply is OK else wire.encode(reply)
         payload = self._requests.payload or _NO_PAYLOAD
-        if isinstance(sock, ssl.SSLSocket):
+        if self._requests.payload is not None and self._requests.payload_summed:  # its checksum follows
+            checked.send_payload(sock, payload, frame, time.monotonic() + self.engine.timeout_ms / 1000.0)
+        elif isinstance(sock, ssl.SSLSocket):
             tls.send_plan(sock, payload, time.monotonic() + self.engine.timeout_ms / 1000.0, frame)
         else:
             native.sock_send(sock.fileno(), payload, self.engine.timeout_ms, frame)

@@ -23,6 +23,9 @@ byte through host memory on both ends), on one host too, except where TLS is con
 lazily (``hccl``, ``nccl``) are warmed by one exchange while the link is made, within the
 link's timeout, so that no transfer's ``sync_kv_timeout`` pays for it.
 
+With ``transfer_checksum`` the socket transport is :mod:`.transports.checked`'s (every
+payload summed on both ends).
+
 With TLS configured (:mod:`.tls`), both connections of every link this engine opens are
 TLS, handshake first, whatever the transport; the server side does the same in the agent.
 """
@@ -49,6 +52,7 @@ from .metrics import EngineMetrics
 from .options import EngineSettings
 from .registry import EPOCH_PAGE_SIZE, Registry
 from .transports.base import Transport
+from .transports.checked import CheckedTcpTransport
 from .transports.collective import COLLECTIVE_BACKENDS, CollectiveTransport, make_group
 from .transports.shm import ShmTransport
 from .transports.tcp import TcpTransport
@@ -172,7 +176,7 @@ class Linker:
         """The transport towards ``peer`` (see the module docstring) and, for a same-host
         peer, the local address of its mapped epoch page.  Collective links get theirs once
         the process group exists (:meth:`_join_group`): None here."""
-        tcp = TcpTransport()
+        tcp = CheckedTcpTransport() if self.engine.options.transfer_checksum else TcpTransport()
         if self._collective(peer) is not None:
             return None, None
         if self.engine.backend == "tcp" or peer.backend == "tcp":

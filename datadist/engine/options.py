@@ -66,3 +66,6 @@ class EngineSettings(Protocol):
 
     @property
     def metrics_address(self) -> Optional[tuple[str, int]]: ...
+
+    @property
+    def transfer_checksum(self) -> bool: ...

@@ -28,7 +28,7 @@ from .layout import Plan, tensor_span
 from .link import Link
 from .memo import remember
 from .registry import CacheRecord, Registry
-from .transports import tcp
+from .transports import checked, tcp
 from .transports.base import ANY_CACHE, STALE
 from .transports.collective import VIA_COLLECTIVE, CollectiveTransport
 
@@ -62,10 +62,10 @@ class _Admitted(NamedTuple):
     def known(self) -> "Union[_Admitted, _Served]":
         """What the memory of admitted frames keeps for this request: for a host plan the
         tuple the C fast path serves from (:func:`native.serve_known`), else itself (the
-        Python path serves it, staging device memory)."""
+        Python path serves it: staging device memory, checking a summed payload)."""
         plan, push = self.plan, not isinstance(self.msg, wire.Pull)
         bases, offs = (plan.dst_bases, plan.dst_offs) if push else (plan.src_bases, plan.src_offs)
-        if not plan.on_host or not plan.lens.shape[0] or not bases.shape[0]:
+        if not plan.on_host or not plan.lens.shape[0] or not bases.shape[0] or self.msg.summed:
             return self
         return (self.epoch, push, self, bases, offs, plan.lens)
 
@@ -83,8 +83,10 @@ class RequestHandler:
         self.registry = registry
         self.notes = notes
         self.timeout_ms = timeout_ms
-        #: The host plan whose bytes follow the current reply (a pull), if any.
+        #: The host plan whose bytes follow the current reply (a pull), if any, and whether
+        #: its checksum is to follow it (:mod:`.transports.checked`).
         self.payload: Optional[Plan] = None
+        self.payload_summed = False
         self._scope: Optional[contextlib.ExitStack] = None
         #: The socket transfer the current request was admitted as (set by ``_transfer``).
         self._admitted: Optional[_Admitted] = None
@@ -181,8 +183,8 @@ class RequestHandler:
         if msg.via == VIA_COLLECTIVE:
             return self._serve_collective(link, msg, sock, status, why, device)
         if status:
-            if not isinstance(msg, wire.Pull):
-                tcp.drain(sock, msg.nbytes, self.timeout_ms)  # keep the stream in step
+            if not isinstance(msg, wire.Pull):  # keep the stream in step
+                tcp.drain(sock, msg.nbytes + (checked.TRAILER_SIZE if msg.summed else 0), self.timeout_ms)
             return wire.Reply(status=status, message=why)
         bases, offs, lens = msg.arrays
         self._admitted = _Admitted(msg.epoch, rec, msg, Plan(bases, bases, offs, offs, lens, device, device))
@@ -190,13 +192,22 @@ class RequestHandler:
 
     def _serve_socket(self, link: Link, admitted: _Admitted, sock: socket.socket) -> wire.Message:
         """Serve a checked transfer whose bytes follow on the stream (push) or the reply
-        (pull)."""
-        if isinstance(admitted.msg, wire.Pull):
+        (pull); a summed push whose checksum fails is answered ``LLM_LINK_FAILED``."""
+        msg = admitted.msg
+        if isinstance(msg, wire.Pull):
             assert self._scope is not None
             self.payload = tcp.pull_payload(admitted.plan, self._scope)
+            self.payload_summed = msg.summed
             return OK
-        tcp.serve_push(sock, admitted.plan, self.timeout_ms)
-        self._arrived(link, admitted.rec, admitted.msg)
+        if msg.summed:
+            refused = checked.serve_push(sock, admitted.plan, self.timeout_ms,
+                                         f"a push from cluster {link.remote_cluster_id} into cluster "
+                                         f"{self.registry.cluster_id}")
+            if refused is not None:
+                return refused  # nothing arrived, as far as watchers of the cache learn
+        else:
+            tcp.serve_push(sock, admitted.plan, self.timeout_ms)
+        self._arrived(link, admitted.rec, msg)
         return OK
 
     def _serve_collective(self, link: Link, msg: wire.Push, sock: socket.socket, status: int,

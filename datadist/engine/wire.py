@@ -8,7 +8,8 @@ and ``bool`` fields packed together in declaration order, then ``str`` (UTF-8) a
 ``Dict``/``List`` (JSON) fields, each with a length prefix.  Hot messages are all-numeric,
 so they cost one ``struct`` call per side.  Payload bytes follow a frame on the same
 stream only where a message says so (``PUSH``: the sender streams the plan's bytes right
-after the frame; ``PULL``: the server answers with a ``REPLY`` and then the bytes).
+after the frame; ``PULL``: the server answers with a ``REPLY`` and then the bytes); a
+``summed`` request's payload is followed by its sender's 8-byte checksum.
 The peer's version is checked before anything else is decoded.
 """
 from __future__ import annotations
@@ -29,7 +30,9 @@ __all__ = [
 ]
 
 MAGIC = b"DDKV"
-VERSION = 3
+#: 4: ``PUSH`` and ``PULL`` carry ``summed`` (end-to-end checksums); peers of another
+#: version refuse to link.
+VERSION = 4
 _MAX_BODY = 16 << 20
 
 
@@ -150,6 +153,9 @@ class Push(Message):
     epoch: U64 = 0
     nbytes: U64 = 0
     via: int = 0          # 0: bytes follow on this stream; 1: through the link's process group
+    # The payload on the stream is followed by its sender's checksum (8 bytes, little-endian;
+    # transports/checked.py): the initiator asked for end-to-end integrity.
+    summed: bool = False
 
 
 @dataclass

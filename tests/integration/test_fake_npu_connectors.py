@@ -20,6 +20,7 @@ import pytest
 
 from fake_npu_env import npu_env  # noqa: F401  (fixture)
 from harness import free_port
+from vllm_standins import write_vllm_standins
 
 pytestmark = [pytest.mark.fake_npu, pytest.mark.timeout(300)]
 
@@ -71,36 +72,10 @@ _WORKER = """
 """
 
 
-#: The pieces of vLLM the connector's modules import, as plain stand-ins (what the worker
-#: half asks of vLLM at run time is its tensor-parallel rank).
-_VLLM = {
-    "vllm/__init__.py": "",
-    "vllm/distributed/__init__.py": "",
-    "vllm/distributed/parallel_state.py": "def get_tensor_model_parallel_rank():\n    return 0\n\n\n"
-                                          "def get_tensor_model_parallel_world_size():\n    return 1\n",
-    "vllm/distributed/kv_transfer/__init__.py": "",
-    "vllm/distributed/kv_transfer/kv_connector/__init__.py": "",
-    "vllm/distributed/kv_transfer/kv_connector/v1/__init__.py": "",
-    "vllm/distributed/kv_transfer/kv_connector/v1/base.py": (
-        "import enum\n\n\nclass KVConnectorRole(enum.Enum):\n    SCHEDULER = 0\n    WORKER = 1\n\n\n"
-        "class KVConnectorBase_V1:\n    pass\n\n\nclass KVConnectorTransferResults:\n    pass\n\n\n"
-        "class KVConnectorHandshakeMetadata:\n    pass\n\n\nclass KVConnectorMetadata:\n    pass\n"),
-    "vllm/distributed/kv_events.py": (
-        "MEDIUM_CPU = 'CPU'\n\n\nclass BlockStored:\n    def __init__(self, **kw):\n        self.__dict__.update(kw)\n\n\n"
-        "class BlockRemoved(BlockStored):\n    pass\n"),
-    # vLLM's stats base is a dataclass holding ``data``; the worker records into it.
-    "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py": (
-        "import dataclasses\n\n\n@dataclasses.dataclass\nclass KVConnectorStats:\n"
-        "    data: dict = dataclasses.field(default_factory=dict)\n\n\nclass KVConnectorPromMetrics:\n    pass\n"),
-}
-
-
 @pytest.fixture
 def worker_env(npu_env: dict, tmp_path: Path) -> dict:
     """The fake NPU, and the stand-ins for vLLM's modules."""
-    for name, text in _VLLM.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    write_vllm_standins(tmp_path)
     return {**npu_env, "PYTHONPATH": f"{npu_env['PYTHONPATH']}:{tmp_path}", "FAKE_HCCL_INIT_DELAY_S": "0.5"}
 
 

@@ -26,7 +26,9 @@ Configuration (``kv_connector_extra_config``): ``host`` (address the prefill wor
 listens on and advertises; default ``$DATADIST_VLLM_HOST`` or 127.0.0.1), ``port`` (0:
 any free port; else port + tensor-parallel rank), ``transfer_backend`` (``auto``),
 ``sync_kv_timeout_ms`` (10000), ``kv_lease_duration`` (30 s), ``max_concurrent_pulls`` (4:
-pulls in flight per worker), ``link_secret_file``,
+pulls in flight per worker), ``link_secret_file``, ``transfer_checksum`` (false: true
+sums every pulled payload on both ends and fails a pull whose checksums differ, whose
+blocks are then reported as load errors; ``datadist.TransferChecksum``),
 ``idle_wait_ms`` (10: on a step that computes nothing while blocks wait for their pull,
 the prefill worker waits this long for the decode side's notification instead of letting
 vLLM's engine loop spin; a notification ends the wait at once).
@@ -95,11 +97,18 @@ def _count(extra: dict[str, Any], key: str, default: int) -> int:
     return value
 
 
+def _flag(extra: dict[str, Any], key: str) -> bool:
+    value = extra.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"DatadistConnector: kv_connector_extra_config {key}={value!r} must be true or false")
+    return value
+
+
 def _settings(vllm_config: "VllmConfig") -> Settings:
     cfg = vllm_config.kv_transfer_config
     extra = dict(cfg.kv_connector_extra_config or {})
     known = {"host", "port", "transfer_backend", "sync_kv_timeout_ms", "kv_lease_duration", "link_secret_file",
-             "idle_wait_ms", "max_concurrent_pulls"}
+             "idle_wait_ms", "max_concurrent_pulls", "transfer_checksum"}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ValueError(f"DatadistConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
@@ -112,7 +121,7 @@ def _settings(vllm_config: "VllmConfig") -> Settings:
                     idle_wait_ms=int(extra.get("idle_wait_ms", 10)),
                     link_secret_file=extra.get("link_secret_file"),
                     producer=bool(cfg.is_kv_producer), consumer=bool(cfg.is_kv_consumer),
-                    engine_id=str(cfg.engine_id))
+                    engine_id=str(cfg.engine_id), transfer_checksum=_flag(extra, "transfer_checksum"))
 
 
 def _lease(params: dict[str, Any]) -> float:

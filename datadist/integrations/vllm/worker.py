@@ -51,6 +51,8 @@ class Settings:
     producer: bool
     consumer: bool
     engine_id: str
+    #: End-to-end checksums of the transfers this worker starts (``datadist.TransferChecksum``).
+    transfer_checksum: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,7 @@ class DatadistWorker:
         config.transfer_backend = self.settings.transfer_backend
         if self.settings.link_secret_file:
             config.link_secret_file = self.settings.link_secret_file
+        config.transfer_checksum = self.settings.transfer_checksum
         port = self.settings.port + self.tp_rank if self.settings.port else 0
         if self.settings.producer:
             config.listen_ip_info = f"{self.settings.host}:{port}"

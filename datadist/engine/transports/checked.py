@@ -1,0 +1,132 @@
+"""Socket links with end-to-end transfer integrity (option ``datadist.TransferChecksum``).
+
+The sender of a payload sums it while it sends it, the receiver while it receives it, and
+the sender's checksum follows the payload on the stream (8 bytes, little-endian: the
+trailer).  A receiver whose sum differs fails the transfer: a push is answered with
+``LLM_LINK_FAILED`` and its destination is not recorded as arrived; a pull raises
+``LLM_LINK_FAILED`` to its caller.  Either way the message says "checksum mismatch" and
+that the destination blocks were not written (whatever landed there is undefined).  The
+stream itself is still in step after a mismatch, so the link stays up: the next transfer
+may simply go again.
+
+The checksum is the pool's (:mod:`datadist.engine.checksum`): per 4 KiB block of the
+payload stream the sum and the position-weighted sum of its 64-bit words, then CRC-32 of
+those sums, so a changed, lost, duplicated or reordered word changes it.  The C send and
+receive loops add each system call's bytes to the sums right after moving them
+(:func:`.native.sock_send` / :func:`.native.sock_recv` with a
+:class:`~datadist.engine.checksum.StreamSum`), while they are still in the cache; a TLS
+link sums its staging buffer.  The payload stream is the plan's runs in plan order on both
+ends, so the two sums agree exactly when every byte arrived as it was sent.
+
+The initiator of a transfer decides: its requests carry ``summed`` (:mod:`..wire`), and
+the peer's agent honours that whatever its own setting.  Summed requests are served by
+the agent's Python path, never by the C fast path for frames it admitted before.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import time
+from ssl import SSLSocket
+from typing import Optional
+
+import numpy as np
+
+from .. import native, tls, wire
+from ..checksum import StreamSum
+from ..errors import Fault, fail
+from ..layout import Plan
+from .base import Channel, check_reply
+from .local import host_side
+from .tcp import PushStep, TcpTransport, request_sock, stream_failed
+
+__all__ = ["CheckedTcpTransport", "CheckedPushStep", "TRAILER_SIZE", "serve_push", "send_payload"]
+
+log = logging.getLogger("datadist")
+
+_TRAILER = struct.Struct("<Q")
+#: Bytes of the checksum behind a summed payload.
+TRAILER_SIZE = _TRAILER.size
+_EMPTY = np.zeros(0, dtype=np.uint64)
+_NOTHING = Plan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
+_NOT_WRITTEN = "the destination blocks of this transfer are not written (their contents are undefined)"
+
+
+def send_payload(sock: socket.socket, plan: Plan, head: bytes, deadline: float) -> None:
+    """Send ``head`` (a frame), the plan's source runs summed as they go, and then their
+    checksum; ``OSError`` (``TimeoutError`` at ``deadline``) as the socket calls raise it."""
+    summed = StreamSum(plan.nbytes)
+    if isinstance(sock, SSLSocket):
+        tls.send_plan(sock, plan, deadline, head, summed)
+        tls.send_plan(sock, _NOTHING, deadline, _TRAILER.pack(summed.checksum()))
+        return
+    native.sock_send(sock.fileno(), plan, native.ms_until(deadline), head, summed)
+    native.sock_send(sock.fileno(), _NOTHING, native.ms_until(deadline), _TRAILER.pack(summed.checksum()))
+
+
+def _receive(sock: socket.socket, plan: Plan, deadline: float) -> tuple[int, int]:
+    """Read the plan's destination runs, summing them, and the checksum behind them:
+    ``(checksum of what arrived, the sender's)``."""
+    summed = StreamSum(plan.nbytes)
+    trailer = bytearray(TRAILER_SIZE)
+    if isinstance(sock, SSLSocket):
+        tls.recv_plan(sock, plan, deadline, summed)
+        tls.recv_exact(sock, trailer, max(0.001, deadline - time.monotonic()))
+    else:
+        native.sock_recv(sock.fileno(), plan, native.ms_until(deadline), summed)
+        native.recv_exact(sock.fileno(), trailer, native.ms_until(deadline))
+    sent: int = _TRAILER.unpack(trailer)[0]
+    return summed.checksum(), sent
+
+
+def _mismatch(what: str, nbytes: int, got: int, sent: int) -> str:
+    return (f"checksum mismatch on {what}: the {nbytes} bytes received sum to {got:#018x}, the sender's "
+            f"checksum is {sent:#018x}; {_NOT_WRITTEN}")
+
+
+class CheckedPushStep(PushStep):
+    """A push whose payload is followed by its checksum (the peer checks it)."""
+
+    __slots__ = ()
+
+    def send(self, deadline: float) -> None:
+        try:
+            send_payload(request_sock(self.link), self.plan, self.frame, deadline)
+        except OSError as exc:  # TimeoutError is an OSError
+            stream_failed(self.link, exc, "push")
+
+    def __call__(self, deadline: float) -> bool:
+        self.send(deadline)
+        check_reply(self.link, self.link.read_reply(deadline))
+        return True
+
+
+class CheckedTcpTransport(TcpTransport):
+    """tcp whose every payload carries its sender's checksum, checked by its receiver
+    (see the module docstring)."""
+
+    summed = True
+    _push_step = CheckedPushStep
+
+    def _receive(self, link: Channel, plan: Plan, deadline: float) -> None:
+        try:
+            got, sent = _receive(request_sock(link), plan, deadline)
+        except OSError as exc:  # TimeoutError is an OSError
+            stream_failed(link, exc, "pull")
+        if got != sent:
+            fail(Fault.LINK_FAILED, _mismatch(f"a pull from cluster {link.remote_cluster_id}", plan.nbytes, got, sent))
+
+
+# -- the serve half (the peer's agent thread) ---------------------------------------------
+def serve_push(sock: socket.socket, plan: Plan, timeout_ms: int, what: str) -> Optional[wire.Reply]:
+    """Receive a summed push (``what``, for messages) into the local runs of ``plan`` (a
+    device cache through one host staging buffer) and check it: None if it arrived
+    intact, else the ``LLM_LINK_FAILED`` answer that says so (logged here too)."""
+    with host_side(plan, local_is_src=False) as host_plan:
+        got, sent = _receive(sock, host_plan, time.monotonic() + timeout_ms / 1000.0)
+    if got == sent:
+        return None
+    why = _mismatch(what, plan.nbytes, got, sent)
+    log.error("%s", why)
+    return wire.Reply(status=int(Fault.LINK_FAILED), message=why)
