@@ -28,7 +28,7 @@ def report() -> Dict[str, Any]:
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines, f"exited {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
     result: Dict[str, Any] = json.loads(lines[-1])
-    assert result["exit_codes"] == [0, 0, 0], result  # live and hung prefill workers, decode worker
+    assert result["exit_codes"] == [0, 0, 0, 0], result  # live and hung prefill workers, decode workers
     return result
 
 
@@ -74,3 +74,13 @@ def test_a_prefill_killed_mid_pull_fails_that_request_only(report: Dict[str, Any
     assert r["failed_after_kill_s"] < TIMEOUT_S / 2, r
     assert {12, 13, 14} <= set(r["load_errors"]), r
     assert r["later"]["failed"] is False and r["later"]["exact"] is True, r
+
+
+def test_smaller_prefill_blocks_fill_a_larger_decode_block(report: Dict[str, Any]) -> None:
+    """A decode worker of blocks twice the prefill worker's pulls 4 prefill blocks into 2
+    of its own and 5 into 3: read as vLLM's CPU kernels read a block, each holds the keys
+    and values of the prefill blocks' tokens in order (the last one's second half
+    untouched)."""
+    r = report["split"]
+    for pulled in (r["whole"], r["part"]):
+        assert pulled["failed"] is False and pulled["exact"] is True, r

@@ -20,6 +20,11 @@ or transfer ``TIMEOUT_MS``.
 - ``killed``: a request from ``victim`` is sent, the victim stops before it answers, a
   request from ``live`` comes after it; then the victim is killed, and a later request
   from ``live`` is pulled into the blocks of the failed one.
+- ``split``: a second decode worker, of blocks twice as large (``2 * BLOCK`` tokens),
+  pulls 4 and 5 blocks of ``live`` into 2 and 3 of its own; each is compared, as vLLM's
+  CPU kernels read a block (per head the keys of its tokens, then their values), with
+  the prefill blocks laid end to end (the half of the last block that no prefill block
+  fills stays as it was).
 """
 from __future__ import annotations
 
@@ -46,15 +51,28 @@ HELD_S = 60.0  # the lease of blocks no test expects to expire
 WAIT_S = 60.0  # the longest any step of a scenario may take
 
 
-def caches(seed: Optional[int]) -> list[torch.Tensor]:
+def caches(seed: Optional[int], block: int = BLOCK) -> list[torch.Tensor]:
     """The KV cache of a worker: the pattern of ``seed`` (None: zeros), vLLM's CPU layout."""
-    shape = (BLOCKS, HEADS, BLOCK, 2 * HEAD_SIZE)
+    shape = (BLOCKS, HEADS, block, 2 * HEAD_SIZE)
     if seed is None:
         return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
-    count = BLOCKS * HEADS * BLOCK * 2 * HEAD_SIZE
+    count = BLOCKS * HEADS * block * 2 * HEAD_SIZE
     # Integers below 256 are exact in bfloat16; each layer and block differs.
     return [((torch.arange(count) * (2 * layer + 1) + seed) % 251).to(torch.bfloat16).view(shape)
             for layer in range(LAYERS)]
+
+
+def assembled(theirs: torch.Tensor, remote: list[int], ratio: int) -> torch.Tensor:
+    """Blocks of ``ratio`` times ``theirs``'s block size made of its blocks ``remote``, laid
+    end to end as vLLM's CPU kernels read a block (``cpu_attn.py`` views a head of a block
+    as ``2 * block_size`` rows of ``head_size``: the keys of its tokens, then their values),
+    zeros after the last one."""
+    _, heads, size, width = theirs.shape
+    count = -(-len(remote) // ratio)
+    rows = torch.zeros((count * ratio, heads, 2, size, width // 2), dtype=theirs.dtype)
+    rows[:len(remote)] = theirs[remote].view(len(remote), heads, 2, size, width // 2)
+    return rows.view(count, ratio, heads, 2, size, width // 2).permute(0, 2, 3, 1, 4, 5).reshape(
+        count, heads, ratio * size, width)
 
 
 class Loop:
@@ -97,6 +115,9 @@ class Loop:
 
     def _exact(self, seed: int, job: RecvJob) -> bool:
         want = caches(seed)
+        if job.ratio > 1:
+            return all(torch.equal(mine[job.local_blocks], assembled(theirs, job.remote_blocks, job.ratio))
+                       for mine, theirs in zip(self.own, want))
         return all(torch.equal(mine[job.local_blocks], theirs[job.remote_blocks]) for mine, theirs in zip(self.own, want))
 
     def state(self, what: Callable[["Loop"], bool]) -> dict[str, Any]:
@@ -110,9 +131,9 @@ class Loop:
                     "renewals": sum(stats.get("num_lease_renewals", []))}
 
 
-def _serve(conn: Connection, producer: bool, seed: Optional[int], settings: dict[str, Any]) -> None:
+def _serve(conn: Connection, producer: bool, seed: Optional[int], block: int, settings: dict[str, Any]) -> None:
     """One worker in a process of its own (datadist runs one engine per process)."""
-    own = caches(seed)
+    own = caches(seed, block)
     worker = make_worker(own, BLOCKS, producer, **settings)
     loop = Loop(worker, own)
     try:
@@ -137,10 +158,10 @@ def _serve(conn: Connection, producer: bool, seed: Optional[int], settings: dict
 class Half:
     """A worker process and the pipe that drives it."""
 
-    def __init__(self, ctx: Any, producer: bool, seed: Optional[int], **settings: Any) -> None:
+    def __init__(self, ctx: Any, producer: bool, seed: Optional[int], block: int = BLOCK, **settings: Any) -> None:
         self.seed = seed
         self.conn, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(theirs, producer, seed, settings))
+        self.proc = ctx.Process(target=_serve, args=(theirs, producer, seed, block, settings))
         self.proc.start()
         self.endpoint: Optional[Endpoint] = None
 
@@ -173,13 +194,13 @@ class Half:
             self.proc.join(10)
 
 
-def pull(decode: Half, jobs: dict[str, tuple[Half, str, list[int], list[int], float]]) -> None:
+def pull(decode: Half, jobs: dict[str, tuple[Half, str, list[int], list[int], float]], ratio: int = 1) -> None:
     """Start decode requests: id -> (prefill, its request, local blocks, remote blocks, lease)."""
     recv, checks = {}, {}
     for req_id, (peer, remote_id, local, remote, lease) in jobs.items():
         assert peer.endpoint is not None and peer.seed is not None
         recv[req_id] = RecvJob(local_blocks=local, remote_blocks=remote, remote_request_id=remote_id,
-                               peers=[peer.endpoint], awaited=True, lease_s=lease)
+                               peers=[peer.endpoint], awaited=True, lease_s=lease, ratio=ratio)
         checks[req_id] = (peer.seed, recv[req_id])
     decode.call("step", (recv, {}, checks))
 
@@ -244,24 +265,33 @@ def killed(decode: Half, live: Half, victim: Half) -> dict[str, Any]:
             "load_errors": state["load_errors"], "later": later, "victim_exit": victim.proc.exitcode}
 
 
+def split(decode: Half, live: Half) -> dict[str, Any]:
+    live.hold("s1", "s2", lease_s=LEASE_S)
+    pull(decode, {"s-whole": (live, "s1", [1, 2], [2, 3, 4, 5], LEASE_S),
+                  "s-part": (live, "s2", [3, 4, 5], [6, 7, 8, 9, 10], LEASE_S)}, ratio=2)
+    done = decode.call("done", ["s-whole", "s-part"])["done"]
+    return {"whole": done["s-whole"], "part": done["s-part"]}
+
+
 def main() -> dict[str, Any]:
     ctx = multiprocessing.get_context("fork")  # vLLM and torch are imported once, here
     live = Half(ctx, True, 1, lease_s=LEASE_S)
     hung = Half(ctx, True, 2)
     victim = Half(ctx, True, 3)
     decode = Half(ctx, False, None, timeout_ms=TIMEOUT_MS, max_pulls=2)
-    halves = [live, hung, victim, decode]
+    larger = Half(ctx, False, None, 2 * BLOCK)
+    halves = [live, hung, victim, decode, larger]
     try:
         for half in halves:
             half.ready()
         hung.hold("h1")
         hung.signal(signal.SIGSTOP)
-        report = {"hung_peer": hung_peer(decode, live, hung), "queued": queued(decode, live, hung),
-                  "killed": killed(decode, live, victim)}
+        report = {"split": split(larger, live), "hung_peer": hung_peer(decode, live, hung),
+                  "queued": queued(decode, live, hung), "killed": killed(decode, live, victim)}
         hung.signal(signal.SIGCONT)
         for half in halves:
             half.close()
-        report["exit_codes"] = [h.proc.exitcode for h in (live, hung, decode)]
+        report["exit_codes"] = [h.proc.exitcode for h in (live, hung, decode, larger)]
         return report
     finally:
         for half in halves:

@@ -7,7 +7,8 @@ request's blocks until the decode worker's notification, or until their lease ru
 it); a decode worker pulls on threads of its own (up to ``max_concurrent_pulls`` requests at
 once), renews the lease of every pull still queued from a second thread (and of every
 pull to a peer as one to it begins), and reports each request as received, with its
-blocks as load errors when the pull failed.
+blocks as load errors when the pull failed.  Prefill blocks of a size that divides ours
+are pulled into parts of our blocks where the KV cache layout allows it (:mod:`.blocks`).
 
 No peer holds back the others: each peer has a lock of its own for linking, a link is
 made on a thread of its own as soon as a request names a new peer (so a pull queued
@@ -31,6 +32,7 @@ from ... import (BlocksCacheKey, Cache, LLMClusterInfo, LLMConfig, LLMDataDist, 
                   TransferHandle)
 from ..affinity import on_instance_cpus
 from ..paged import PagedLayout, paged_layout
+from .blocks import attention_kind, chunk_desc, split_pairs, token_runs
 from .stats import ConnectorStats
 
 if TYPE_CHECKING:
@@ -81,6 +83,7 @@ class RecvJob:
     awaited: bool              # the scheduler waits for this request's load
     lease_s: float = 0.0       # the prefill side's lease on the blocks (0: not renewed)
     refused: str = ""          # why the load cannot be done (it fails, the peer is told)
+    ratio: int = 1             # local block size / the prefill side's (its blocks fill parts of ours)
 
 
 def pulled_note(request_ids: list[str]) -> str:
@@ -103,7 +106,7 @@ def parse_note(text: str, kind: str = "pulled") -> list[str]:
 
 class DatadistWorker:
     def __init__(self, vllm_config: "VllmConfig", settings: Settings,
-                 kv_cache_config: Optional["KVCacheConfig"]) -> None:
+                 kv_cache_config: Optional["KVCacheConfig"], attention: Optional[str] = None) -> None:
         from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                      get_tensor_model_parallel_world_size)
 
@@ -114,6 +117,11 @@ class DatadistWorker:
         self.cluster_id = secrets.randbits(63)
         self.endpoint: Optional[Endpoint] = None
         self.layout: Optional[PagedLayout] = None
+        self._vllm_config = vllm_config
+        #: The attention kernel (``backend:isa``, .blocks); None: read from vLLM when registering.
+        self.attention = attention
+        self.runs = 0               # runs of token rows per block, where blocks can be split (.blocks)
+        self._split: dict[int, Cache] = {}  # decode: our cache cut in chunks of a prefill block's run, per ratio
         self._datadist: Optional[LLMDataDist] = None
         self._cache: Optional[Cache] = None
         # Several pulls in flight: one slow or dead prefill peer holds one thread (up to
@@ -135,8 +143,8 @@ class DatadistWorker:
         self._pace = 0.5                # seconds between the renewal thread's rounds now
         self._renewer: Optional[threading.Thread] = None
         self._linked: set[int] = set()
-        #: A prepared pull per prefill peer: its blocks cache looked up and checked once.
-        self._pulls: dict[int, TransferHandle] = {}
+        #: A prepared pull per prefill peer and block-size ratio: its cache looked up and checked once.
+        self._pulls: dict[tuple[int, int], TransferHandle] = {}
         self._holding: dict[str, float] = {}     # prefill: request id -> end of its blocks' lease
         self._released: set[str] = set()         # prefill: pulled (the decode side told us), free now
         self._early: dict[str, float] = {}       # prefill: pulled before we held them -> when told
@@ -178,11 +186,25 @@ class DatadistWorker:
                 self._renewer.start()
         self._cache = datadist.cache_manager.register_blocks_cache(layout.cache_desc(), list(layout.addrs),
                                                                    BlocksCacheKey(self.cluster_id, 0))
+        self._register_runs(kv_caches, layout)
         if self.settings.producer:
             self.endpoint = Endpoint(self.settings.host, int(datadist.listen_port or 0), self.cluster_id)
         log.info("datadist connector: %d layers x %d tensors of %d blocks x %d bytes on %s registered%s",
                  layout.num_layers, layout.tensors_per_layer, layout.num_blocks, layout.block_bytes, layout.device,
                  f"; listening on {self.endpoint.host}:{self.endpoint.port}" if self.endpoint else "")
+
+    def _register_runs(self, kv_caches: Mapping[str, "torch.Tensor"], layout: PagedLayout) -> None:
+        """Where blocks split into runs of token rows (:mod:`.blocks`), a prefill worker
+        registers its memory a second time, in chunks of one run: what a decode instance
+        of larger blocks pulls."""
+        if self.attention is None:  # vLLM picks the kernels (the ISA) after making the connector
+            self.attention = attention_kind(self._vllm_config)
+        self.runs = token_runs(self.attention, kv_caches)
+        if self.settings.producer and self.runs:
+            self._engine().cache_manager.register_blocks_cache(chunk_desc(layout, self.runs), list(layout.addrs),
+                                                               BlocksCacheKey(self.cluster_id, 1))
+        log.info("datadist connector: attention kernel %r; %s", self.attention,
+                 f"blocks split in {self.runs} runs of token rows" if self.runs else "blocks are not split")
 
     def _engine(self) -> LLMDataDist:
         """The datadist engine (``register`` starts it, ``close`` ends it)."""
@@ -292,8 +314,8 @@ class DatadistWorker:
                 self.stats.record("transfer_duration", time.perf_counter() - started)
                 self.stats.record("num_blocks", len(job.local_blocks))
                 if self.layout is not None:
-                    self.stats.record("bytes_transferred",
-                                      len(job.local_blocks) * len(self.layout.addrs) * self.layout.block_bytes)
+                    self.stats.record("bytes_transferred", len(job.remote_blocks) * len(self.layout.addrs)
+                                      * self.layout.block_bytes // job.ratio)
         except (LLMException, OSError, ValueError) as exc:
             error = exc
             self.stats.record("num_failed_transfers")
@@ -312,15 +334,35 @@ class DatadistWorker:
                 self._errors.update(job.local_blocks)
 
     def _pull_blocks(self, peer: Endpoint, job: RecvJob) -> None:
-        if self._cache is None:
+        if self._cache is None or self.layout is None:
             raise RuntimeError("DatadistConnector worker: no registered KV cache (register_kv_caches not run)")
+        if job.ratio > 1 and not self.runs:
+            raise ValueError(f"prefill blocks of 1/{job.ratio} of this instance's block size: DatadistConnector "
+                             f"splits blocks only in the KV cache layouts it knows (see datadist.integrations.vllm."
+                             f"blocks), not in this one ({self.attention or 'attention kernel unknown'})")
         with self._peer_lock(peer.cluster_id):
-            handle = self._pulls.get(peer.cluster_id)
+            handle = self._pulls.get((peer.cluster_id, job.ratio))
             if handle is None:
-                handle = self._engine().cache_manager.prepare_pull_blocks(BlocksCacheKey(peer.cluster_id, 0),
-                                                                         self._cache)
-                self._pulls[peer.cluster_id] = handle
-        handle.run(job.remote_blocks, job.local_blocks)
+                local = self._cache if job.ratio == 1 else self._split_cache(job.ratio)
+                handle = self._engine().cache_manager.prepare_pull_blocks(
+                    BlocksCacheKey(peer.cluster_id, 0 if job.ratio == 1 else 1), local)
+                self._pulls[(peer.cluster_id, job.ratio)] = handle
+        if job.ratio == 1:
+            handle.run(job.remote_blocks, job.local_blocks)
+        else:
+            handle.run(*split_pairs(job.remote_blocks, job.local_blocks, job.ratio, self.runs))
+
+    def _split_cache(self, ratio: int) -> Cache:
+        """Our cache in chunks of a prefill block's run, for prefill blocks 1/``ratio`` of
+        ours (registered once per ratio; called under a peer lock)."""
+        assert self.layout is not None
+        with self._lock:
+            cache = self._split.get(ratio)
+            if cache is None:
+                cache = self._engine().cache_manager.register_blocks_cache(
+                    chunk_desc(self.layout, self.runs * ratio), list(self.layout.addrs))
+                self._split[ratio] = cache
+        return cache
 
     def _peer_lock(self, cluster_id: int) -> threading.Lock:
         with self._lock:
@@ -383,7 +425,8 @@ class DatadistWorker:
             if cluster_id not in self._linked:
                 return
             self._linked.discard(cluster_id)
-            self._pulls.pop(cluster_id, None)
+            for key in [k for k in self._pulls if k[0] == cluster_id]:
+                del self._pulls[key]
             if self._datadist is not None:
                 try:
                     self._datadist.unlink_clusters([LLMClusterInfo(remote_cluster_id=cluster_id)], timeout=1000,
