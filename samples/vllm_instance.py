@@ -61,7 +61,8 @@ def _ttft(output: Any, fallback: float) -> float:
     return float(latency) if latency else fallback
 
 
-def _serve(conn, model: str, max_model_len: int, kv: Optional[dict], prefix_caching: bool, env: Dict[str, str]) -> None:
+def _serve(conn, model: str, max_model_len: int, kv: Optional[dict], prefix_caching: bool, env: Dict[str, str],
+           block_size: int) -> None:
     os.setsid()  # kill() ends vLLM's processes too
     os.environ.update(env)
     try:
@@ -69,7 +70,7 @@ def _serve(conn, model: str, max_model_len: int, kv: Optional[dict], prefix_cach
         from vllm.config import KVTransferConfig
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", block_size=BLOCK_SIZE,
+        llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", block_size=block_size,
                   enforce_eager=True, max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
                   disable_log_stats=False, kv_transfer_config=KVTransferConfig(**kv) if kv else None)
         conn.send(("ready", None))
@@ -105,12 +106,13 @@ class Instance:
     """One vLLM instance in a child process (see the module docstring)."""
 
     def __init__(self, model: str, *, max_model_len: int = 512, kv: Optional[dict] = None,
-                 prefix_caching: bool = False, kvcache_gib: int = 1) -> None:
+                 prefix_caching: bool = False, kvcache_gib: int = 1, block_size: int = BLOCK_SIZE) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         child_env = {"VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib),
                      "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
-        self.process = ctx.Process(target=_serve, args=(child, model, max_model_len, kv, prefix_caching, child_env))
+        self.process = ctx.Process(target=_serve,
+                                   args=(child, model, max_model_len, kv, prefix_caching, child_env, block_size))
         self.process.start()
         child.close()
         self._call_result(START_TIMEOUT_S)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.vllm
 
 def _run(args: List[str], timeout_s: int) -> dict:
     """Run a script with vLLM's Python; its last output line is JSON."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SAMPLES), str(Path(__file__).parent)]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(SAMPLES), str(Path(__file__).parent)]),
            "VLLM_CPU_KVCACHE_SPACE": "1"}
     done = subprocess.run([vllm_python(), *args], cwd=SAMPLES, env=env, capture_output=True, text=True,
                           timeout=timeout_s)
@@ -58,6 +58,27 @@ def test_dead_prefill_fails_only_its_request() -> None:
     assert report["other_tokens"] == report["before"] == report["after"], report
     assert report["seconds"] < 30, report
     assert report["later_match"] == [True] * 4, report
+
+
+@pytest.mark.timeout(600)
+def test_smaller_prefill_blocks_fill_larger_decode_blocks() -> None:
+    """A prefill instance of block size 32 hands prompts of 5 to 417 tokens to a decode
+    instance of block size 64 (two prefill blocks fill one decode block): vLLM counts
+    every prompt token as loaded by KV transfer, and the decode instance's tokens are the
+    ones it computed for the same prompts itself."""
+    probe = subprocess.run([vllm_python(), "-c", "import torch; from vllm.v1.attention.backends.cpu_attn import "
+                            "_get_attn_isa; print(_get_attn_isa(torch.bfloat16, 64, 32))"],
+                           capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr[-4000:]
+    isa = probe.stdout.strip().splitlines()[-1]
+    if isa != "vec":
+        pytest.skip(f"vLLM's CPU attention uses its {isa!r} kernels here; DatadistConnector splits blocks only "
+                    "for the kernels in datadist.integrations.vllm.blocks.SPLITTABLE")
+    report = _run([str(Path(__file__).parent / "vllm_scenarios.py"), "block_sizes"], 580)
+    count = len(report["prompts"])
+    assert report["finish_reasons"] == ["length"] * count, report
+    assert report["match"] == [True] * count, report
+    assert report["transferred_tokens"] == sum(report["prompts"]), report
 
 
 @pytest.mark.timeout(900)

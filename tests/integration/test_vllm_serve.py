@@ -178,13 +178,13 @@ def _prefill(cluster: Cluster, prompt: list) -> dict:
     return dict(json.loads(body)["kv_transfer_params"])
 
 
-def test_unequal_block_size_is_refused_not_scrambled(cluster: Cluster) -> None:
-    """Blocks handed over by a prefill instance of another block size (16 tokens, this
+def test_larger_prefill_blocks_are_refused_not_scrambled(cluster: Cluster) -> None:
+    """Blocks handed over by a prefill instance of a larger block size (64 tokens, this
     decode server's are 32) are not loaded: the decode server refuses the load, counts a
     failed transfer, recomputes the prompt (its policy) with the plain server's tokens,
     and tells the prefill server, which frees the blocks at once."""
     prompt = prompts((140,), vocab=463)[0]
-    params = {**_prefill(cluster, prompt), "remote_block_size": 16}
+    params = {**_prefill(cluster, prompt), "remote_block_size": 64}
     failed = connector_metrics(cluster.decode.metrics(), "vllm:datadist_")["vllm:datadist_num_failed_transfers_total"]
     got = complete(cluster.decode.url, cluster.model, prompt, MAX_TOKENS, kv_transfer_params=params)
     want = complete(cluster.plain.url, cluster.model, prompt, MAX_TOKENS)

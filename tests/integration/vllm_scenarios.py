@@ -10,6 +10,10 @@ vLLM (see test_vllm.py): ``python vllm_scenarios.py NAME`` prints one JSON line.
   others as ordinary requests; ``later_match`` says whether each got the tokens the
   prefill instance computed for it before the kill (blocks of the failed load left in the
   prefix cache would show here).
+- ``block_sizes``: a decode instance of block size 64 computes prompts of 5 to 417 tokens
+  itself, then gets them from a prefill instance of block size 32 (two prefill blocks fill
+  one of its blocks); reports whether the tokens agree, the prompt tokens it counted as
+  loaded by KV transfer, and the prefill instance's own tokens for the prompts.
 """
 from __future__ import annotations
 
@@ -46,7 +50,26 @@ def prefill_dies(work: str) -> dict:
             "after": after, "seconds": took}
 
 
-SCENARIOS = {"prefill_dies": prefill_dies}
+def block_sizes(work: str) -> dict:
+    model = write_tiny_model(f"{work}/model", 512)
+    batch = prompts((5, 31, 33, 64, 96, 150, 417))
+    plain = [{"max_tokens": 8}] * len(batch)
+    with Instance(model, block_size=64,
+                  kv=connector_config("DatadistConnector", MODULE, "kv_consumer", {"sync_kv_timeout_ms": 5000})) as decode:
+        computed = [r.tokens for r in decode.generate(batch, plain)]
+        before = decode.metrics().get("external_kv_transfer", 0.0)
+        with Instance(model, block_size=32,
+                      kv=connector_config("DatadistConnector", MODULE, "kv_producer", {"host": "127.0.0.1"})) as prefill:
+            own = [r.tokens for r in prefill.generate(batch, plain)]
+            handed = prefill.generate(batch, [prefill_params()] * len(batch))
+            pulled = decode.generate(batch, [decode_params(h.kv_transfer_params) for h in handed], timeout_s=120)
+        transferred = decode.metrics().get("external_kv_transfer", 0.0) - before
+    return {"prompts": [len(p) for p in batch], "match": [r.tokens == c for r, c in zip(pulled, computed)],
+            "prefill_match": [r.tokens == o for r, o in zip(pulled, own)],
+            "finish_reasons": [r.finish_reason for r in pulled], "transferred_tokens": transferred}
+
+
+SCENARIOS = {"prefill_dies": prefill_dies, "block_sizes": block_sizes}
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory(prefix="vllm-scenario-") as tmp:

@@ -1,9 +1,9 @@
 """DatadistConnector's worker halves with unequal tensor parallelism, run with a Python that
 has vLLM (see test_vllm_unequal_tp.py): ``python vllm_unequal_tp.py`` prints one JSON line.
 
-Real prefill and decode workers, each in a process of its own (forked, one datadist engine
-each, linked over tcp on 127.0.0.1); each is told its tensor-parallel rank and size through
-vLLM's ``parallel_state`` getters, which a process outside a vLLM engine cannot otherwise be.  The KV
+Real prefill and decode workers (``vllm_worker_halves``), each in a process of its own
+(forked, one datadist engine each, linked over tcp on 127.0.0.1), each told its
+tensor-parallel rank and size.  The KV
 caches have vLLM's flash-attention layout ``(2, num_blocks, block_size, heads, head_size)``
 per layer, with the heads of that rank: 4 KV heads in all, 2 per rank at TP 2.
 
@@ -21,30 +21,21 @@ import json
 import multiprocessing
 import time
 from multiprocessing.connection import Connection
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
-import vllm.distributed.parallel_state as parallel_state
-
+from vllm_worker_halves import make_worker
 from waiting import until
 
-from datadist.integrations.vllm.worker import DatadistWorker, RecvJob, Settings
+from datadist.integrations.vllm.worker import DatadistWorker, RecvJob
 
 HEADS, HEAD_SIZE, BLOCK, BLOCKS, LAYERS = 4, 32, 16, 8, 2
 
 
 def _worker(rank: int, size: int, producer: bool, fill: int) -> tuple[DatadistWorker, list[torch.Tensor]]:
-    parallel_state.get_tensor_model_parallel_rank = lambda: rank  # type: ignore[assignment]
-    parallel_state.get_tensor_model_parallel_world_size = lambda: size  # type: ignore[assignment]
-    settings = Settings(host="127.0.0.1", port=0, transfer_backend="tcp", timeout_ms=5000, lease_s=60.0, max_pulls=2,
-                        idle_wait_ms=0, link_secret_file=None, producer=producer, consumer=not producer,
-                        engine_id="prefill" if producer else "decode")
-    worker = DatadistWorker(None, settings, SimpleNamespace(num_blocks=BLOCKS, kv_cache_groups=[None]))
     caches = [torch.full((2, BLOCKS, BLOCK, HEADS // size, HEAD_SIZE), fill, dtype=torch.float16)
               for _ in range(LAYERS)]
-    worker.register({f"model.layers.{i}.self_attn": cache for i, cache in enumerate(caches)})
-    return worker, caches
+    return make_worker(caches, BLOCKS, producer, rank, size), caches
 
 
 def _until(what: Callable[[], bool], timeout_s: float = 30.0) -> float:

@@ -17,6 +17,10 @@ The request protocol is NixlConnector's, so a proxy written for it works unchang
    decode worker while the pull waits in its queue or runs.  A dead decode instance's
    blocks are free within one lease; a slow one keeps them.
 
+A prefill instance's blocks may be smaller than the decode instance's by a whole factor
+(``remote_block_size``; see :mod:`.blocks` for the layouts where that works); any other
+difference refuses the load.
+
 A pull that fails reports the request's blocks through ``get_block_ids_with_load_errors``
 (vLLM then fails or recomputes the request, per ``kv_load_failure_policy``); other
 requests go on.  Pulls run on threads of the worker (``max_concurrent_pulls`` of them):
@@ -212,27 +216,39 @@ class _Scheduler:
         # Blocks the local prefix cache already holds are not pulled again; the remote
         # list is clipped to match (both end with the prompt's last block).
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        job = self._job(params, local, awaited=num_external_tokens > 0)
         remote_size = params.get("remote_block_size", self.block_size)
-        if remote_size != self.block_size:
-            # A remote block would land in a local block of another size: refuse the load
+        ratio = self._ratio(remote_size)
+        job = self._job(params, local, awaited=num_external_tokens > 0, ratio=ratio or 1)
+        if not ratio:
+            # A remote block would not fill whole parts of a local block: refuse the load
             # (vLLM fails or recomputes the request, per its policy) rather than scramble it.
             job.refused = (f"prefill instance's block size is {remote_size!r}, this one's {self.block_size}; "
-                           "DatadistConnector needs equal block sizes")
+                           "DatadistConnector needs the prefill block size to equal this one or divide it")
         self._recv[request.request_id] = job
 
+    def _ratio(self, remote_size: Any) -> int:
+        """How many prefill blocks of ``remote_size`` tokens fill one of ours (0: they do not)."""
+        if isinstance(remote_size, bool) or not isinstance(remote_size, int) or not 0 < remote_size <= self.block_size:
+            return 0
+        return self.block_size // remote_size if self.block_size % remote_size == 0 else 0
+
     @staticmethod
-    def _job(params: dict[str, Any], local: list[int], awaited: bool) -> RecvJob:
+    def _job(params: dict[str, Any], local: list[int], awaited: bool, ratio: int = 1) -> RecvJob:
+        # Both lists end with the prompt's last block; ``ratio`` remote blocks fill one of
+        # ours, and the local prefix-cache hit (the local blocks not given) is skipped.
         remote = list(params["remote_block_ids"])
-        remote = remote[len(remote) - len(local):] if local else []
-        if len(remote) < len(local):
-            local = local[:len(remote)]
+        if local:
+            hit = -(-len(remote) // ratio) - len(local)
+            remote = remote[ratio * max(hit, 0):]
+            local = local[:-(-len(remote) // ratio)]
+        else:
+            remote = []
         clusters = [int(c) for c in params["remote_cluster_ids"]]
         hosts = list(params.get("remote_hosts") or [params["remote_host"]] * len(clusters))
         ports = list(params.get("remote_ports") or [params["remote_port"]] * len(clusters))
         return RecvJob(local_blocks=local, remote_blocks=remote, remote_request_id=str(params["remote_request_id"]),
                        peers=[Endpoint(str(h), int(p), c) for h, p, c in zip(hosts, ports, clusters)],
-                       awaited=awaited, lease_s=_lease(params) if awaited else 0.0)
+                       awaited=awaited, lease_s=_lease(params) if awaited else 0.0, ratio=ratio)
 
     def build_meta(self) -> DatadistConnectorMetadata:
         meta = DatadistConnectorMetadata(reqs_to_recv=self._recv, reqs_to_send=self._send)

@@ -5,9 +5,16 @@ The engine registers vLLM's KV cache tensors as one blocks cache (no copy; see
 request's blocks until the decode worker's notification, or until their lease runs out
 (``kv_lease_duration`` seconds after it held them or after the decode worker last renewed
 it); a decode worker pulls on threads of its own (up to ``max_concurrent_pulls`` requests at
-once), renews the
-lease of every pull still queued or running from a second thread, and reports each
-request as received, with its blocks as load errors when the pull failed.
+once), renews the lease of every pull still queued from a second thread (and of every
+pull to a peer as one to it begins), and reports each request as received, with its
+blocks as load errors when the pull failed.  Prefill blocks of a size that divides ours
+are pulled into parts of our blocks where the KV cache layout allows it (:mod:`.blocks`).
+
+No peer holds back the others: each peer has a lock of its own for linking, a link is
+made on a thread of its own as soon as a request names a new peer (so a pull queued
+behind others has its link, and its lease renewals, before its turn), the renewal thread
+never links and never waits on a link that a pull is using, and one failed link attempt
+answers every pull that waited on it.
 """
 from __future__ import annotations
 
@@ -17,13 +24,15 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import TYPE_CHECKING, Iterator, Mapping, Optional
 
 from ... import (BlocksCacheKey, Cache, LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode,
                   TransferHandle)
 from ..affinity import on_instance_cpus
 from ..paged import PagedLayout, paged_layout
+from .blocks import attention_kind, chunk_desc, split_pairs, token_runs
 from .stats import ConnectorStats
 
 if TYPE_CHECKING:
@@ -76,6 +85,7 @@ class RecvJob:
     awaited: bool              # the scheduler waits for this request's load
     lease_s: float = 0.0       # the prefill side's lease on the blocks (0: not renewed)
     refused: str = ""          # why the load cannot be done (it fails, the peer is told)
+    ratio: int = 1             # local block size / the prefill side's (its blocks fill parts of ours)
 
 
 def pulled_note(request_ids: list[str]) -> str:
@@ -98,7 +108,7 @@ def parse_note(text: str, kind: str = "pulled") -> list[str]:
 
 class DatadistWorker:
     def __init__(self, vllm_config: "VllmConfig", settings: Settings,
-                 kv_cache_config: Optional["KVCacheConfig"]) -> None:
+                 kv_cache_config: Optional["KVCacheConfig"], attention: Optional[str] = None) -> None:
         from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
                                                      get_tensor_model_parallel_world_size)
 
@@ -109,6 +119,11 @@ class DatadistWorker:
         self.cluster_id = secrets.randbits(63)
         self.endpoint: Optional[Endpoint] = None
         self.layout: Optional[PagedLayout] = None
+        self._vllm_config = vllm_config
+        #: The attention kernel (``backend:isa``, .blocks); None: read from vLLM when registering.
+        self.attention = attention
+        self.runs = 0               # runs of token rows per block, where blocks can be split (.blocks)
+        self._split: dict[int, Cache] = {}  # decode: our cache cut in chunks of a prefill block's run, per ratio
         self._datadist: Optional[LLMDataDist] = None
         self._cache: Optional[Cache] = None
         # Several pulls in flight: one slow or dead prefill peer holds one thread (up to
@@ -116,14 +131,22 @@ class DatadistWorker:
         # one at a time (datadist serializes a link's transfers).
         self._pool = ThreadPoolExecutor(settings.max_pulls, thread_name_prefix="datadist-vllm-pull")
         self._lock = threading.Lock()
-        self._link_lock = threading.Lock()  # the pull and the renewal threads both link
+        #: Per peer: its lock for linking and preparing (a dead peer's link attempt, which
+        #: lasts until the link timeout, holds back only the pulls from that peer).
+        self._peer_locks: dict[int, threading.Lock] = {}
+        #: Per peer: its last failed link attempt (when, why), answering the pulls that waited on it.
+        self._link_failures: dict[int, tuple[float, str, LLMStatusCode]] = {}
+        self._linking: set[int] = set()          # peers a link thread is linking
+        self._busy: dict[int, int] = {}          # peer -> pull threads linking to or pulling from it
         self.stats = ConnectorStats()
         self._pending: dict[str, RecvJob] = {}   # decode: pulls queued or running, whose leases we renew
         self._stop = threading.Event()
+        self._wake = threading.Event()  # wakes the renewal thread: a pull of a shorter lease, or closing
+        self._pace = 0.5                # seconds between the renewal thread's rounds now
         self._renewer: Optional[threading.Thread] = None
         self._linked: set[int] = set()
-        #: A prepared pull per prefill peer: its blocks cache looked up and checked once.
-        self._pulls: dict[int, TransferHandle] = {}
+        #: A prepared pull per prefill peer and block-size ratio: its cache looked up and checked once.
+        self._pulls: dict[tuple[int, int], TransferHandle] = {}
         self._holding: dict[str, float] = {}     # prefill: request id -> end of its blocks' lease
         self._released: set[str] = set()         # prefill: pulled (the decode side told us), free now
         self._early: dict[str, float] = {}       # prefill: pulled before we held them -> when told
@@ -166,11 +189,25 @@ class DatadistWorker:
                 self._renewer.start()
         self._cache = datadist.cache_manager.register_blocks_cache(layout.cache_desc(), list(layout.addrs),
                                                                    BlocksCacheKey(self.cluster_id, 0))
+        self._register_runs(kv_caches, layout)
         if self.settings.producer:
             self.endpoint = Endpoint(self.settings.host, int(datadist.listen_port or 0), self.cluster_id)
         log.info("datadist connector: %d layers x %d tensors of %d blocks x %d bytes on %s registered%s",
                  layout.num_layers, layout.tensors_per_layer, layout.num_blocks, layout.block_bytes, layout.device,
                  f"; listening on {self.endpoint.host}:{self.endpoint.port}" if self.endpoint else "")
+
+    def _register_runs(self, kv_caches: Mapping[str, "torch.Tensor"], layout: PagedLayout) -> None:
+        """Where blocks split into runs of token rows (:mod:`.blocks`), a prefill worker
+        registers its memory a second time, in chunks of one run: what a decode instance
+        of larger blocks pulls."""
+        if self.attention is None:  # vLLM picks the kernels (the ISA) after making the connector
+            self.attention = attention_kind(self._vllm_config)
+        self.runs = token_runs(self.attention, kv_caches)
+        if self.settings.producer and self.runs:
+            self._engine().cache_manager.register_blocks_cache(chunk_desc(layout, self.runs), list(layout.addrs),
+                                                               BlocksCacheKey(self.cluster_id, 1))
+        log.info("datadist connector: attention kernel %r; %s", self.attention,
+                 f"blocks split in {self.runs} runs of token rows" if self.runs else "blocks are not split")
 
     def _engine(self) -> LLMDataDist:
         """The datadist engine (``register`` starts it, ``close`` ends it)."""
@@ -189,7 +226,11 @@ class DatadistWorker:
                 else:
                     self._released.add(req_id)  # already pulled: freed on the next report
             self._pending.update(to_recv)
+        if any(0 < job.lease_s / 6 < self._pace for job in to_recv.values()):
+            self._wake.set()  # a shorter lease than the renewal thread paces itself on
         for req_id, job in to_recv.items():
+            if job.local_blocks and len(job.peers) == self.tp_size:
+                self._link_soon(job.peers[self.tp_rank])
             self._pool.submit(self._pull, req_id, job)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
@@ -268,14 +309,16 @@ class DatadistWorker:
             if job.refused:
                 raise ValueError(job.refused)
             if job.local_blocks:
-                self._link(peer)
-                started = time.perf_counter()
-                self._pull_blocks(peer, job)
+                with self._using(peer):
+                    self._link(peer)
+                    self._renew_for(peer)
+                    started = time.perf_counter()
+                    self._pull_blocks(peer, job)
                 self.stats.record("transfer_duration", time.perf_counter() - started)
                 self.stats.record("num_blocks", len(job.local_blocks))
                 if self.layout is not None:
-                    self.stats.record("bytes_transferred",
-                                      len(job.local_blocks) * len(self.layout.addrs) * self.layout.block_bytes)
+                    self.stats.record("bytes_transferred", len(job.remote_blocks) * len(self.layout.addrs)
+                                      * self.layout.block_bytes // job.ratio)
         except (LLMException, OSError, ValueError) as exc:
             error = exc
             self.stats.record("num_failed_transfers")
@@ -294,35 +337,99 @@ class DatadistWorker:
                 self._errors.update(job.local_blocks)
 
     def _pull_blocks(self, peer: Endpoint, job: RecvJob) -> None:
-        if self._cache is None:
+        if self._cache is None or self.layout is None:
             raise RuntimeError("DatadistConnector worker: no registered KV cache (register_kv_caches not run)")
-        with self._link_lock:
-            handle = self._pulls.get(peer.cluster_id)
+        if job.ratio > 1 and not self.runs:
+            raise ValueError(f"prefill blocks of 1/{job.ratio} of this instance's block size: DatadistConnector "
+                             f"splits blocks only in the KV cache layouts it knows (see datadist.integrations.vllm."
+                             f"blocks), not in this one ({self.attention or 'attention kernel unknown'})")
+        with self._peer_lock(peer.cluster_id):
+            handle = self._pulls.get((peer.cluster_id, job.ratio))
             if handle is None:
-                handle = self._engine().cache_manager.prepare_pull_blocks(BlocksCacheKey(peer.cluster_id, 0),
-                                                                         self._cache)
-                self._pulls[peer.cluster_id] = handle
-        handle.run(job.remote_blocks, job.local_blocks)
+                local = self._cache if job.ratio == 1 else self._split_cache(job.ratio)
+                handle = self._engine().cache_manager.prepare_pull_blocks(
+                    BlocksCacheKey(peer.cluster_id, 0 if job.ratio == 1 else 1), local)
+                self._pulls[(peer.cluster_id, job.ratio)] = handle
+        if job.ratio == 1:
+            handle.run(job.remote_blocks, job.local_blocks)
+        else:
+            handle.run(*split_pairs(job.remote_blocks, job.local_blocks, job.ratio, self.runs))
+
+    def _split_cache(self, ratio: int) -> Cache:
+        """Our cache in chunks of a prefill block's run, for prefill blocks 1/``ratio`` of
+        ours (registered once per ratio; called under a peer lock)."""
+        assert self.layout is not None
+        with self._lock:
+            cache = self._split.get(ratio)
+            if cache is None:
+                cache = self._engine().cache_manager.register_blocks_cache(
+                    chunk_desc(self.layout, self.runs * ratio), list(self.layout.addrs))
+                self._split[ratio] = cache
+        return cache
+
+    def _peer_lock(self, cluster_id: int) -> threading.Lock:
+        with self._lock:
+            return self._peer_locks.setdefault(cluster_id, threading.Lock())
+
+    @contextmanager
+    def _using(self, peer: Endpoint) -> Iterator[None]:
+        """A pull thread links to or pulls from ``peer`` (the renewal thread leaves it be)."""
+        with self._lock:
+            self._busy[peer.cluster_id] = self._busy.get(peer.cluster_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._busy.pop(peer.cluster_id) - 1
+                if left:
+                    self._busy[peer.cluster_id] = left
 
     def _link(self, peer: Endpoint) -> None:
-        with self._link_lock:
+        """Link to ``peer`` unless linked; a link attempt that failed while this call waited
+        for it fails this call too (a dead peer costs one link timeout, not one per pull)."""
+        asked = time.monotonic()
+        with self._peer_lock(peer.cluster_id):
             if peer.cluster_id in self._linked:
                 return
+            failure = self._link_failures.get(peer.cluster_id)
+            if failure is not None and failure[0] >= asked:
+                raise LLMException(failure[1], status_code=failure[2])
             cluster = LLMClusterInfo(remote_cluster_id=peer.cluster_id)
             cluster.append_remote_ip_info(peer.host, peer.port)
             ret, _ = self._engine().link_clusters([cluster], timeout=self.settings.timeout_ms)
             if ret != LLMStatusCode.LLM_SUCCESS:
-                raise LLMException(f"link to prefill worker {peer.host}:{peer.port} failed: {ret.name}",
-                                   status_code=ret)
+                why = f"link to prefill worker {peer.host}:{peer.port} failed: {ret.name}"
+                self._link_failures[peer.cluster_id] = (time.monotonic(), why, ret)
+                raise LLMException(why, status_code=ret)
+            self._link_failures.pop(peer.cluster_id, None)
             self._linked.add(peer.cluster_id)
+
+    def _link_soon(self, peer: Endpoint) -> None:
+        """Link to a new peer on a thread of its own (the pulls from it wait for that link)."""
+        with self._lock:
+            if peer.cluster_id in self._linked or peer.cluster_id in self._linking:
+                return
+            self._linking.add(peer.cluster_id)
+        with on_instance_cpus():  # called on the model thread, pinned to one core: see register
+            threading.Thread(target=self._link_quietly, args=(peer,), name="datadist-vllm-link", daemon=True).start()
+
+    def _link_quietly(self, peer: Endpoint) -> None:
+        try:
+            self._link(peer)
+        except (LLMException, RuntimeError) as exc:  # the pulls from the peer report it
+            log.debug("link to %s:%d failed: %s", peer.host, peer.port, exc)
+        finally:
+            with self._lock:
+                self._linking.discard(peer.cluster_id)
 
     def _forget(self, cluster_id: int) -> None:
         """Drop a link that failed; the next request to that peer links again."""
-        with self._link_lock:
+        with self._peer_lock(cluster_id):
             if cluster_id not in self._linked:
                 return
             self._linked.discard(cluster_id)
-            self._pulls.pop(cluster_id, None)
+            for key in [k for k in self._pulls if k[0] == cluster_id]:
+                del self._pulls[key]
             if self._datadist is not None:
                 try:
                     self._datadist.unlink_clusters([LLMClusterInfo(remote_cluster_id=cluster_id)], timeout=1000,
@@ -332,30 +439,51 @@ class DatadistWorker:
 
     # -- the lease thread ----------------------------------------------------------------
     def _renew_loop(self) -> None:
-        """Renew the prefill side's lease of every pull still queued or running, a few
-        times per lease (NixlConnector renews at a sixth of it), so that a slow decode
-        instance keeps its blocks and a dead one frees them within one lease."""
+        """Renew the prefill side's lease of every pull still queued, a few times per lease
+        (NixlConnector renews at a sixth of it), so that a slow decode instance keeps its
+        blocks and a dead one frees them within one lease.  A pull renews its peer's leases
+        as it begins, so it has a whole lease to run (keep ``sync_kv_timeout_ms``, the
+        longest a pull runs, below the lease)."""
         while not self._stop.is_set():
             with self._lock:
                 pending = list(self._pending.values())
             leases = [job.lease_s for job in pending if job.lease_s > 0]
             if leases:
                 self._renew(pending)
-            self._stop.wait(min(leases) / 6 if leases else 0.5)
+            self._pace = min(leases) / 6 if leases else 0.5
+            self._wake.wait(self._pace)
+            self._wake.clear()
 
     def _renew(self, pending: list[RecvJob]) -> None:
+        """Renew the leases of ``pending`` over the links already made.  A peer that a pull
+        thread is linking to or pulling from is left out: its pulls renew every lease of
+        that peer as they begin (a renewal would wait for the link behind the pull)."""
         by_peer: dict[int, tuple[Endpoint, list[str]]] = {}
         for job in pending:
             if job.lease_s > 0 and len(job.peers) == self.tp_size:
                 peer = job.peers[self.tp_rank]
                 by_peer.setdefault(peer.cluster_id, (peer, []))[1].append(job.remote_request_id)
-        for peer, ids in by_peer.values():
-            try:
-                self._link(peer)
-                self._engine().send_notification(peer.cluster_id, renew_note(ids))
-                self.stats.record("num_lease_renewals", len(ids))
-            except (LLMException, RuntimeError) as exc:  # the pull reports the peer's failure
-                log.debug("lease renewal to %s:%d failed: %s", peer.host, peer.port, exc)
+        for cluster_id, (peer, ids) in by_peer.items():
+            with self._lock:
+                ready = cluster_id in self._linked and not self._busy.get(cluster_id)
+            if ready:
+                self._send_renewal(peer, ids)
+
+    def _renew_for(self, peer: Endpoint) -> None:
+        """Renew every lease held by ``peer`` for this worker, as a pull from it begins."""
+        with self._lock:
+            ids = [job.remote_request_id for job in self._pending.values()
+                   if job.lease_s > 0 and len(job.peers) == self.tp_size
+                   and job.peers[self.tp_rank].cluster_id == peer.cluster_id]
+        if ids:
+            self._send_renewal(peer, ids)
+
+    def _send_renewal(self, peer: Endpoint, ids: list[str]) -> None:
+        try:
+            self._engine().send_notification(peer.cluster_id, renew_note(ids))
+            self.stats.record("num_lease_renewals", len(ids))
+        except (LLMException, RuntimeError) as exc:  # the pull reports the peer's failure
+            log.debug("lease renewal to %s:%d failed: %s", peer.host, peer.port, exc)
 
     def _tell_pulled(self, peer: Endpoint, remote_request_id: str) -> None:
         """Let the prefill worker free the request's blocks (also after a failed pull:
@@ -371,6 +499,7 @@ class DatadistWorker:
     # -- teardown ------------------------------------------------------------------------
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._renewer is not None:
             self._renewer.join(10.0)
         self._pool.shutdown(wait=True, cancel_futures=True)
