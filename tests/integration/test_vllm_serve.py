@@ -87,7 +87,9 @@ def test_pd_through_the_proxy_matches_the_plain_server(cluster: Cluster) -> None
     assert report["errors"] == [], report
     assert report["match"] == [True] * len(report["prompts"]), report
     assert report["stream_match"] == [True] * len(report["prompts"]), report
-    assert min(report["stream_chunks"]) == MAX_TOKENS, report  # one chunk per token, relayed as they came
+    # Relayed as they came: more than one chunk each (vLLM merges the deltas of tokens its
+    # server has not sent yet into one chunk, so a loaded machine sends fewer than one per token).
+    assert min(report["stream_chunks"]) >= 2 and max(report["stream_chunks"]) <= MAX_TOKENS, report
     assert transferred_tokens(cluster.decode.metrics()) - before >= sum(report["prompts"]), report
 
 
