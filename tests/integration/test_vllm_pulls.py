@@ -3,14 +3,10 @@ make it queue: real workers in processes of their own, driven by ``vllm_pulls.py
 with the Python of ``vllm_env`` (skipped without one); one run serves every test here."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
 from typing import Any, Dict
 
 import pytest
-from vllm_env import ROOT, vllm_python
+from vllm_env import run_vllm_script
 
 pytestmark = pytest.mark.vllm
 
@@ -20,14 +16,7 @@ TIMEOUT_S = 4.0   # the decode worker's link and transfer timeout, as in the scr
 
 @pytest.fixture(scope="module")
 def report() -> Dict[str, Any]:
-    python = vllm_python()
-    here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(here)])}
-    done = subprocess.run([python, str(here / "vllm_pulls.py")], env=env, capture_output=True, text=True,
-                          timeout=300)
-    lines = done.stdout.strip().splitlines()
-    assert done.returncode == 0 and lines, f"exited {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
-    result: Dict[str, Any] = json.loads(lines[-1])
+    result = run_vllm_script("vllm_pulls.py", 300)
     assert result["exit_codes"] == [0, 0, 0, 0], result  # live and hung prefill workers, decode workers
     return result
 

@@ -5,14 +5,10 @@ within their lease).  Real workers in processes of their own, driven by
 ``vllm_unequal_tp.py`` with the Python of ``vllm_env`` (skipped without one)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
 from typing import Any, Dict
 
 import pytest
-from vllm_env import ROOT, vllm_python
+from vllm_env import run_vllm_script
 
 pytestmark = pytest.mark.vllm
 
@@ -21,14 +17,7 @@ LEASE_S = 60.0  # the prefill ranks' lease in the script: freeing at once means 
 
 @pytest.fixture(scope="module")
 def report() -> Dict[str, Any]:
-    python = vllm_python()
-    here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(here)])}
-    done = subprocess.run([python, str(here / "vllm_unequal_tp.py")], env=env, capture_output=True, text=True,
-                          timeout=240)
-    lines = done.stdout.strip().splitlines()
-    assert done.returncode == 0 and lines, f"exited {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
-    return json.loads(lines[-1])
+    return run_vllm_script("vllm_unequal_tp.py", 240)
 
 
 @pytest.mark.parametrize("case, prefill_ranks, decode_ranks", [("tp2_to_tp1", 2, 1), ("tp1_to_tp2", 1, 2)])

@@ -7,10 +7,13 @@ none.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from typing import Any, Dict
 
 import pytest
 
@@ -26,3 +29,16 @@ def vllm_python() -> str:
             if probe.returncode == 0:
                 return candidate
     pytest.skip("no Python with vllm installed (run .ci/vllm-env, or set DATADIST_VLLM_PYTHON)")
+
+
+def run_vllm_script(name: str, timeout: float) -> Dict[str, Any]:
+    """Run ``tests/integration/<name>`` with :func:`vllm_python` (this tree and the tests on
+    its path) and return the JSON object its last line prints, asserting it exited 0."""
+    python = vllm_python()
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(here)])}
+    done = subprocess.run([python, str(here / name)], env=env, capture_output=True, text=True, timeout=timeout)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, f"exited {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
+    result: Dict[str, Any] = json.loads(lines[-1])
+    return result
