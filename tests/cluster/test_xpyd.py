@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from datadist import LLMStatusCode as S
-from harness import Desc, Peer, Ref, base_config, blocks_key, expect_blocks, key_config
+from harness import Desc, Peer, Ref, base_config, blocks_key, close_peers, expect_blocks, key_config
 from waiting import PACED, until
 from datadist.bench.netns import Cluster, Host
 from tls_helpers import make_pki, tls_config
@@ -78,13 +78,7 @@ def xpyd(cluster_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Iter
                 dec.link(prompt)
         yield XPyD(cluster, prompts, decoders)
     finally:
-        errors = []
-        for peer in spawned:
-            try:
-                peer.close()
-            except Exception as exc:  # every engine must be reaped even if one fails
-                errors.append(f"{peer.name}: {exc!r}")
-        assert not errors, "teardown: " + "; ".join(errors)
+        close_peers(spawned)
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ import os
 import signal
 import socket
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pytest
@@ -44,7 +44,7 @@ __all__ = [
     "Key", "Ref", "Desc", "PeerError", "PeerDied", "Peer", "Pair", "Pending", "PairHolder",
     "cache_key", "id_key", "blocks_key", "transfer_config", "key_config", "free_port", "base_config", "start_pair",
     "expect_llm", "expect_exc", "random_bytes", "layer_tensors", "expect_blocks",
-    "expect_row_to_blocks", "expect_rows", "as_array", "shm_listing", "rss_bytes", "peer_factory",
+    "expect_row_to_blocks", "expect_rows", "as_array", "shm_listing", "rss_bytes", "close_peers", "peer_factory",
     "pair_holder", "pair",
 ]
 
@@ -399,6 +399,18 @@ def start_pair(transport: str, *, link: bool = True, init: bool = True,
     return Pair(prompt, decoder, transport)
 
 
+def close_peers(peers: Iterable["Peer"]) -> None:
+    """Shut every peer down (exit codes asserted) or kill it, then assert that none failed,
+    naming each that did: every peer is reaped even if one fails."""
+    errors = []
+    for peer in peers:
+        try:
+            peer.close()
+        except Exception as exc:
+            errors.append(f"{peer.name}: {exc!r}")
+    assert not errors, "teardown: " + "; ".join(errors)
+
+
 @pytest.fixture
 def peer_factory() -> Iterator[Callable[..., Any]]:
     """Start peers and pairs that are shut down (exit code checked) or killed at teardown."""
@@ -412,13 +424,7 @@ def peer_factory() -> Iterator[Callable[..., Any]]:
         return peer
 
     yield make
-    errors = []
-    for peer in reversed(spawned):
-        try:
-            peer.close()
-        except Exception as exc:  # every peer must be reaped even if one fails
-            errors.append(f"{peer.name}: {exc!r}")
-    assert not errors, "teardown: " + "; ".join(errors)
+    close_peers(reversed(spawned))
 
 
 class PairHolder:
@@ -439,13 +445,7 @@ class PairHolder:
     def close(self) -> None:
         """Shut both peers down (exit codes asserted) or kill them."""
         spawned, self.spawned, self.pair = self.spawned, [], None
-        errors = []
-        for peer in spawned:
-            try:
-                peer.close()
-            except (AssertionError, PeerDied, PeerError, OSError) as exc:
-                errors.append(f"{peer.name}: {exc}")
-        assert not errors, "; ".join(errors)
+        close_peers(spawned)
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)

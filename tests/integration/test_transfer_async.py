@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from datadist import LLMStatusCode as S
-from harness import (DECODER_ID, PROMPT_ID, Desc, Key, Pair, Peer, Ref, base_config, blocks_key,
+from harness import (DECODER_ID, Desc, Key, Pair, Peer, Ref, base_config, blocks_key, close_peers,
                      expect_blocks, expect_exc, expect_llm, expect_row_to_blocks, expect_rows, id_key,
                      key_config, start_pair, transfer_config)
 from waiting import PACED, until
@@ -58,16 +58,6 @@ def _start_trio(transport: str, spawned: List[Peer], timeout_ms: int = TIMEOUT_M
     return Trio(pair, decoder2)
 
 
-def _close(spawned: List[Peer]) -> None:
-    errors = []
-    for peer in spawned:
-        try:
-            peer.close()
-        except Exception as exc:  # every peer must be reaped even if one fails
-            errors.append(f"{peer.name}: {exc!r}")
-    assert not errors, "teardown: " + "; ".join(errors)
-
-
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def trio_holder(request: pytest.FixtureRequest) -> Iterator[Trio]:
     """The module's engines, once per transport."""
@@ -75,7 +65,7 @@ def trio_holder(request: pytest.FixtureRequest) -> Iterator[Trio]:
     try:
         yield _start_trio(request.param, spawned)
     finally:
-        _close(spawned)
+        close_peers(spawned)
 
 
 @pytest.fixture
@@ -93,7 +83,7 @@ def own_trio() -> Iterator[Any]:
     try:
         yield lambda transport, timeout_ms=TIMEOUT_MS: _start_trio(transport, spawned, timeout_ms)
     finally:
-        _close(spawned)
+        close_peers(spawned)
 
 
 # ------------------------------------------------------------------------ helpers
