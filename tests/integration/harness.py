@@ -25,6 +25,7 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import subprocess
 import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -44,8 +45,8 @@ __all__ = [
     "Key", "Ref", "Desc", "PeerError", "PeerDied", "Peer", "Pair", "Pending", "PairHolder",
     "cache_key", "id_key", "blocks_key", "transfer_config", "key_config", "free_port", "base_config", "start_pair",
     "expect_llm", "expect_exc", "random_bytes", "layer_tensors", "expect_blocks",
-    "expect_row_to_blocks", "expect_rows", "as_array", "shm_listing", "rss_bytes", "close_peers", "peer_factory",
-    "pair_holder", "pair",
+    "expect_row_to_blocks", "expect_rows", "as_array", "shm_listing", "rss_bytes", "close_peers", "run_ranks",
+    "peer_factory", "pair_holder", "pair",
 ]
 
 #: Deadline of one command; generous because the machine is small and shared.
@@ -409,6 +410,25 @@ def close_peers(peers: Iterable["Peer"]) -> None:
         except Exception as exc:
             errors.append(f"{peer.name}: {exc!r}")
     assert not errors, "teardown: " + "; ".join(errors)
+
+
+def run_ranks(commands: Sequence[List[str]], env: Dict[str, str], timeout: float) -> List[subprocess.CompletedProcess]:
+    """Start one process per command at once (the ranks of a group) and wait for each, at
+    most ``timeout`` seconds apiece; any still running afterwards (a failed wait) is killed
+    and reaped.  Their exit codes and outputs, in order."""
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in commands]
+    done = []
+    try:
+        for cmd, p in zip(commands, procs):
+            out, err = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return done
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import pytest
 
 from datadist import LLMStatusCode
 from fake_npu_env import npu_env, npu_peers, ok, run  # noqa: F401  (fixtures)
-from harness import DECODER_ID, PROMPT_ID, Desc, Ref, base_config, blocks_key, expect_blocks, free_port
+from harness import DECODER_ID, PROMPT_ID, Desc, Ref, base_config, blocks_key, expect_blocks, free_port, run_ranks
 
 pytestmark = [pytest.mark.fake_npu, pytest.mark.timeout(300)]
 
@@ -45,20 +45,10 @@ def _pair(env: dict, code: str, **extra: str) -> list[str]:
     """Run ``code`` as ranks 0 and 1 of a group; their outputs, asserting both exit 0."""
     port = str(free_port())
     script = textwrap.dedent(_GROUP) + textwrap.dedent(code)
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(rank), port], env={**env, **extra},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0, f"rank exit {p.returncode}\n{out}\n{err[-4000:]}"
-            outs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return outs
+    done = run_ranks([[sys.executable, "-c", script, str(rank), port] for rank in (0, 1)], {**env, **extra}, 120)
+    for d in done:
+        assert d.returncode == 0, f"rank exit {d.returncode}\n{d.stdout}\n{d.stderr[-4000:]}"
+    return [d.stdout for d in done]
 
 
 def test_fake_hccl_moves_npu_tensors_and_forms_on_first_use(npu_env: dict) -> None:

@@ -11,14 +11,13 @@ barriers); the test passes when every process exits 0, and shows each one's outp
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
 import pytest
 
-from harness import free_port
+from harness import free_port, run_ranks
 
 SCRIPT = Path(__file__).with_name("vendor_shaped.py")
 DEADLINE_S = 100
@@ -29,22 +28,11 @@ def run_scenario(name: str, world: int, ports: int, env: Optional[dict] = None) 
     this process's) and assert that every one exits 0."""
     env = dict(env or os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     port_list = ",".join(str(free_port()) for _ in range(ports))
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), name, str(rank), str(world), port_list], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=DEADLINE_S)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, "\n".join(f"--- rank {rank} exited {rc} ---\n{outputs[rank] if rank < len(outputs) else ''}"
-                                 for rank, rc in failed)
+    done = run_ranks([[sys.executable, str(SCRIPT), name, str(rank), str(world), port_list] for rank in range(world)],
+                     env, DEADLINE_S)
+    failed = [(rank, d) for rank, d in enumerate(done) if d.returncode != 0]
+    assert not failed, "\n".join(f"--- rank {rank} exited {d.returncode} ---\n{d.stdout}\n{d.stderr}"
+                                 for rank, d in failed)
 
 
 @pytest.mark.timeout(150)
