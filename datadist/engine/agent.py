@@ -36,7 +36,7 @@ from .layout import Plan
 from .link import Link
 from .notes import NoteBox
 from .options import EngineSettings
-from .polling import LOAD, SpinPolicy
+from .polling import LOAD
 from .registry import Registry
 from .requests import OK, RequestHandler
 from .transports import checked
@@ -442,20 +442,11 @@ class Agent:
             if self._watched > 1:
                 # Wait for any link's request, then let the loop serve every ready link in
                 # turn: serving this link again first would let one fast peer starve the rest.
-                self._spin_outcome(policy, native.spin_readable(self._sel.fileno(), spin))
+                policy.spun(native.spin_readable(self._sel.fileno(), spin))
                 return
-            if not self._spin_outcome(policy, native.spin_readable(sock.fileno(), spin)):
+            if not policy.spun(native.spin_readable(sock.fileno(), spin)):
                 return
             self._serve(link)
-
-    @staticmethod
-    def _spin_outcome(policy: SpinPolicy, caught: bool) -> bool:
-        """Tell ``policy`` whether its spin caught a request; returns ``caught``."""
-        if caught:
-            policy.caught()
-        else:
-            policy.missed()
-        return caught
 
     def _serve(self, link: Link) -> None:
         sock = link.serve_sock

@@ -121,11 +121,16 @@ class SpinPolicy:
         """A spin ended with nothing to read."""
         self.misses += 1
 
+    def spun(self, caught: bool) -> bool:
+        """Learn whether a spin ``caught`` what it waited for; returns ``caught``."""
+        if caught:
+            self.caught()
+        else:
+            self.missed()
+        return caught
+
     def outcome(self, spun_us: int, waited_us: float) -> None:
         """Learn from a wait that spun ``spun_us`` and took ``waited_us`` in all: a wait no
         longer than its spin was caught by it; one that spun nothing teaches nothing."""
         if spun_us > 0:
-            if waited_us <= spun_us:
-                self.caught()
-            else:
-                self.missed()
+            self.spun(waited_us <= spun_us)
