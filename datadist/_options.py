@@ -110,8 +110,8 @@ class EngineOptions:
             (``datadist.TransferChecksum``, default False): the sender sums each payload
             while sending it, the receiver while receiving it, and a mismatch fails the
             transfer with ``LLM_LINK_FAILED`` (docs/security.md).  One-sided shm copies are
-            not covered; not with a collective ``transfer_backend``, whose payloads would
-            bypass it.
+            not covered (a link that uses them says so in a warning); not with a collective
+            ``transfer_backend``, whose payloads would bypass it.
 
     Constructing one directly validates it the same way (``__post_init__``).
     """
@@ -191,7 +191,7 @@ class EngineOptions:
                                           f"{OPTION_TLS_CA_FILE} are set): use auto, shm or tcp with TLS")
         if self.transfer_checksum:
             self._bad("transfer_backend", f"a collective backend moves payloads through torch.distributed, which "
-                                          f"{OPTION_TRANSFER_CHECKSUM} does not cover: use auto, shm or tcp with it")
+                                          f"{OPTION_TRANSFER_CHECKSUM} does not cover: use tcp with it")
 
     # -- derived views
 

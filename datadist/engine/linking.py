@@ -24,7 +24,8 @@ lazily (``hccl``, ``nccl``) are warmed by one exchange while the link is made, w
 link's timeout, so that no transfer's ``sync_kv_timeout`` pays for it.
 
 With ``transfer_checksum`` the socket transport is :mod:`.transports.checked`'s (every
-payload summed on both ends).
+payload summed on both ends); a link whose transfers it cannot cover (one-sided shm
+copies, a process group) says so in a warning when it is made.
 
 With TLS configured (:mod:`.tls`), both connections of every link this engine opens are
 TLS, handshake first, whatever the transport; the server side does the same in the agent.
@@ -176,8 +177,13 @@ class Linker:
         """The transport towards ``peer`` (see the module docstring) and, for a same-host
         peer, the local address of its mapped epoch page.  Collective links get theirs once
         the process group exists (:meth:`_join_group`): None here."""
-        tcp = CheckedTcpTransport() if self.engine.options.transfer_checksum else TcpTransport()
+        checked = self.engine.options.transfer_checksum
+        tcp = CheckedTcpTransport() if checked else TcpTransport()
         if self._collective(peer) is not None:
+            if checked:
+                log.warning("link to cluster %d moves payloads through a process group, which transfer_checksum does "
+                            "not cover: its transfers are not checksummed (set transfer_backend tcp to have them "
+                            "checked)", peer.cluster_id)
             return None, None
         if self.engine.backend == "tcp" or peer.backend == "tcp":
             return tcp, None
@@ -204,6 +210,9 @@ class Linker:
                            cuda_here=self.engine.device.startswith("cuda"))
         log.info("link to cluster %d uses shm (cross-memory attach %s)", peer.cluster_id,
                  "on" if shm.cma_ok else "off")
+        if checked:
+            log.warning("link to cluster %d uses shm: its one-sided copies are not checksummed (transfer_checksum "
+                        "covers tcp and TLS; set transfer_backend tcp to have them checked)", peer.cluster_id)
         return shm, mapped[0].local_base
 
     @staticmethod
