@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, List, Optional,
 import numpy as np
 
 from ._arrivals import Arrival, arrival_of
-from ._handles import TransferHandle, call_ident
+from ._handles import TransferHandle, call_ident, prepared_transfer
 from ._objects import (BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, MemInfo,
                        as_tensor_addrs)
 from ._status import LLMStatusCode, api_class, raise_error
@@ -21,10 +21,13 @@ from .engine.arrivals import ArrivalBoard, Notice
 from .engine.core import Engine
 from .engine.layout import Plan, plan_units
 from .engine.memo import remember
+from .engine.link import Link
 from .engine.memory import PoolExhausted
+from .engine.prepared import PreparedTransfer
 from .engine.registry import Registry
-from ._planning import (Side, cache_ref, blocks_plan, int_arg, layer_range_arg, local_side, peer_cluster, row_plan,
-                        row_size_arg, tensors_per_layer)
+from ._planning import cache_ref, local_side, peer_cluster
+from .engine.planning import (Side, blocks_plan, int_arg, layer_range_arg, row_plan, row_size_arg,
+                              tensors_per_layer)
 from ._transfer_async import CacheTask, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig, start_task
 from .engine.transports.base import RemoteCache
 from .engine.transports.local import LocalTransport
@@ -34,8 +37,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["CacheManager"]
 
-#: Call shapes of push_blocks / pull_blocks whose handles a cache manager keeps.
-_HANDLES = 128
+#: Call shapes of push_blocks / pull_blocks whose prepared transfers a cache manager keeps.
+_SHAPES = 128
 
 #: Registered memory: its int addresses, the tensors among ``addrs``, its device, its IPC regions.
 _Memory = Tuple[List[int], Tuple["torch.Tensor", ...], str, Tuple[cuda.IpcRegion, ...]]
@@ -110,8 +113,8 @@ class CacheManager:
         self._owner = owner  # the LLMDataDist, for its engine and role
         # What the engine's boards call for each user callback (to remove it again).
         self._callbacks: Dict[tuple[int, Callable[[Arrival], None]], Callable[[Notice], None]] = {}
-        #: Handles of recent push_blocks / pull_blocks call shapes (:func:`call_ident`).
-        self._handles: Dict[Hashable, TransferHandle] = {}
+        #: Prepared transfers of recent push_blocks / pull_blocks call shapes (:func:`call_ident`).
+        self._shapes: Dict[Tuple[Hashable, ...], PreparedTransfer] = {}
 
     @property
     def _engine(self) -> Engine:
@@ -212,6 +215,15 @@ class CacheManager:
             rec.release()
         for key in [k for k in self._callbacks if k[0] == cache.cache_id]:
             del self._callbacks[key]
+        self._forget_shapes(cache.cache_id)
+
+    def _forget_shapes(self, cache_id: int) -> None:
+        """Release the prepared transfers of a cache that is gone (they would only fail
+        now), with their plans."""
+        for ident in [i for i in self._shapes if i[2] == cache_id]:
+            prepared = self._shapes.pop(ident, None)
+            if prepared is not None:
+                prepared.release()
 
     def deallocate_cache(self, cache: Cache) -> None:
         """Free a cache from ``allocate_cache``; no-op if already freed."""
@@ -224,6 +236,7 @@ class CacheManager:
     def unregister_cache(self, cache_id: int) -> None:
         """Forget a registered cache (the memory stays the caller's)."""
         self._registry.remove(int_arg("cache_id", cache_id))
+        self._forget_shapes(cache_id)
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
         """Drop a key (no-op if absent)."""
@@ -303,8 +316,8 @@ class CacheManager:
                     tensor_num_per_layer: int = 2) -> None:
         """Pull remote blocks ``src_blocks[i] -> dst_blocks[i]``; with a row key and
         ``src_blocks=()`` chunk i of the remote row goes to ``dst_blocks[i]``."""
-        self._handle(False, src_cache_key, dst_cache, src_layer_range, dst_layer_range,
-                     tensor_num_per_layer)._run(src_blocks, dst_blocks)
+        self._shaped(False, src_cache_key, dst_cache, src_layer_range, dst_layer_range,
+                     tensor_num_per_layer).run(src_blocks, dst_blocks)
 
     def prepare_pull_blocks(self, src_cache_key: Union[BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex],
                             dst_cache: Cache, src_blocks: Optional[Sequence[int]] = None,
@@ -343,8 +356,8 @@ class CacheManager:
                     src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
                     tensor_num_per_layer: int = 2) -> None:
         """Push local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
-        self._handle(True, dst_cache_key, src_cache, src_layer_range, dst_layer_range,
-                     tensor_num_per_layer)._run(src_blocks, dst_blocks)
+        self._shaped(True, dst_cache_key, src_cache, src_layer_range, dst_layer_range,
+                     tensor_num_per_layer).run(src_blocks, dst_blocks)
 
     def prepare_push_blocks(self, dst_cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex], src_cache: Cache,
                             src_blocks: Optional[Sequence[int]] = None, dst_blocks: Optional[Sequence[int]] = None,
@@ -366,28 +379,36 @@ class CacheManager:
             handle.prepare(src_blocks, dst_blocks)
         return handle
 
-    def _handle(self, push: bool, peer_key: Any, cache: Cache, src_layer_range: Optional[range],
-                dst_layer_range: Optional[range], tensor_num_per_layer: int) -> TransferHandle:
-        """The handle a ``push_blocks`` / ``pull_blocks`` call runs through: the one kept
-        for its shape, else a new one (kept if the shape can be; at most
-        :data:`_HANDLES` of them, the oldest dropped first)."""
+    def _shaped(self, push: bool, peer_key: Any, cache: Cache, src_layer_range: Optional[range],
+                dst_layer_range: Optional[range], tensor_num_per_layer: int) -> PreparedTransfer:
+        """The prepared transfer a ``push_blocks`` / ``pull_blocks`` call runs through: the
+        one kept for its shape, else a new one (kept if the shape can be; at most
+        :data:`_SHAPES` of them, the oldest dropped first: a thread still running one
+        finishes with it)."""
         ident = call_ident(push, peer_key, cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
-        handles = self._handles
+        shapes = self._shapes
         if ident is not None:
-            known = handles.get(ident)
+            known = shapes.get(ident)
             if known is not None:
                 return known
-        handle = self._new_handle(push, peer_key, cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        prepared = prepared_transfer(self._link_of, self._live_registry, push, peer_key, cache, src_layer_range,
+                                     dst_layer_range, tensor_num_per_layer)
         if ident is not None:
-            remember(handles, ident, handle, _HANDLES)
-        return handle
+            remember(shapes, ident, prepared, _SHAPES)
+        return prepared
 
     def _new_handle(self, push: bool, peer_key: Any, cache: Cache, src_layer_range: Optional[range],
                     dst_layer_range: Optional[range], tensor_num_per_layer: int) -> TransferHandle:
-        """A handle that reaches links and the registry through the engine running when it
-        asks (a finalized one's errors are the contract's)."""
-        return TransferHandle(lambda cluster: self._engine.get_link(cluster), lambda: self._registry, push, peer_key,
-                              cache, src_layer_range, dst_layer_range, tensor_num_per_layer)
+        return TransferHandle(self._link_of, self._live_registry, push, peer_key, cache, src_layer_range,
+                              dst_layer_range, tensor_num_per_layer)
+
+    def _link_of(self, cluster: int) -> Link:
+        """The link to ``cluster`` of the engine running when asked (a finalized one's
+        errors are the contract's)."""
+        return self._engine.get_link(cluster)
+
+    def _live_registry(self) -> Registry:
+        return self._registry
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs: Sequence[Union[TransferConfig, TransferWithCacheKeyConfig]],

@@ -55,8 +55,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 from numpy.typing import NDArray
 
-from ._planning import (BlockList, Side, cache_ref, block_list_arg, blocks_plan, int_arg, layer_range_arg,
-                        row_blocks_plan, row_plan, row_size_arg)
+from ._planning import cache_ref
+from .engine.planning import (BlockList, Side, block_list_arg, blocks_plan, int_arg, layer_range_arg,
+                              row_blocks_plan, row_plan, row_size_arg)
 from ._objects import _UINT32_MAX, _UINT64_MAX, BlocksCacheKey, CacheKeyByIdAndIndex, _check_type, _int_in, _Value
 from ._status import LLMStatusCode, ParamInvalidError, api_class, raise_error, status_of
 from .engine.keys import CacheRef

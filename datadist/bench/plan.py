@@ -22,8 +22,8 @@ def plan_rows(rounds: int = 200) -> List[Row]:
     64 tensors with a layer range covering every layer, in-order and scattered lists; and
     the same call shape repeated (``cached``): what a plain call then spends to find the
     plan it made before (both block lists as keys, one lookup in its handle's memory)."""
-    from .._handles import PlanMemory
-    from .._planning import Side, blocks_plan
+    from ..engine.prepared import PlanMemory
+    from ..engine.planning import Side, blocks_plan
     from ..engine.transports.base import Prepared, RemoteCache
 
     base = np.arange(PLAN_TENSORS, dtype=np.uint64) * np.uint64(1 << 30) + np.uint64(1 << 40)

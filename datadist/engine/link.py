@@ -63,7 +63,7 @@ class _Job(NamedTuple):
     key: Union[CacheRef, RemoteCache]
     planner: Callable[[RemoteCache], Plan]
     push: bool
-    known: Optional[Prepared]
+    prepared: Optional[Prepared]
     deadline: float
     op: str
     start: float
@@ -234,12 +234,12 @@ class Link(PeerLookups):
         fail(Fault.LINK_FAILED, f"link to cluster {self.remote_cluster_id} is broken: {exc}")
 
     def transfer(self, key: Union[CacheRef, RemoteCache], planner: Callable[[RemoteCache], Plan],
-                 push: bool, known: Optional[Prepared] = None, op: str = "") -> Prepared:
+                 push: bool, prepared: Optional[Prepared] = None, op: str = "") -> Prepared:
         """Resolve ``key``, plan against it and move the bytes, within ``sync_kv_timeout``.
 
         ``planner`` validates the remote geometry and returns a plan whose peer side is in
         the peer's address space.  Returns the transfer as prepared, which a caller
-        repeating the same call gives back as ``known``: while the peer's cache stays
+        repeating the same call gives back as ``prepared``: while the peer's cache stays
         the same (its epoch, for a same-host peer; a socket peer checks each request
         itself and answers a stale one, which is then planned again), it runs again
         without a lookup or a plan.  ``key`` may also be a :class:`RemoteCache` that
@@ -247,29 +247,29 @@ class Link(PeerLookups):
         ``transfer_cache_async``): nothing is looked up, and the peer checks the plan
         against all its caches.
 
-        Transfers take turns on the link in arrival order; a ``known`` transfer of host
+        Transfers take turns on the link in arrival order; a ``prepared`` transfer of host
         memory that has to wait is run by the thread ahead of it (:mod:`.turns`).  ``op``
         names the call in the link's counts (:mod:`.metrics`; default ``push_blocks`` or
         ``pull_blocks``), kept by whichever thread holds the lock while it moves."""
         start = time.monotonic()
         deadline = start + self.timeout_ms / 1000.0
         op = op or ("push_blocks" if push else "pull_blocks")
-        if known is not None and known.plan.on_host:
+        if prepared is not None and prepared.plan.on_host:
             if not self.lock.acquire(blocking=False):
-                served, outcome = self._queue(_Job(key, planner, push, known, deadline, op, start))
+                served, outcome = self._queue(_Job(key, planner, push, prepared, deadline, op, start))
                 if served:
                     return outcome
         else:
             self._take(op, start, deadline)
         try:
             self.check_alive()
-            ready = self._transfer_locked(key, planner, push, deadline, known)
+            done = self._transfer_locked(key, planner, push, deadline, prepared)
         except BaseException as exc:
             self.meter.failed(op, exc, start)
             raise
         else:
-            self.meter.moved(op, ready.nbytes, start)
-            return ready
+            self.meter.moved(op, done.nbytes, start)
+            return done
         finally:
             self._let_go()
 
@@ -297,9 +297,9 @@ class Link(PeerLookups):
             self.meter.refused(op, start, self._busy_error(), transfers)
 
     def transfer_batch(self, key: Union[CacheRef, RemoteCache], planners: Sequence[Callable[[RemoteCache], Plan]],
-                       push: bool, known: Sequence[Optional[Prepared]], op: str = "") -> list[Prepared]:
+                       push: bool, prepared: Sequence[Optional[Prepared]], op: str = "") -> list[Prepared]:
         """:meth:`transfer` of several plans against one peer cache in one go (over a
-        socket, pushes pipeline: one round trip for all); ``known[i]`` as ``known`` of
+        socket, pushes pipeline: one round trip for all); ``prepared[i]`` as ``prepared`` of
         :meth:`transfer`.  A plan refused as stale, or planned from a cached lookup the
         peer no longer agrees with, is done again on its own; the first other error is
         raised once the batch is through (the other plans have moved).  Every plan is made
@@ -308,13 +308,13 @@ class Link(PeerLookups):
         start = time.monotonic()
         deadline = start + self.timeout_ms / 1000.0
         op = op or ("push_blocks" if push else "pull_blocks")
-        jobs = [_Job(key, planner, push, hint, deadline, op, start) for planner, hint in zip(planners, known)]
+        jobs = [_Job(key, planner, push, p, deadline, op, start) for planner, p in zip(planners, prepared)]
         self._take(op, start, deadline, len(jobs))
         try:
             try:
                 self.check_alive()
-                ready = [self._reuse_or_plan(job) for job in jobs]
-                outcomes: Sequence[Union[Prepared, BaseException]] = self._move(jobs, ready, deadline)
+                current = [self._reuse_or_plan(job) for job in jobs]
+                outcomes: Sequence[Union[Prepared, BaseException]] = self._move(jobs, current, deadline)
             except BaseException as exc:
                 outcomes = [exc] * len(jobs)
             self.meter.settled(jobs, outcomes)
@@ -332,37 +332,37 @@ class Link(PeerLookups):
         outcomes: list[Union[Prepared, BaseException]] = []
         try:
             self.check_alive()
-            ready: list[Union[tuple[Prepared, bool], BaseException]] = []
+            current: list[Union[tuple[Prepared, bool], BaseException]] = []
             for job in jobs:
                 try:
-                    ready.append(self._reuse_or_plan(job))
+                    current.append(self._reuse_or_plan(job))
                 except Exception as exc:
-                    ready.append(exc)
-            planned = [(job, r) for job, r in zip(jobs, ready) if not isinstance(r, BaseException)]
-            moved = iter(self._move([j for j, _ in planned], [r for _, r in planned],
+                    current.append(exc)
+            planned = [(job, c) for job, c in zip(jobs, current) if not isinstance(c, BaseException)]
+            moved = iter(self._move([j for j, _ in planned], [c for _, c in planned],
                                     min(job.deadline for job in jobs)))
-            outcomes = [r if isinstance(r, BaseException) else next(moved) for r in ready]
+            outcomes = [c if isinstance(c, BaseException) else next(moved) for c in current]
         except Exception as exc:
             outcomes += [exc] * (len(jobs) - len(outcomes))
         self.meter.settled(jobs, outcomes)
         return outcomes
 
-    def _move(self, jobs: Sequence[_Job], ready: Sequence[tuple[Prepared, bool]],
+    def _move(self, jobs: Sequence[_Job], current: Sequence[tuple[Prepared, bool]],
               deadline: float) -> list[Union[Prepared, Exception]]:
         """Run prepared transfers as one batch of the transport (the link held): each one's
         prepared transfer, or its error.  A step refused as stale, or failing in a way a
         cached lookup can cause, is looked up, planned and run again on its own."""
-        outcomes = self._bound().run_batch(self, [r.step for r, _ in ready], deadline)
+        outcomes = self._bound().run_batch(self, [p.step for p, _ in current], deadline)
         done: list[Union[Prepared, Exception]] = []
-        for job, (r, from_cache), outcome in zip(jobs, ready, outcomes):
+        for job, (prepared, from_cache), outcome in zip(jobs, current, outcomes):
             if _retry(outcome, from_cache):
                 try:
                     done.append(self._transfer_locked(job.key, job.planner, job.push, job.deadline, None))
                 except Exception as exc:
                     done.append(exc)
                 continue
-            error = self._settle(r, outcome, job.push)
-            done.append(r if error is None else error)
+            error = self._settle(prepared, outcome, job.push)
+            done.append(prepared if error is None else error)
         return done
 
     def _reuse_or_plan(self, job: _Job) -> tuple[Prepared, bool]:
@@ -370,26 +370,26 @@ class Link(PeerLookups):
         else a new plan; with whether it rests on a cached lookup.  A planner that refuses
         a cached lookup is asked again with a fresh one, and what it refuses then is
         raised, before anything moves."""
-        hint = job.known
-        if hint is not None and self._current(hint.remote):
-            return hint, True
+        prepared = job.prepared
+        if prepared is not None and self._current(prepared.remote):
+            return prepared, True
         got = self._plan(job.key, job.planner, job.push, job.deadline, True) or \
             self._plan(job.key, job.planner, job.push, job.deadline, False)
         assert got is not None  # a fresh lookup's refusal raises
         return got
 
-    def _settle(self, ready: Prepared, outcome: bool | Exception, push: bool) -> Optional[EngineError]:
+    def _settle(self, prepared: Prepared, outcome: bool | Exception, push: bool) -> Optional[EngineError]:
         """Tell the receiver of a one-sided push into a watched cache how it went; the
         error of a failed step (None if it went through)."""
         error = outcome if isinstance(outcome, EngineError) else None
-        if push and ready.remote.watched and (error is not None or not outcome):
-            self._notify(ready.remote, ready.plan, error.fault if error else Fault.OK, str(error or ""))
+        if push and prepared.remote.watched and (error is not None or not outcome):
+            self._notify(prepared.remote, prepared.plan, error.fault if error else Fault.OK, str(error or ""))
         return error
 
     def prepare(self, key: Union[CacheRef, RemoteCache], planner: Callable[[RemoteCache], Plan],
                 push: bool) -> Prepared:
         """Look ``key`` up and plan against it, moving nothing (errors as :meth:`transfer`
-        would raise them); :meth:`transfer` runs the result as ``known``."""
+        would raise them); :meth:`transfer` runs the result as ``prepared``."""
         deadline = time.monotonic() + self.timeout_ms / 1000.0
         self._acquire(deadline)
         try:
@@ -443,26 +443,26 @@ class Link(PeerLookups):
         return self._bind(remote, plan, push), from_cache
 
     def _transfer_locked(self, key: Union[CacheRef, RemoteCache], planner: Callable[[RemoteCache], Plan],
-                         push: bool, deadline: float, known: Optional[Prepared]) -> Prepared:
+                         push: bool, deadline: float, prepared: Optional[Prepared]) -> Prepared:
         """:meth:`transfer` with the link's lock held: look up, plan, move; a lookup found
         stale is redone (the peer's caches changed), at most twice."""
         stale_retries = 2
         cached = True
         while True:
-            if known is not None and self._current(known.remote):
-                ready, from_cache = known, True
+            if prepared is not None and self._current(prepared.remote):
+                current, from_cache = prepared, True
             else:
                 got = self._plan(key, planner, push, deadline, cached)
                 cached = True
                 if got is None:
                     cached = False  # the planner refused a cached lookup: ask the peer
                     continue
-                ready, from_cache = got
-            known = None
+                current, from_cache = got
+            prepared = None
             try:
-                if not ready.step(deadline) and push and ready.remote.watched:
-                    self._notify(ready.remote, ready.plan, Fault.OK, "")
-                return ready
+                if not current.step(deadline) and push and current.remote.watched:
+                    self._notify(current.remote, current.plan, Fault.OK, "")
+                return current
             except StaleLookup:
                 # The peer's caches changed between lookup and request: look again.
                 stale_retries -= 1
@@ -474,8 +474,8 @@ class Link(PeerLookups):
                 # (socket peers share no epoch to check before planning): ask once
                 # more before reporting the error.
                 if not from_cache or exc.fault not in _RETRYABLE:
-                    if push and ready.remote.watched:
-                        self._notify(ready.remote, ready.plan, exc.fault, str(exc))
+                    if push and current.remote.watched:
+                        self._notify(current.remote, current.plan, exc.fault, str(exc))
                     raise
                 cached = False
 

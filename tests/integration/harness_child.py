@@ -414,6 +414,10 @@ class _Child:
         """``run(*args)`` of the handle kept as ``name``."""
         self.handles[name].run(*self._resolve(args))
 
+    def op_release(self, name: str) -> None:
+        """``release()`` of the handle kept as ``name``."""
+        self.handles[name].release()
+
     def op_run_batch(self, name: str, pairs: Sequence[Tuple[List[int], List[int]]]) -> None:
         """``run_batch(pairs)`` of the handle kept as ``name``."""
         self.handles[name].run_batch([tuple(p) for p in pairs])

@@ -84,6 +84,22 @@ def test_a_freed_local_cache_is_not_read_again(pair: Pair) -> None:
     np.testing.assert_array_equal(pair.decoder.read("dst"), before)
 
 
+def test_a_released_handle_moves_nothing_more(pair: Pair) -> None:
+    src, dst, _ = _caches(pair, 13, 14)
+    pair.prompt.call("prepare", "h", "prepare_push_blocks", [blocks_key(DECODER_ID, 3), Ref("src"), [4], [2]], {})
+    pair.prompt.call("run", "h")
+    dst = expect_blocks(dst, src, [4], [2], BLOCKS.row_bytes)
+    pair.prompt.call("release", "h")
+    pair.prompt.call("release", "h")  # idempotent
+    pair.prompt.fill("src", BLOCKS, 15)
+    for args in ((), ([4], [2]), ([5], [3])):
+        with expect_llm(S.LLM_PARAM_INVALID):
+            pair.prompt.call("run", "h", *args)
+    with expect_llm(S.LLM_PARAM_INVALID):
+        pair.prompt.call("run_batch", "h", [([4], [2])])
+    np.testing.assert_array_equal(pair.decoder.read("dst"), dst)
+
+
 def test_a_kept_call_shape_still_checks_its_arguments(pair: Pair) -> None:
     """After ``[1]`` ran, ``[1.0]`` and ``[True]`` are still refused, and an index out of
     range still is too."""

@@ -166,7 +166,7 @@ def test_a_queued_transfer_whose_holder_is_interrupted_fails_with_an_engine_erro
 
     def queued() -> None:
         try:
-            link.transfer(_remote(dst), _planner(src, [0]), push=True, known=known)
+            link.transfer(_remote(dst), _planner(src, [0]), push=True, prepared=known)
         except BaseException as exc:  # noqa: BLE001 - the outcome is what the test checks
             outcome.append(exc)
 

@@ -66,7 +66,7 @@ def test_a_pinned_ref_key_keeps_its_entries_alive() -> None:
 
 
 def test_plan_memory_finds_a_plan_by_the_lists_identity_or_their_values() -> None:
-    from datadist._handles import PlanMemory
+    from datadist.engine.prepared import PlanMemory
 
     memory = PlanMemory()
     src, dst = [1000 + i for i in range(64)], [3000 + i for i in range(64)]
