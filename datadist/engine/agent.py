@@ -23,7 +23,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Any, Callable, Optional, Protocol, Union, cast
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Union, cast
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from .layout import Plan
 from .link import Link
 from .notes import NoteBox
 from .options import EngineSettings
-from .polling import LOAD
+from .polling import LOAD, SpinPolicy
 from .registry import Registry
 from .requests import OK, RequestHandler
 from .transports import checked
@@ -77,6 +77,18 @@ def warn_if_unauthenticated(addr: tuple[str, int], secret: object, tls_config: o
     log.warning("listening on %s:%d without a link secret or TLS: any host that reaches it can link and read "
                 "or write registered caches; set LLMConfig.link_secret (or DATADIST_LINK_SECRET), or "
                 "LLMConfig.tls_cert_file, tls_key_file and tls_ca_file, on every engine", addr[0], addr[1])
+
+
+#: How long the agent polls for a link's next request after answering one, at most: half of
+#: what a caller spins for its reply (whether either spins at all: :mod:`.polling`).
+SERVE_SPIN_US = native.SPIN_US // 2
+
+
+class _Served(NamedTuple):
+    """A watched link and the agent's polling state for it (the agent's alone)."""
+
+    link: Link
+    spin: SpinPolicy
 
 
 class AgentHost(Protocol):
@@ -225,7 +237,7 @@ class Agent:
             # Timeout mode keeps the descriptor non-blocking for the selector and bounds
             # every read of a request that has started arriving.
             sock.settimeout(self.engine.timeout_ms / 1000.0)
-            self._sel.register(sock, selectors.EVENT_READ, link)
+            self._sel.register(sock, selectors.EVENT_READ, _Served(link, SpinPolicy(SERVE_SPIN_US)))
             self._watched += 1
 
     def unwatch(self, link: Link) -> None:
@@ -287,7 +299,7 @@ class Agent:
             if key.data.sock.fileno() >= 0:
                 self._first_frame(key.data)
         else:
-            self._serve_burst(key.data)
+            self._serve_burst(*key.data)
 
     def _guarded(self, step: Callable[..., None], *args: Any) -> None:
         """Run one step of the loop; whatever it raises is logged (rate-limited) and the
@@ -420,18 +432,17 @@ class Agent:
             self._close_pending(pend, f"no complete first frame in {self._incoming.handshake_s:.1f} s")
 
     # -- serving --------------------------------------------------------------------------
-    def _serve_burst(self, link: Link) -> None:
+    def _serve_burst(self, link: Link, policy: SpinPolicy) -> None:
         """Serve a request of ``link``, then the next ones as long as each arrives within a
         spin after the previous answer: a peer moving layer after layer (or block after
         block) then never waits for this thread to wake from the selector.  Whether and
-        how long to spin is ``link.serve_spin``'s decision (:mod:`.polling`: none while
-        the machine has more runnable threads than cores, rarely after spins that caught
-        nothing).  With other links watched the spin watches them all (the selector's own
+        how long to spin is ``policy``'s decision (the agent's for this link;
+        :mod:`.polling`: none while the machine has more runnable threads than cores,
+        rarely after spins that caught nothing).  With other links watched the spin watches them all (the selector's own
         descriptor): a request of another link ends it, and the loop serves that one, so
         no link waits for a spin on another.  A spin polls without the GIL."""
         self._serve(link)
         sock = link.serve_sock
-        policy = link.serve_spin
         while not self._stop and link.broken is None and sock is not None and sock.fileno() >= 0:
             if tls.buffered(sock):
                 self._serve(link)  # requests already decrypted: the selector would not wake for them
@@ -470,7 +481,7 @@ class Agent:
             if not isinstance(exc, (OSError, RuntimeError, wire.WireError, ValueError)):
                 self._refusals.warning("request from cluster %d failed: %s: %s", link.remote_cluster_id,
                                        type(exc).__name__, exc)
-            link.retire("peer closed the connection" if isinstance(exc, ConnectionError) else str(exc))
+            link.close("peer closed the connection" if isinstance(exc, ConnectionError) else str(exc), wait=False)
         finally:
             self._requests.payload = None
 

@@ -239,7 +239,7 @@ class Engine:
                     self._links_changed.wait(min(left, 0.5))  # wakes early when a link installs
                     continue
             left = deadline - time.monotonic()
-            if link.ready.wait(max(0.0, min(left, 0.5))) and link.broken is None:
+            if link.wait_opened(max(0.0, min(left, 0.5))) and link.broken is None:
                 return True
             if left <= 0:
                 return False
@@ -251,9 +251,9 @@ class Engine:
         return from ``link_clusters`` a moment before this end has joined) is waited for,
         at most ``sync_kv_timeout``."""
         link = self.find_link(cluster_id)
-        if link is not None and not link.ready.is_set() and link.store is not None:
-            link.ready.wait(self.timeout_ms / 1000.0)
-        if link is None or not link.ready.is_set():
+        if link is not None and not link.ever_opened and link.store is not None:
+            link.wait_opened(self.timeout_ms / 1000.0)
+        if link is None or not link.ever_opened:
             fail(Fault.NOT_LINKED,
                         f"cluster {cluster_id} is not linked with cluster {self.cluster_id}; call link_clusters first")
         return link
@@ -264,10 +264,10 @@ class Engine:
             return Fault.NOT_LINKED
         # A transfer in flight makes the link busy.  A link being retired (its peer just went
         # away: the agent holds the lock for a moment) is not busy: wait for that moment.
-        if not (link.lock.acquire(blocking=False)
-                or (link.broken is not None and link.lock.acquire(timeout=max(0.0, deadline - time.monotonic())))):
+        if not (link.turns.acquire(blocking=False)
+                or (link.broken is not None and link.turns.acquire(timeout=max(0.0, deadline - time.monotonic())))):
             return Fault.LINK_BUSY
-        link.closing = True
+        link.mark_closing()
         try:
             if not force and link.broken is None:
                 try:
@@ -277,8 +277,8 @@ class Engine:
         finally:
             # Transfers queued behind the unlink fail fast instead of moving into a peer
             # that has let go of this link.
-            link.forget("the link was unlinked")
-            link.lock.release()
+            link.mark_closing("the link was unlinked")
+            link.turns.release()
         self.drop_link(link, notify=False)
         return Fault.OK
 
@@ -289,7 +289,7 @@ class Engine:
             if self.links.get(key) is link:
                 del self.links[key]
             others = (link.remote_cluster_id, not link.is_client) in self.links
-        link.forget("the link was unlinked")  # a prepared transfer holding it fails from now on
+        link.mark_closing("the link was unlinked")  # a prepared transfer holding it fails from now on
         if not others:
             self.link_broken(link.remote_cluster_id, "the link was unlinked")  # no more pushes from there
         agent = self.live_agent()
@@ -302,7 +302,7 @@ class Engine:
         """What the engine counted, with its gauges now: links up, pool memory and the
         agent's backlog (the dict ``LLMDataDist.metrics()`` returns)."""
         with self.links_lock:
-            up = sum(1 for link in self.links.values() if link.ready.is_set() and link.broken is None)
+            up = sum(1 for link in self.links.values() if link.up)
         pools = {name: {"size_bytes": pool.size_bytes, "free_bytes": pool.free_bytes,
                         "used_bytes": pool.size_bytes - pool.free_bytes} for name, pool in self.pools.items()}
         agent = self.agent
@@ -334,8 +334,7 @@ class Engine:
         with self.links_lock:
             links, self.links = list(self.links.values()), {}
         for link in links:
-            link.say_goodbye()
-            link.close()
+            link.close(goodbye=True)
         if self.registry is not None:
             self.registry.close()
             self.registry = None

@@ -9,16 +9,16 @@ marked broken at once, so waiting and later calls fail fast.  With TLS both conn
 are ``ssl.SSLSocket``s: payloads then go through :mod:`.tls`, and a wait for a reply
 first asks the socket for bytes it has decrypted already.
 
-Thread rules: public calls hold ``lock`` for the whole transfer (one transfer per link at a
-time, taken in arrival order; a prepared transfer that finds the link busy is run by the
-holder, see :mod:`.turns`; ``unlink`` during a transfer is ``LLM_LINK_BUSY``).  The agent
-thread touches only ``serve_sock``, ``broken`` and ``serve_spin``.
+Thread rules: public calls hold the link's ``turns`` for the whole transfer (one transfer
+per link at a time, taken in arrival order; a prepared transfer that finds the link busy
+is run by the holder, see :mod:`.turns`; ``unlink`` during a transfer is
+``LLM_LINK_BUSY``).  The agent thread touches only ``serve_sock`` and the link's state
+(:mod:`.link_state`: the states and their moves).
 """
 from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 from ssl import SSLSocket
 from typing import TYPE_CHECKING, Callable, NamedTuple, NoReturn, Optional, Sequence, Union
@@ -30,6 +30,7 @@ from . import native, tls, wire
 from .polling import LOAD, SpinPolicy
 from .keys import CacheRef
 from .layout import Plan, tensor_span
+from .link_state import LinkLife, LinkState
 from .lookups import PeerLookups
 from .metrics import EngineMetrics, LinkMeter
 
@@ -52,11 +53,6 @@ def _retry(outcome: bool | Exception, from_cache: bool) -> bool:
         from_cache and isinstance(outcome, EngineError) and outcome.fault in _RETRYABLE)
 
 
-#: How long the agent polls for a link's next request after answering one, at most: half of
-#: what a caller spins for its reply (whether either spins at all: :mod:`.polling`).
-SERVE_SPIN_US = native.SPIN_US // 2
-
-
 class _Job(NamedTuple):
     """A transfer as :meth:`Link.transfer` takes it, with its deadline."""
 
@@ -69,13 +65,13 @@ class _Job(NamedTuple):
     start: float
 
 
-class Link(PeerLookups):
+class Link(PeerLookups, LinkLife):
     """A link to one peer engine: this end's request stream (``req_sock``), the stream the
     agent serves the peer's requests on (``serve_sock``), the transport its plans move by,
     and the cache of the peer's lookups.  It is the :class:`~.transports.base.Channel`
     its transport talks through.  Made by :mod:`.linking` (what a server-side link gets
-    only once the peer attaches: see there); usable once ``ready`` is set; one transfer at
-    a time (``lock``)."""
+    only once the peer attaches: see there); usable once READY (:mod:`.link_state`); one
+    transfer at a time (``turns``)."""
 
     def __init__(self, *, remote_cluster_id: int, remote_role: int, peer_pid: int, timeout_ms: int,
                  is_client: bool, local_cluster_id: int = 0,
@@ -83,8 +79,8 @@ class Link(PeerLookups):
                  transport: Optional[Transport] = None, peer_epoch_addr: Optional[int] = None,
                  req_sock: Optional[socket.socket] = None, serve_sock: Optional[socket.socket] = None,
                  attach_token: str = "", metrics: Optional[EngineMetrics] = None) -> None:
+        LinkLife.__init__(self, on_broken)  # ``on_broken``: told once when the link breaks
         self.local_cluster_id = local_cluster_id
-        self.on_broken = on_broken   # told once when the link breaks (arrival waits fail)
         self.remote_cluster_id = remote_cluster_id
         self.remote_role = remote_role
         self.peer_pid = peer_pid
@@ -97,15 +93,10 @@ class Link(PeerLookups):
         self.store: Optional[TCPStore] = None    # collective links: the server's TCPStore
         self.collective: str = ""                # collective links: their process group's backend
         self.attach_token = attach_token         # server side: what the peer's ATTACH must carry
-        self.lock: Turns[_Job] = Turns(self._serve_jobs)
-        self.broken: Optional[str] = None
-        self.ready = threading.Event()
+        self.turns: Turns[_Job] = Turns(self._serve_jobs)
         PeerLookups.__init__(self)
-        self._closed = False
-        self._close_when_idle = False
-        self.closing = False         # set by unlink: the end of the streams is expected
+        self._release_when_idle = False  # closed while a transfer held the link: it releases
         self.req_spin = SpinPolicy(native.SPIN_US)   # waits for this end's replies (turn holder)
-        self.serve_spin = SpinPolicy(SERVE_SPIN_US)  # agent thread: waits for the peer's next request
         #: The engine's counts (told of a break and of the release), if any, and this link's
         #: transfer counts (written only by the holder of ``lock``, :mod:`.metrics`).
         self.metrics = metrics
@@ -118,25 +109,6 @@ class Link(PeerLookups):
 
     def _path(self) -> str:
         return self.path
-
-    def mark_broken(self, reason: str) -> None:
-        if self.broken is None:
-            self.broken = reason
-            if not self.closing and self.metrics is not None:
-                self.metrics.link_failed()
-            # An unlink in progress ends the connection on purpose: not worth a warning.
-            log.log(logging.INFO if self.closing else logging.WARNING, "link to cluster %d %s: %s",
-                    self.remote_cluster_id, "closed" if self.closing else "broken", reason)
-            if self.on_broken is not None:
-                self.on_broken(self.remote_cluster_id, reason)
-
-    def forget(self, reason: str) -> None:
-        """This end stopped using the link (an unlink): calls from now on fail fast,
-        without telling ``on_broken`` (the engine decides what the unlink means for
-        arrivals) and before the sockets close."""
-        self.closing = True
-        if self.broken is None:
-            self.broken = reason
 
     def check_alive(self) -> None:
         """Raise ``LLM_LINK_FAILED`` if the link is broken (peer gone, stream lost)."""
@@ -255,7 +227,7 @@ class Link(PeerLookups):
         deadline = start + self.timeout_ms / 1000.0
         op = op or ("push_blocks" if push else "pull_blocks")
         if prepared is not None and prepared.plan.on_host:
-            if not self.lock.acquire(blocking=False):
+            if not self.turns.acquire(blocking=False):
                 served, outcome = self._queue(_Job(key, planner, push, prepared, deadline, op, start))
                 if served:
                     return outcome
@@ -278,7 +250,7 @@ class Link(PeerLookups):
         counted it), with its outcome then (an error is raised); not served: this thread
         holds the lock now."""
         try:
-            served, outcome = self.lock.submit(job, max(0.0, job.deadline - time.monotonic()))
+            served, outcome = self.turns.submit(job, max(0.0, job.deadline - time.monotonic()))
         except Unserved:
             self.meter.refused(job.op, job.start, self._busy_error())
         if served:
@@ -292,8 +264,8 @@ class Link(PeerLookups):
 
     def _take(self, op: str, start: float, deadline: float, transfers: int = 1) -> None:
         """Take the link's lock before ``deadline``, else count ``transfers`` failed and raise."""
-        if not self.lock.acquire(blocking=False) and \
-                not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        if not self.turns.acquire(blocking=False) and \
+                not self.turns.acquire(timeout=max(0.0, deadline - time.monotonic())):
             self.meter.refused(op, start, self._busy_error(), transfers)
 
     def transfer_batch(self, key: Union[CacheRef, RemoteCache], planners: Sequence[Callable[[RemoteCache], Plan]],
@@ -397,11 +369,11 @@ class Link(PeerLookups):
             remote = key if isinstance(key, RemoteCache) else self.lookup(key, deadline)[0]
             return self._bind(remote, planner(remote), push)
         finally:
-            self.lock.release()
+            self.turns.release()
 
     def _acquire(self, deadline: float) -> None:
-        if not self.lock.acquire(blocking=False) and \
-                not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        if not self.turns.acquire(blocking=False) and \
+                not self.turns.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise self._busy_error()
 
     def _busy_error(self) -> EngineError:
@@ -411,9 +383,9 @@ class Link(PeerLookups):
     def _let_go(self) -> None:
         """Let go of the link after a transfer (serving the transfers queued behind it);
         a link whose peer went away meanwhile is closed now."""
-        self.lock.release()
-        if self._close_when_idle:
-            self.retire(self.broken or "peer gone")
+        self.turns.release()
+        if self._release_when_idle:
+            self.close(wait=False)
 
     def _bound(self) -> Transport:
         """The link's transport (a collective link gets one once its process group exists)."""
@@ -502,7 +474,7 @@ class Link(PeerLookups):
                         f"cluster {self.remote_cluster_id} linked to this engine, not the other way round; "
                         "notifications go from the engine that called link_clusters to the one it linked to")
         deadline = time.monotonic() + self.timeout_ms / 1000.0
-        with self.lock:
+        with self.turns:
             self.check_alive()
             sock = self._request_sock()
             try:
@@ -514,56 +486,53 @@ class Link(PeerLookups):
     def release_key(self, key: CacheRef) -> None:
         """Tell the owner that ``key`` was consumed (pull_cache through a CacheKey)."""
         deadline = time.monotonic() + self.timeout_ms / 1000.0
-        with self.lock:
+        with self.turns:
             reply = self.rpc(key.release_message(), deadline)
         if not isinstance(reply, wire.Reply):
             self.protocol_error(reply)
 
     # -- teardown ------------------------------------------------------------------------
-    def retire(self, reason: str) -> None:
-        """The peer is gone: fail current and later calls fast and give back sockets and
-        mappings (which otherwise keep a dead peer's pool memory alive).  The link stays
-        known, broken, so later calls name the cause.  Called from the agent thread; a
-        transfer in progress finishes failing first and releases the link as it leaves."""
-        self.mark_broken(reason)
-        self._shutdown()
-        if self.lock.acquire(blocking=False):
-            try:
-                self._close_when_idle = False
-                self._release()
-            finally:
-                self.lock.release()
-        else:
-            self._close_when_idle = True
+    def close(self, reason: Optional[str] = None, *, wait: bool = True, goodbye: bool = False) -> None:
+        """The one way a link ends (-> CLOSED, :mod:`.link_state`): end both streams,
+        which makes a transfer in flight fail fast, then give back sockets, mappings and
+        transport (which otherwise keep a dead peer's pool memory alive); the link stays
+        known, so later calls name the cause.  Idempotent, any thread.
 
-    def say_goodbye(self) -> None:
-        """Tell a live peer this end is going away (``finalize``): a one-way ``UNLINK``
-        whose answer is not awaited, so a stalled peer cannot delay the caller; the peer
-        then takes the end of the streams as a normal unlink."""
-        if self.broken is not None or self.req_sock is None or not self.lock.acquire(blocking=False):
+        ``reason``: the link failed first (the peer is gone: :meth:`mark_broken`).
+        ``wait``: wait (bounded by the transfer deadline) for a transfer in flight, so no
+        copy ever runs against an unmapped peer arena; without it (the agent thread, which
+        must not block) a transfer in flight gives them back as it lets go of the link.
+        ``goodbye`` (``finalize``): first tell a live, idle peer with a one-way ``UNLINK``
+        whose answer is not awaited (a stalled peer cannot delay the caller; the peer
+        takes the end of the streams as a normal unlink)."""
+        if goodbye:
+            self._say_goodbye()
+        if reason is not None:
+            self.mark_broken(reason)
+        if self.state is LinkState.CLOSED:
+            return
+        self._shutdown()
+        got = self.turns.acquire(blocking=False) or (wait and self.turns.acquire(timeout=self.timeout_ms / 1000.0 + 1.0))
+        if not got and not wait:
+            self._release_when_idle = True
             return
         try:
-            self.closing = True
+            self._release()
+        finally:
+            if got:
+                self.turns.release()
+
+    def _say_goodbye(self) -> None:
+        if self.broken is not None or self.req_sock is None or not self.turns.acquire(blocking=False):
+            return
+        try:
+            self.mark_closing()
             self.req_sock.settimeout(0.1)
             self.req_sock.sendall(wire.encode(wire.Unlink(cluster_id=self.local_cluster_id)))
         except OSError:
             pass  # the peer is gone or stuck: it finds out from the closed stream
         finally:
-            self.lock.release()
-
-    def close(self) -> None:
-        """Close sockets and mappings; idempotent, any thread.  Waits (bounded by the
-        transfer deadline) for a transfer in flight, which the socket shutdown ends fast,
-        so no copy ever runs against an unmapped peer arena."""
-        if self._closed:
-            return
-        self._shutdown()
-        got = self.lock.acquire(timeout=self.timeout_ms / 1000.0 + 1.0)
-        try:
-            self._release()
-        finally:
-            if got:
-                self.lock.release()
+            self.turns.release()
 
     def _shutdown(self) -> None:
         for sock in (self.req_sock, self.serve_sock):
@@ -574,13 +543,11 @@ class Link(PeerLookups):
                     pass
 
     def _release(self) -> None:
-        if self._closed:
+        self._release_when_idle = False
+        if not self.closed():
             return
-        self._closed = True
         if self.metrics is not None:
             self.metrics.released(self.meter)  # its counts stay in the engine's totals
-        if self.broken is None:
-            self.broken = "link closed"
         self.peer_epoch_addr = None
         for sock in (self.req_sock, self.serve_sock):
             if sock is not None:

@@ -279,7 +279,7 @@ class Linker:
             return wire.Reply(status=int(Fault.LINK_FAILED), message="no pending link to attach to")
         link.req_sock = sock
         if link.store is None:
-            link.ready.set()
+            link.opened()
         return wire.Reply()
 
     def after_attach(self, cluster_id: int) -> None:
@@ -292,9 +292,9 @@ class Linker:
                                  time.monotonic() + self.engine.options.link_total_time_s)
             except Exception as exc:  # the client sees the failure as a link failure
                 log.warning("process group with cluster %d failed: %s", link.remote_cluster_id, exc)
-                link.retire(f"process group setup failed: {exc}")
+                link.close(f"process group setup failed: {exc}", wait=False)
                 return
-            link.ready.set()
+            link.opened()
 
     def _join_group(self, link: Link, store: Store, rank: int, backend: str, deadline: float) -> None:
         """Join the link's process group of ``backend`` as ``rank`` and warm it before
@@ -329,7 +329,7 @@ class Linker:
         if isinstance(result, Fault):
             opening.abandon()
             return result
-        result.ready.set()
+        result.opened()
         self.engine.install(result)
         log.info("linked to cluster %d at %s:%d over %s", remote_cluster_id, ip, port, result.path)
         return Fault.OK

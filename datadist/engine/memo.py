@@ -31,11 +31,12 @@ class Weighed(Generic[_K, _V]):
     """At most ``limit`` entries whose weights add up to at most ``budget``; the oldest go
     first.  An entry heavier than the whole budget is not kept."""
 
-    __slots__ = ("values", "_weights", "limit", "budget")
+    __slots__ = ("values", "_weights", "_total", "limit", "budget")
 
     def __init__(self, limit: int, budget: int) -> None:
         self.values: dict[_K, _V] = {}
         self._weights: dict[_K, int] = {}
+        self._total = 0  # the weights' sum, kept as they come and go (not summed per put)
         self.limit = limit
         self.budget = budget
 
@@ -46,20 +47,23 @@ class Weighed(Generic[_K, _V]):
         if weight > self.budget:
             return
         try:
-            self._weights.pop(key, None)
-            total = sum(self._weights.values()) + weight
-            while self._weights and (total > self.budget or len(self._weights) >= self.limit):
+            self._total -= self._weights.pop(key, 0)
+            while self._weights and (self._total + weight > self.budget or len(self._weights) >= self.limit):
                 oldest = next(iter(self._weights))
-                total -= self._weights.pop(oldest)
+                self._total -= self._weights.pop(oldest)
                 self.values.pop(oldest, None)
         except (KeyError, RuntimeError, StopIteration):
             pass  # another thread changed it meanwhile: at worst one entry too many or too few
+        if not self._weights:
+            self._total = 0  # what a race between threads may have skewed starts afresh
         self._weights[key] = weight
+        self._total += weight
         self.values[key] = value
 
     def clear(self) -> None:
         self.values.clear()
         self._weights.clear()
+        self._total = 0
 
     def __len__(self) -> int:
         return len(self.values)

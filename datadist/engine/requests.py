@@ -265,7 +265,7 @@ class RequestHandler:
 
     # -- one-way and closing -------------------------------------------------------------
     def _unlink(self, link: Link, msg: wire.Message, sock: socket.socket) -> wire.Message:
-        link.closing = True  # the peer ends both streams next: expected, not a failure
+        link.mark_closing()  # the peer ends both streams next: expected, not a failure
         return wire.Reply()
 
     def _notify(self, link: Link, msg: wire.Message, sock: socket.socket) -> None:

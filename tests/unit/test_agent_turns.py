@@ -10,7 +10,8 @@ from typing import Iterator
 import pytest
 
 from datadist.engine import polling
-from datadist.engine.agent import Agent
+from datadist.engine.polling import SpinPolicy
+from datadist.engine.agent import SERVE_SPIN_US, Agent, _Served
 from datadist.engine.link import Link
 
 pytestmark = pytest.mark.timeout(30)
@@ -32,7 +33,7 @@ def two_links(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Agent, Link, Li
         socks += [ours, peer]
         link = Link(remote_cluster_id=cluster, remote_role=0, peer_pid=0, timeout_ms=5000, is_client=False,
                     serve_sock=ours)
-        agent._sel.register(ours, selectors.EVENT_READ, link)
+        agent._sel.register(ours, selectors.EVENT_READ, _Served(link, SpinPolicy(SERVE_SPIN_US)))
         agent._watched += 1
         links.append(link)
     served: list[Link] = []
@@ -56,9 +57,9 @@ def test_a_link_just_served_waits_for_the_others(two_links) -> None:
     agent, a, b, served, a_peer, b_peer = two_links
     a_peer.sendall(b"12")  # A's request and its next one, already there
     b_peer.sendall(b"1")   # B's request, waiting
-    agent._serve_burst(a)
+    agent._serve_burst(a, SpinPolicy(SERVE_SPIN_US))
     assert served == [a]   # back to the loop, which serves B next
-    ready = [key.data for key, _ in agent._sel.select(0)]
+    ready = [key.data.link for key, _ in agent._sel.select(0)]
     assert a in ready and b in ready
 
 
@@ -67,5 +68,5 @@ def test_a_lone_link_keeps_its_burst(two_links) -> None:
     agent._sel.unregister(b.serve_sock)
     agent._watched = 1
     a_peer.sendall(b"123")  # requests that arrive back to back are served without the loop
-    agent._serve_burst(a)
+    agent._serve_burst(a, SpinPolicy(SERVE_SPIN_US))
     assert served == [a, a, a]

@@ -161,7 +161,7 @@ def test_a_queued_transfer_whose_holder_is_interrupted_fails_with_an_engine_erro
     dst = np.zeros_like(src)
     link = _link(FakeTransport())
     known = link.transfer(_remote(dst), _planner(src, [0]), push=True)
-    assert link.lock.acquire(blocking=False)
+    assert link.turns.acquire(blocking=False)
     outcome: list[BaseException] = []
 
     def queued() -> None:
@@ -175,10 +175,10 @@ def test_a_queued_transfer_whose_holder_is_interrupted_fails_with_an_engine_erro
 
     caller = threading.Thread(target=queued)
     caller.start()
-    until(lambda: bool(link.lock._queue))  # the caller's job is queued behind the holder
-    link.lock._serve = interrupted
+    until(lambda: bool(link.turns._queue))  # the caller's job is queued behind the holder
+    link.turns._serve = interrupted
     with pytest.raises(KeyboardInterrupt):
-        link.lock.release()
+        link.turns.release()
     caller.join(10)
     assert len(outcome) == 1 and isinstance(outcome[0], EngineError), outcome
     assert outcome[0].fault == Fault.FAILED and "did not run" in str(outcome[0])

@@ -72,10 +72,10 @@ def test_a_transfer_that_never_gets_the_busy_link_is_counted_as_a_timeout() -> N
     release = threading.Event()
 
     def hold() -> None:
-        link.lock.acquire()
+        link.turns.acquire()
         held.set()
         release.wait(10)
-        link.lock.release()
+        link.turns.release()
 
     holder = threading.Thread(target=hold)
     holder.start()
@@ -103,7 +103,7 @@ def test_link_attempts_failures_and_relinks() -> None:
     link = _link(FakeTransport(), metrics)
     link.mark_broken("peer process exited")
     closing = _link(FakeTransport(), metrics)
-    closing.closing = True
+    closing.mark_closing()
     closing.mark_broken("unlinked")  # an unlink is not a failure
     links = metrics.snapshot()["links"]
     assert links == {"failures": 1, "relinks": 1, "attempts": {"OK": 1, "LINK_FAILED": 1}}
