@@ -438,9 +438,10 @@ class Agent:
         block) then never waits for this thread to wake from the selector.  Whether and
         how long to spin is ``policy``'s decision (the agent's for this link;
         :mod:`.polling`: none while the machine has more runnable threads than cores,
-        rarely after spins that caught nothing).  With other links watched the spin watches them all (the selector's own
-        descriptor): a request of another link ends it, and the loop serves that one, so
-        no link waits for a spin on another.  A spin polls without the GIL."""
+        rarely after spins that caught nothing).  With other links watched the spin
+        watches them all (the selector's own descriptor): a request of another link ends
+        it, and the loop serves that one, so no link waits for a spin on another.  A spin
+        polls without the GIL."""
         self._serve(link)
         sock = link.serve_sock
         while not self._stop and link.broken is None and sock is not None and sock.fileno() >= 0:

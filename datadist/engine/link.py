@@ -512,7 +512,8 @@ class Link(PeerLookups, LinkLife):
         if self.state is LinkState.CLOSED:
             return
         self._shutdown()
-        got = self.turns.acquire(blocking=False) or (wait and self.turns.acquire(timeout=self.timeout_ms / 1000.0 + 1.0))
+        got = self.turns.acquire(blocking=False) or \
+            (wait and self.turns.acquire(timeout=self.timeout_ms / 1000.0 + 1.0))
         if not got and not wait:
             self._release_when_idle = True
             return

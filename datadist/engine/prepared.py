@@ -101,9 +101,6 @@ class PlanMemory:
     def clear(self) -> None:
         self._memo.clear()
 
-    def __len__(self) -> int:
-        return len(self._memo)
-
 
 class PreparedTransfer:
     """Blocks of one local cache (``side``, registry id ``cache_id``; negative: a cache the
@@ -163,7 +160,8 @@ class PreparedTransfer:
         """Move the block lists :meth:`prepare` was given."""
         given = self._given
         if given is None:
-            fail(Fault.PARAM_INVALID, "run() without block lists needs a handle prepared with src_blocks and dst_blocks")
+            fail(Fault.PARAM_INVALID,
+                 "run() without block lists needs a handle prepared with src_blocks and dst_blocks")
         src_blocks, dst_blocks, prepared = given
         link = self._live()
         done = link.transfer(self.ref, self._planner(src_blocks, dst_blocks), self.push, prepared)
@@ -198,10 +196,6 @@ class PreparedTransfer:
         self._released = True
         self._given = None
         self._plans.clear()
-
-    @property
-    def released(self) -> bool:
-        return self._released
 
     # -- checks ------------------------------------------------------------------------------
     def _live(self) -> Link:
