@@ -409,23 +409,67 @@ static int summer_fits(const summer_t *m, uint64_t n) {
     return m->tail_start == UINT64_MAX || end <= m->tail_start + m->tail_len;
 }
 
-/* Add the n bytes at s (the stream's next ones) to the sums, without moving them: they
- * go through copy_sum into a block-sized scratch that stays in the L1 cache (or into the
- * tail), so the sums are those of a copy by construction.  The caller checked
- * summer_fits. */
-static void sum_piece(summer_t *m, const uint8_t *s, uint64_t n) {
+/* The two sums of the n bytes at s (a multiple of 64), as copy_sum_simd computes them but
+ * without storing anything: loads and adds only, which is what summing bytes that a system
+ * call just moved (so they are in the cache) costs.  AVX2 where the processor has it (four
+ * words per register; the lane formula is copy_sum_simd's), else copy_sum_simd into a
+ * scratch block. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+__attribute__((target("avx2"))) static void sum_avx2(const uint8_t *s, uint64_t n, uint64_t *sum, uint64_t *wsum) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0;
+    for (uint64_t i = 0; i < n; i += 64) {
+        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256((const __m256i *)(s + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256((const __m256i *)(s + i + 32)));
+        b0 = _mm256_add_epi64(b0, a0);
+        b1 = _mm256_add_epi64(b1, a1);
+    }
+    uint64_t s1[8], s2[8], m = n / 64, total = 0, weighted = 0;
+    _mm256_storeu_si256((__m256i *)s1, a0); _mm256_storeu_si256((__m256i *)(s1 + 4), a1);
+    _mm256_storeu_si256((__m256i *)s2, b0); _mm256_storeu_si256((__m256i *)(s2 + 4), b1);
+    for (uint64_t lane = 0; lane < 8; lane++) {
+        total += s1[lane];
+        weighted += 8 * (m * s1[lane] - s2[lane]) + lane * s1[lane];
+    }
+    *sum = total;
+    *wsum = weighted;
+}
+#define DD_HAVE_AVX2 1
+#endif
+
+/* Add the n bytes at s (value offset o on, inside one 4 KiB block) to the sums, without
+ * moving them. */
+static void sum_block(const uint8_t *s, uint64_t n, uint64_t o, uint64_t *sums) {
+#if defined(DD_HAVE_AVX2)
+    static int avx2 = -1;
+    if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    if (avx2 && !(o & 7) && n >= 64) {
+        uint64_t body = n & ~(uint64_t)63, sum, rel, k = ((o & 4095) >> 3) + 1;
+        sum_avx2(s, body, &sum, &rel);
+        sums[2 * (o >> 12)] += sum;
+        sums[2 * (o >> 12) + 1] += k * sum + rel;
+        s += body; o += body; n -= body;
+    }
+#endif
     uint8_t scratch[4096] __attribute__((aligned(64)));
+    copy_sum(scratch, s, n, o, sums, 0);
+}
+
+/* Add the n bytes at s (the stream's next ones) to the sums, without moving them: whole
+ * words are summed where they lie (sum_block), the rest goes through copy_sum into a
+ * block-sized scratch that stays in the L1 cache (or into the tail), so the sums are
+ * those of a copy by construction.  The caller checked summer_fits. */
+static void sum_piece(summer_t *m, const uint8_t *s, uint64_t n) {
     while (n) {
         uint64_t o = m->pos, take = 4096 - (o & 4095);
-        uint8_t *d = scratch;
         if (o >= m->tail_start) {
             take = n;
-            d = m->tail + (o - m->tail_start);
-        } else if (m->tail_start - o < take) {
-            take = m->tail_start - o;
+            copy_sum(m->tail + (o - m->tail_start), s, take, o, m->sums, 0);
+        } else {
+            if (m->tail_start - o < take) take = m->tail_start - o;
+            if (take > n) take = n;
+            sum_block(s, take, o, m->sums);
         }
-        if (take > n) take = n;
-        copy_sum(d, s, take, o, m->sums, 0);
         m->pos += take;
         s += take;
         n -= take;
@@ -511,6 +555,26 @@ static int wait_fd(int fd, short events, int64_t deadline_ms) {
     }
 }
 
+/* A summed stream moves at most this many payload bytes per system call, so the bytes
+ * are still in the core's own cache (L2) when they are summed right after it; a larger
+ * call leaves them to the shared cache or memory, and summing them costs several times
+ * more.  Loopback and network sockets move this much per call at full speed. */
+#ifndef DD_SUM_WINDOW
+#define DD_SUM_WINDOW (256u << 10)
+#endif
+
+/* Trim the k iovecs at iov to at most cap bytes; returns how many remain. */
+static size_t cap_iov(struct iovec *iov, size_t k, uint64_t cap) {
+    for (size_t i = 0; i < k; i++) {
+        if (iov[i].iov_len >= cap) {
+            iov[i].iov_len = cap;
+            return i + 1;
+        }
+        cap -= iov[i].iov_len;
+    }
+    return k;
+}
+
 /* Add the first r payload bytes of iov[0..) (those one writev or readv moved) to m. */
 static void sum_iov(summer_t *m, const struct iovec *iov, uint64_t r) {
     for (size_t i = 0; r; i++) {
@@ -545,6 +609,7 @@ static int64_t dd_sock_plan(int fd, int send, int64_t timeout_ms, size_t nt, con
             iov[0].iov_len = head_len - head_done;
         }
         size_t k = h + fill_iov(&p, &c, iov + h, NULL, &want, DD_IOV_BATCH - h);  /* IOV_MAX in all */
+        if (m && k > h) k = h + cap_iov(iov + h, k - h, DD_SUM_WINDOW);
         ssize_t r = send ? writev(fd, iov, k) : readv(fd, iov, k);
         if (r < 0) {
             if (errno == EINTR) continue;
