@@ -271,6 +271,7 @@ typedef struct {
     chunks_t *work;
     int stream;       /* streaming stores (copies well beyond the cache) */
     int summed;       /* a copy with block sums: the fields below apply */
+    int by_stream;    /* the sums are the plan's stream's (offsets in plan order), not a value's */
     int value_is_src;
     uint64_t vbase;
     uint64_t *sums;
@@ -294,7 +295,7 @@ static void copy_range(const part_t *w, uint64_t lo, uint64_t hi) {
             uint64_t src = p->a_base[t] + p->a_off[u] + s, dst = p->b_base[t] + p->b_off[u] + s;
             if (w->summed)
                 copy_sum((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, e - s,
-                         (w->value_is_src ? src : dst) - w->vbase, w->sums, w->stream);
+                         w->by_stream ? a + s : (w->value_is_src ? src : dst) - w->vbase, w->sums, w->stream);
             else
                 copy_run((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, e - s, w->stream);
         }
@@ -348,34 +349,37 @@ static int64_t dd_copy_plan(size_t nt, const uint64_t *sbase, const uint64_t *db
     int n = parts_for(max_threads, total);
     chunks_t work = chunks_for(total, n, deadline_ms);
     part_t parts[DD_MAX_THREADS];
-    for (int k = 0; k < n; k++) parts[k] = (part_t){&p, &work, total >= DD_STREAM_MIN_BYTES, 0, 0, 0, NULL};
+    for (int k = 0; k < n; k++) parts[k] = (part_t){&p, &work, total >= DD_STREAM_MIN_BYTES, 0, 0, 0, 0, NULL};
     run_parts(parts, n);
     return work.expired ? -ETIMEDOUT : (int64_t)total;
 }
 
-/* The copy with block sums (two per block: `sums` holds 2 * nblocks words).  Returns bytes
- * copied, or -ERANGE (nothing copied) if a run leaves the value's nblocks blocks, -ENOMEM
- * if a helper thread's sums cannot be allocated. */
+/* The copy with block sums (two per block: `sums` holds 2 * nblocks words): of one value
+ * (its address `vbase` on the side named by value_is_src), or with `by_stream` of the
+ * plan's stream (the runs in plan order, from offset 0).  Returns bytes copied, or -ERANGE
+ * (nothing copied) if a run leaves the value's (the stream's) nblocks blocks, -ENOMEM if a
+ * helper thread's sums cannot be allocated. */
 static int64_t dd_copy_plan_sum(size_t nt, const uint64_t *sbase, const uint64_t *dbase, size_t nu,
                                 const uint64_t *soff, const uint64_t *doff, const uint64_t *len,
-                                int max_threads, int value_is_src, uint64_t vbase,
+                                int max_threads, int by_stream, int value_is_src, uint64_t vbase,
                                 uint64_t *sums, size_t nblocks) {
     plan_t p = {sbase, dbase, soff, doff, len, nt, nu};
     const uint64_t *vb = value_is_src ? sbase : dbase, *vo = value_is_src ? soff : doff;
     uint64_t limit = (uint64_t)nblocks << 12;
     size_t nsums = 2 * nblocks;
-    for (size_t t = 0; t < nt; t++)
+    for (size_t t = 0; t < nt && !by_stream; t++)
         for (size_t u = 0; u < nu; u++) {
             if (!len[u]) continue;
             uint64_t o = vb[t] + vo[u] - vbase;
             if (vb[t] + vo[u] < vbase || o > limit || len[u] > limit - o) return -ERANGE;
         }
     uint64_t total = plan_bytes(&p);
+    if (by_stream && total > limit) return -ERANGE;
     int n = parts_for(max_threads, total);
     chunks_t work = chunks_for(total, n, 0);
     part_t parts[DD_MAX_THREADS];
     for (int k = 0; k < n; k++) {
-        parts[k] = (part_t){&p, &work, total >= DD_STREAM_MIN_BYTES, 1, value_is_src, vbase, sums};
+        parts[k] = (part_t){&p, &work, total >= DD_STREAM_MIN_BYTES, 1, by_stream, value_is_src, vbase, sums};
         if (k && !(parts[k].sums = calloc(nsums, sizeof(uint64_t)))) {
             for (int j = 1; j < k; j++) free(parts[j].sums);
             return -ENOMEM;
@@ -481,6 +485,28 @@ static void sum_piece(summer_t *m, const uint8_t *s, uint64_t n) {
 static void dd_sum_blocks(const uint8_t *s, uint64_t n, uint64_t *sums) {
     summer_t m = {sums, (size_t)(n >> 12), 0, NULL, UINT64_MAX, 0};
     sum_piece(&m, s, n & ~(uint64_t)4095);
+}
+
+/* Copy the bytes of the plan's stream (b side: the destination) from offset lo to its end
+ * into out: the kept last partial block of a stream copied with block sums. */
+static void gather_stream(const plan_t *p, uint64_t lo, uint8_t *out) {
+    uint64_t pos = 0;
+    for (size_t t = 0; t < p->nt; t++)
+        for (size_t u = 0; u < p->nu; u++) {
+            uint64_t a = pos, b = pos + p->len[u];
+            pos = b;
+            if (b <= lo) continue;
+            uint64_t skip = a < lo ? lo - a : 0;
+            memcpy(out + (a + skip - lo), (const uint8_t *)(uintptr_t)(p->b_base[t] + p->b_off[u] + skip), b - a - skip);
+        }
+}
+
+/* Add the a side's runs of a plan, in plan order, to the summer's stream (the caller
+ * checked summer_fits): the checksum of what a transfer of that plan would move. */
+static void dd_sum_plan(summer_t *m, const plan_t *p) {
+    for (size_t t = 0; t < p->nt; t++)
+        for (size_t u = 0; u < p->nu; u++)
+            if (p->len[u]) sum_piece(m, (const uint8_t *)(uintptr_t)(p->a_base[t] + p->a_off[u]), p->len[u]);
 }
 
 /* ---------------------------------------------------------------- foreign copy functions */
@@ -799,7 +825,7 @@ static PyObject *py_copy_plan_sum(PyObject *self, PyObject *const *args, Py_ssiz
     if (get_plan(args, 5, &a) < 0) { PyBuffer_Release(&sums); return NULL; }
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
-    r = dd_copy_plan_sum(a.nt, U64P(a, 0), U64P(a, 1), a.nu, U64P(a, 2), U64P(a, 3), U64P(a, 4), threads,
+    r = dd_copy_plan_sum(a.nt, U64P(a, 0), U64P(a, 1), a.nu, U64P(a, 2), U64P(a, 3), U64P(a, 4), threads, 0,
                          value_is_src, (uint64_t)vbase, (uint64_t *)sums.buf, (size_t)sums.len / 16);
     Py_END_ALLOW_THREADS
     release_plan(&a);
@@ -862,6 +888,65 @@ static int get_summer(PyObject *const *args, summer_t *m, Py_buffer *views) {
 static void release_summer(Py_buffer *views) {
     PyBuffer_Release(&views[0]);
     if (views[1].buf) PyBuffer_Release(&views[1]);
+}
+
+/* copy_plan_stream(sbase, dbase, soff, doff, len, threads, sums, pos, tail, tail_start):
+ * copy the plan summing its stream (a summer at pos 0, as sock_plan's receiver would sum
+ * it); returns bytes copied.  ERANGE (nothing copied) unless the stream fits the summer. */
+static PyObject *py_copy_plan_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError,
+                        "copy_plan_stream(sbase, dbase, soff, doff, len, threads, sums, pos, tail, tail_start)");
+        return NULL;
+    }
+    int threads = (int)PyLong_AsLong(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    summer_t m;
+    Py_buffer sviews[2] = {{0}, {0}};
+    if (get_summer(args + 6, &m, sviews) < 0) return NULL;
+    plan_args a;
+    if (get_plan(args, 5, &a) < 0) { release_summer(sviews); return NULL; }
+    plan_t p = {U64P(a, 0), U64P(a, 1), U64P(a, 2), U64P(a, 3), U64P(a, 4), a.nt, a.nu};
+    uint64_t total = plan_bytes(&p);
+    int64_t r = -ERANGE;
+    if (m.pos == 0 && summer_fits(&m, total)) {
+        Py_BEGIN_ALLOW_THREADS
+        r = dd_copy_plan_sum(a.nt, p.a_base, p.b_base, a.nu, p.a_off, p.b_off, p.len, threads, 1, 0, 0, m.sums,
+                             m.nblocks);
+        if (r >= 0 && m.tail && m.tail_start < total) gather_stream(&p, m.tail_start, m.tail);
+        Py_END_ALLOW_THREADS
+    }
+    release_plan(&a);
+    release_summer(sviews);
+    return result_or_oserror(r);
+}
+
+/* sum_plan(base, off, len, sums, pos, tail, tail_start): add the runs of a plan half, in
+ * plan order, to a summer; returns their bytes.  ERANGE unless they fit the summer. */
+static PyObject *py_sum_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "sum_plan(base, off, len, sums, pos, tail, tail_start)");
+        return NULL;
+    }
+    summer_t m;
+    Py_buffer sviews[2] = {{0}, {0}};
+    if (get_summer(args + 3, &m, sviews) < 0) return NULL;
+    plan_args a;
+    if (get_plan(args, 3, &a) < 0) { release_summer(sviews); return NULL; }
+    plan_t p = {U64P(a, 0), U64P(a, 0), U64P(a, 1), U64P(a, 1), U64P(a, 2), a.nt, a.nu};
+    uint64_t total = plan_bytes(&p);
+    int64_t r = -ERANGE;
+    if (summer_fits(&m, total)) {
+        Py_BEGIN_ALLOW_THREADS
+        dd_sum_plan(&m, &p);
+        Py_END_ALLOW_THREADS
+        r = (int64_t)total;
+    }
+    release_plan(&a);
+    release_summer(sviews);
+    return result_or_oserror(r);
 }
 
 /* sum_stream(data, sums, pos, tail, tail_start): add data (the stream's bytes from pos
@@ -1506,6 +1591,11 @@ static PyMethodDef methods[] = {
      "sum_blocks(value, sums): add the two sums of each whole 4 KiB block of value to sums"},
     {"sum_stream", (PyCFunction)(void (*)(void))py_sum_stream, METH_FASTCALL,
      "sum_stream(data, sums, pos, tail, tail_start): add data, the stream's bytes from pos, to its block sums"},
+    {"copy_plan_stream", (PyCFunction)(void (*)(void))py_copy_plan_stream, METH_FASTCALL,
+     "copy_plan_stream(sbase, dbase, soff, doff, len, threads, sums, pos, tail, tail_start) -> bytes copied; "
+     "copies a plan summing its stream"},
+    {"sum_plan", (PyCFunction)(void (*)(void))py_sum_plan, METH_FASTCALL,
+     "sum_plan(base, off, len, sums, pos, tail, tail_start) -> bytes; sums a plan half's runs in plan order"},
     {"copy_plan_sum", (PyCFunction)(void (*)(void))py_copy_plan_sum, METH_FASTCALL,
      "copy_plan_sum(sbase, dbase, soff, doff, len, threads, sums, value_base, value_is_src) -> bytes copied; "
      "adds the copied bytes into the value's 4 KiB block sums (OSError ERANGE if a run leaves the value)"},
