@@ -26,8 +26,9 @@ One-sided copies (:mod:`.shm`) are checked the same way with the roles of the tw
 changed: the process that copies sums the bytes as it copies them (the plan's runs in plan
 order, :func:`.native.copy_plan_stream`), and asks the owner of the other half for the
 checksum of the same runs read by the owner's own reading of the request (``SUM``,
-answered ``SUMMED``; :func:`sum_half` on the owner's agent thread).  A wrong plan, a stale
-mapping of the peer's memory or a torn copy gives two different sums.  A pull sends its
+answered ``SUMMED``; :func:`sum_half` on the owner's agent thread), slice by slice
+(:func:`one_sided`).  A wrong plan, a stale mapping of the peer's memory or a torn copy
+gives two different sums.  A pull sends its
 ``SUM`` before it copies, so the owner sums while the copier copies: that checks the
 bytes as they were when copied only while the owner does not write the source meanwhile,
 which is how prefill/decode use a pull (the prefill's blocks are final once offered).  A
@@ -42,7 +43,7 @@ import socket
 import struct
 import time
 from ssl import SSLSocket
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -155,24 +156,39 @@ def sum_request(plan: Plan, remote: RemoteCache, push: bool) -> bytes:
                                 arrays=[bases, offs, plan.lens]))
 
 
-def one_sided(link: Channel, frame: bytes, nbytes: int, push: bool, copy: Callable[[float], int],
-              deadline: float) -> None:
-    """Run ``copy`` (a one-sided copy that returns the checksum of what it copied) checked
-    against the owner's checksum that ``frame`` (:func:`sum_request`) asks for: sent before
-    a pull's copy (the owner sums meanwhile), after a push's.  ``LLM_LINK_FAILED`` if
-    the two differ; the owner's refusal (a stale lookup, a freed cache) as for any request."""
-    if push:
-        got = copy(deadline)
-        reply = link.rpc(frame, deadline)
-    else:
-        link.send_request(frame, deadline)
-        try:
-            got = copy(deadline)
-        except BaseException:
-            with contextlib.suppress(EngineError):  # keep the stream in step (or the link is broken)
+def one_sided(link: Channel, frames: Sequence[bytes], sizes: Sequence[int], push: bool,
+              copies: Sequence[Callable[[float], int]], deadline: float) -> None:
+    """Run ``copies`` (one-sided copies of the slices of one transfer, each returning the
+    checksum of what it copied) checked against the owner's checksums that ``frames``
+    (:func:`sum_request`, one per slice of ``sizes`` bytes) ask for.  A pull sends them all
+    before it copies (the owner sums while the copier copies); a push sends each right after
+    its slice's copy, so the owner sums slice i while the copier copies slice i + 1 and
+    reads bytes that were just written (still in the shared cache).  The answers are read
+    in order after the copies.  ``LLM_LINK_FAILED`` if a pair differs; the owner's refusal
+    (a stale lookup, a freed cache) as for any request."""
+    got: list[int] = []
+    sent = 0
+    try:
+        if not push:
+            for frame in frames:
+                link.send_request(frame, deadline)
+                sent += 1
+        for i, copy in enumerate(copies):
+            got.append(copy(deadline))
+            if push:
+                link.send_request(frames[i], deadline)
+                sent += 1
+    except BaseException:
+        with contextlib.suppress(EngineError):  # keep the stream in step (or the link is broken)
+            for _ in range(sent):
                 link.read_reply(time.monotonic() + link.timeout_ms / 1000.0)
-            raise
-        reply = link.read_reply(deadline)
+        raise
+    replies = [link.read_reply(deadline) for _ in frames]
+    for reply, mine, nbytes in zip(replies, got, sizes):
+        _compare(link, reply, mine, nbytes, push)
+
+
+def _compare(link: Channel, reply: wire.Message, got: int, nbytes: int, push: bool) -> None:
     if not isinstance(reply, wire.Summed):
         check_reply(link, reply)
         link.protocol_error(reply)

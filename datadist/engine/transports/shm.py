@@ -27,7 +27,7 @@ from typing import Callable, Iterable, NoReturn, Optional
 from ..errors import Fault, fail
 from .. import cuda, executor, native
 from ..checksum import StreamSum
-from ..layout import Plan
+from ..layout import Plan, sliced
 from ..memory import PeerArena
 from .base import Channel, ANY_CACHE, RemoteCache, Step, Transport
 from .checked import one_sided, sum_half, sum_request
@@ -36,6 +36,11 @@ from .local import host_side
 __all__ = ["ShmTransport"]
 
 log = logging.getLogger("datadist")
+
+#: Bytes of one slice of a checked copy: small enough that the owner sums a slice while it
+#: is still in the shared cache behind the copier, large enough that a slice's request
+#: costs nothing next to it.
+SLICE = 2 << 20
 
 
 def _device_name() -> str:
@@ -109,7 +114,7 @@ class ShmTransport(Transport):
                  else plan.rebase(src_delta=delta).on(peer_dev, plan.dst_dev))
         copy = executor.bind(moved)
         if self.summed:
-            return functools.partial(self._checked, link, plan, moved, copy, sum_request(plan, remote, push), push)
+            return self._checked(link, plan, moved, copy, remote, push)
 
         def step(deadline: float) -> bool:
             try:
@@ -121,31 +126,40 @@ class ShmTransport(Transport):
 
         return step
 
-    def _checked(self, link: Channel, plan: Plan, moved: Plan, copy: Callable[[int], int], frame: bytes, push: bool,
-                 deadline: float) -> bool:
-        """The step of a mapped copy checked against the owner's checksum (``frame``)."""
-        def copy_summed(deadline: float) -> int:
-            if moved.on_host:  # summed as it is copied, while the bytes are in registers
-                summed = StreamSum(plan.nbytes)
-                native.copy_plan_stream(moved, summed)
-                return summed.checksum()
-            try:
-                copy(native.ms_until(deadline))
-            except TimeoutError:
-                _copy_timed_out(link, plan, push)
-            return _local_sum(plan, push)
+    def _checked(self, link: Channel, plan: Plan, moved: Plan, copy: Callable[[int], int], remote: RemoteCache,
+                 push: bool) -> Step:
+        """The step of a mapped copy checked against the owner's checksums: a host copy in
+        slices of ``SLICE`` bytes, each summed as it is copied (the owner sums one while
+        the next is copied, :func:`one_sided`); a device copy whole, summed after it."""
+        if not moved.on_host:
+            def device_copy(deadline: float) -> int:
+                try:
+                    copy(native.ms_until(deadline))
+                except TimeoutError:
+                    _copy_timed_out(link, plan, push)
+                return _local_sum(plan, push)
 
-        one_sided(link, frame, plan.nbytes, push, copy_summed, deadline)
-        link.check_peer()
-        return not push
+            copies: list[Callable[[float], int]] = [device_copy]
+            frames, sizes = [sum_request(plan, remote, push)], [plan.nbytes]
+        else:
+            halves = sliced(plan, SLICE)
+            copies = [functools.partial(_copy_summed, part) for part in sliced(moved, SLICE)]
+            frames, sizes = [sum_request(half, remote, push) for half in halves], [half.nbytes for half in halves]
+
+        def step(deadline: float) -> bool:
+            one_sided(link, frames, sizes, push, copies, deadline)
+            link.check_peer()
+            return not push
+
+        return step
 
     def _unmapped(self, link: Channel, plan: Plan, remote: RemoteCache, write: bool, deadline: float) -> bool:
         """Move a plan whose peer side is not mapped here; True if it went through the
         peer's agent (socket fallback)."""
         if self.cma_ok and remote.cache_id != ANY_CACHE and remote.device == "cpu":
             if self.summed:
-                one_sided(link, sum_request(plan, remote, write), plan.nbytes, write,
-                          functools.partial(self._cma_summed, link, plan, write), deadline)
+                one_sided(link, [sum_request(plan, remote, write)], [plan.nbytes], write,
+                          [functools.partial(self._cma_summed, link, plan, write)], deadline)
             else:
                 self._cma(link, plan, write, deadline)
             link.check_peer()
@@ -199,6 +213,13 @@ def _copy_timed_out(link: Channel, plan: Plan, write: bool) -> NoReturn:
     fail(Fault.TIMEOUT, f"{'push to' if write else 'pull from'} cluster {link.remote_cluster_id} "
                         f"({plan.nbytes} bytes) did not finish within sync_kv_timeout ({link.timeout_ms} ms); "
                         "the destination's bytes are undefined")
+
+
+def _copy_summed(plan: Plan, deadline: float) -> int:
+    """Copy a host plan, summing it as it is copied (the bytes are in registers anyway)."""
+    summed = StreamSum(plan.nbytes)
+    native.copy_plan_stream(plan, summed)
+    return summed.checksum()
 
 
 def _local_sum(plan: Plan, push: bool) -> int:
