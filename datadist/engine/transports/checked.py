@@ -162,8 +162,8 @@ def one_sided(link: Channel, frames: Sequence[bytes], sizes: Sequence[int], push
     checksum of what it copied) checked against the owner's checksums that ``frames``
     (:func:`sum_request`, one per slice of ``sizes`` bytes) ask for.  A pull sends them all
     before it copies (the owner sums while the copier copies); a push sends each right after
-    its slice's copy, so the owner sums slice i while the copier copies slice i + 1 and
-    reads bytes that were just written (still in the shared cache).  The answers are read
+    its slice's copy, so the owner sums slice i while the copier copies slice i + 1.  The
+    answers are read
     in order after the copies.  ``LLM_LINK_FAILED`` if a pair differs; the owner's refusal
     (a stale lookup, a freed cache) as for any request."""
     got: list[int] = []
