@@ -206,7 +206,7 @@ class LLMConfig:
     metrics_port = _Option(OPTION_METRICS_PORT, int, str, doc='Prometheus endpoint, "[host:]port" or a port '
                            "(docs/operations.md); default: DATADIST_METRICS_PORT, else none")
     transfer_checksum = _Option(OPTION_TRANSFER_CHECKSUM, bool, default=False,
-                                doc="Sum every socket transfer on both ends; a mismatch fails it with "
+                                doc="Sum every socket transfer and shm copy on both ends; a mismatch fails it with "
                                     "LLM_LINK_FAILED (docs/security.md); default off")
 
     _OPTIONS = (device_id, sync_kv_timeout, listen_ip_info, enable_cache_manager, enable_remote_cache_accessible,

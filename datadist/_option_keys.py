@@ -38,8 +38,8 @@ TLS_OPTIONS: Tuple[Tuple[str, str, str], ...] = (
     (OPTION_TLS_KEY_FILE, ENV_TLS_KEY_FILE, "key"),
     (OPTION_TLS_CA_FILE, ENV_TLS_CA_FILE, "ca"),
 )
-#: End-to-end integrity of socket transfers: "1" sums every payload on both ends and fails
-#: a transfer whose checksums differ (docs/security.md); "0" (default): TCP's own checks only.
+#: End-to-end integrity of socket transfers and shm copies: "1" sums every payload on both
+#: ends and fails a transfer whose checksums differ (docs/security.md); "0" (default): TCP's own checks only.
 OPTION_TRANSFER_CHECKSUM = "datadist.TransferChecksum"
 #: The Prometheus endpoint, "[host:]port" (docs/operations.md); else the environment's.
 OPTION_METRICS_PORT = "datadist.MetricsPort"

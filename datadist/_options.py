@@ -106,11 +106,11 @@ class EngineOptions:
             (``datadist.MetricsPort`` "[host:]port", else the environment
             ``DATADIST_METRICS_PORT``; host 0.0.0.0 when only a port is given; port 0: the
             system picks); both None: no endpoint (``LLMDataDist.metrics()`` counts anyway).
-        transfer_checksum: end-to-end integrity of the socket transfers this engine starts
+        transfer_checksum: end-to-end integrity of the transfers this engine starts
             (``datadist.TransferChecksum``, default False): the sender sums each payload
-            while sending it, the receiver while receiving it, and a mismatch fails the
-            transfer with ``LLM_LINK_FAILED`` (docs/security.md).  One-sided shm copies are
-            not covered (a link that uses them says so in a warning); not with a collective
+            while sending it, the receiver while receiving it (a one-sided shm copy: the
+            copier while copying, the owner by its own reading), and a mismatch fails the
+            transfer with ``LLM_LINK_FAILED`` (docs/security.md); not with a collective
             ``transfer_backend``, whose payloads would bypass it.
 
     Constructing one directly validates it the same way (``__post_init__``).

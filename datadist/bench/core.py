@@ -25,7 +25,7 @@ Workloads (see PERF.md):
                 call repeated, finding its plan (keys of both lists, one lookup)
   --sweep       32 MiB in order at block sizes 4 KiB .. 1 MiB
 
-``--checksum`` turns on end-to-end checksums of the socket transfers (``transfer_checksum``:
+``--checksum`` turns on end-to-end checksums of the transfers (``transfer_checksum``:
 the pushes of this process, the pulls of fan-in's decoders; every row records
 ``checksum``): its cost is the difference to a run without it.
 
@@ -336,7 +336,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hog", type=_count, default=0, metavar="N",
                     help="N busy processes run beside the measured ones (a CPU hog; default 0)")
     ap.add_argument("--checksum", action="store_true",
-                    help="end-to-end checksums of every socket transfer (transfer_checksum; shm and local "
+                    help="end-to-end checksums of every socket transfer and shm copy (transfer_checksum; local "
                          "copies are not summed): compare with a run without it for the option's cost")
     return ap
 

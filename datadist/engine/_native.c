@@ -271,6 +271,7 @@ typedef struct {
     chunks_t *work;
     int stream;       /* streaming stores (copies well beyond the cache) */
     int summed;       /* a copy with block sums: the fields below apply */
+    int by_stream;    /* the sums are the plan's stream's (offsets in plan order), not a value's */
     int value_is_src;
     uint64_t vbase;
     uint64_t *sums;
@@ -294,7 +295,7 @@ static void copy_range(const part_t *w, uint64_t lo, uint64_t hi) {
             uint64_t src = p->a_base[t] + p->a_off[u] + s, dst = p->b_base[t] + p->b_off[u] + s;
             if (w->summed)
                 copy_sum((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, e - s,
-                         (w->value_is_src ? src : dst) - w->vbase, w->sums, w->stream);
+                         w->by_stream ? a + s : (w->value_is_src ? src : dst) - w->vbase, w->sums, w->stream);
             else
                 copy_run((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, e - s, w->stream);
         }
@@ -348,34 +349,37 @@ static int64_t dd_copy_plan(size_t nt, const uint64_t *sbase, const uint64_t *db
     int n = parts_for(max_threads, total);
     chunks_t work = chunks_for(total, n, deadline_ms);
     part_t parts[DD_MAX_THREADS];
-    for (int k = 0; k < n; k++) parts[k] = (part_t){&p, &work, total >= DD_STREAM_MIN_BYTES, 0, 0, 0, NULL};
+    for (int k = 0; k < n; k++) parts[k] = (part_t){&p, &work, total >= DD_STREAM_MIN_BYTES, 0, 0, 0, 0, NULL};
     run_parts(parts, n);
     return work.expired ? -ETIMEDOUT : (int64_t)total;
 }
 
-/* The copy with block sums (two per block: `sums` holds 2 * nblocks words).  Returns bytes
- * copied, or -ERANGE (nothing copied) if a run leaves the value's nblocks blocks, -ENOMEM
- * if a helper thread's sums cannot be allocated. */
+/* The copy with block sums (two per block: `sums` holds 2 * nblocks words): of one value
+ * (its address `vbase` on the side named by value_is_src), or with `by_stream` of the
+ * plan's stream (the runs in plan order, from offset 0).  Returns bytes copied, or -ERANGE
+ * (nothing copied) if a run leaves the value's (the stream's) nblocks blocks, -ENOMEM if a
+ * helper thread's sums cannot be allocated. */
 static int64_t dd_copy_plan_sum(size_t nt, const uint64_t *sbase, const uint64_t *dbase, size_t nu,
                                 const uint64_t *soff, const uint64_t *doff, const uint64_t *len,
-                                int max_threads, int value_is_src, uint64_t vbase,
+                                int max_threads, int by_stream, int value_is_src, uint64_t vbase,
                                 uint64_t *sums, size_t nblocks) {
     plan_t p = {sbase, dbase, soff, doff, len, nt, nu};
     const uint64_t *vb = value_is_src ? sbase : dbase, *vo = value_is_src ? soff : doff;
     uint64_t limit = (uint64_t)nblocks << 12;
     size_t nsums = 2 * nblocks;
-    for (size_t t = 0; t < nt; t++)
+    for (size_t t = 0; t < nt && !by_stream; t++)
         for (size_t u = 0; u < nu; u++) {
             if (!len[u]) continue;
             uint64_t o = vb[t] + vo[u] - vbase;
             if (vb[t] + vo[u] < vbase || o > limit || len[u] > limit - o) return -ERANGE;
         }
     uint64_t total = plan_bytes(&p);
+    if (by_stream && total > limit) return -ERANGE;
     int n = parts_for(max_threads, total);
     chunks_t work = chunks_for(total, n, 0);
     part_t parts[DD_MAX_THREADS];
     for (int k = 0; k < n; k++) {
-        parts[k] = (part_t){&p, &work, total >= DD_STREAM_MIN_BYTES, 1, value_is_src, vbase, sums};
+        parts[k] = (part_t){&p, &work, total >= DD_STREAM_MIN_BYTES, 1, by_stream, value_is_src, vbase, sums};
         if (k && !(parts[k].sums = calloc(nsums, sizeof(uint64_t)))) {
             for (int j = 1; j < k; j++) free(parts[j].sums);
             return -ENOMEM;
@@ -409,23 +413,67 @@ static int summer_fits(const summer_t *m, uint64_t n) {
     return m->tail_start == UINT64_MAX || end <= m->tail_start + m->tail_len;
 }
 
-/* Add the n bytes at s (the stream's next ones) to the sums, without moving them: they
- * go through copy_sum into a block-sized scratch that stays in the L1 cache (or into the
- * tail), so the sums are those of a copy by construction.  The caller checked
- * summer_fits. */
-static void sum_piece(summer_t *m, const uint8_t *s, uint64_t n) {
+/* The two sums of the n bytes at s (a multiple of 64), as copy_sum_simd computes them but
+ * without storing anything: loads and adds only, which is what summing bytes that a system
+ * call just moved (so they are in the cache) costs.  AVX2 where the processor has it (four
+ * words per register; the lane formula is copy_sum_simd's), else copy_sum_simd into a
+ * scratch block. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+__attribute__((target("avx2"))) static void sum_avx2(const uint8_t *s, uint64_t n, uint64_t *sum, uint64_t *wsum) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0;
+    for (uint64_t i = 0; i < n; i += 64) {
+        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256((const __m256i *)(s + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256((const __m256i *)(s + i + 32)));
+        b0 = _mm256_add_epi64(b0, a0);
+        b1 = _mm256_add_epi64(b1, a1);
+    }
+    uint64_t s1[8], s2[8], m = n / 64, total = 0, weighted = 0;
+    _mm256_storeu_si256((__m256i *)s1, a0); _mm256_storeu_si256((__m256i *)(s1 + 4), a1);
+    _mm256_storeu_si256((__m256i *)s2, b0); _mm256_storeu_si256((__m256i *)(s2 + 4), b1);
+    for (uint64_t lane = 0; lane < 8; lane++) {
+        total += s1[lane];
+        weighted += 8 * (m * s1[lane] - s2[lane]) + lane * s1[lane];
+    }
+    *sum = total;
+    *wsum = weighted;
+}
+#define DD_HAVE_AVX2 1
+#endif
+
+/* Add the n bytes at s (value offset o on, inside one 4 KiB block) to the sums, without
+ * moving them. */
+static void sum_block(const uint8_t *s, uint64_t n, uint64_t o, uint64_t *sums) {
+#if defined(DD_HAVE_AVX2)
+    static int avx2 = -1;
+    if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    if (avx2 && !(o & 7) && n >= 64) {
+        uint64_t body = n & ~(uint64_t)63, sum, rel, k = ((o & 4095) >> 3) + 1;
+        sum_avx2(s, body, &sum, &rel);
+        sums[2 * (o >> 12)] += sum;
+        sums[2 * (o >> 12) + 1] += k * sum + rel;
+        s += body; o += body; n -= body;
+    }
+#endif
     uint8_t scratch[4096] __attribute__((aligned(64)));
+    copy_sum(scratch, s, n, o, sums, 0);
+}
+
+/* Add the n bytes at s (the stream's next ones) to the sums, without moving them: whole
+ * words are summed where they lie (sum_block), the rest goes through copy_sum into a
+ * block-sized scratch that stays in the L1 cache (or into the tail), so the sums are
+ * those of a copy by construction.  The caller checked summer_fits. */
+static void sum_piece(summer_t *m, const uint8_t *s, uint64_t n) {
     while (n) {
         uint64_t o = m->pos, take = 4096 - (o & 4095);
-        uint8_t *d = scratch;
         if (o >= m->tail_start) {
             take = n;
-            d = m->tail + (o - m->tail_start);
-        } else if (m->tail_start - o < take) {
-            take = m->tail_start - o;
+            copy_sum(m->tail + (o - m->tail_start), s, take, o, m->sums, 0);
+        } else {
+            if (m->tail_start - o < take) take = m->tail_start - o;
+            if (take > n) take = n;
+            sum_block(s, take, o, m->sums);
         }
-        if (take > n) take = n;
-        copy_sum(d, s, take, o, m->sums, 0);
         m->pos += take;
         s += take;
         n -= take;
@@ -437,6 +485,28 @@ static void sum_piece(summer_t *m, const uint8_t *s, uint64_t n) {
 static void dd_sum_blocks(const uint8_t *s, uint64_t n, uint64_t *sums) {
     summer_t m = {sums, (size_t)(n >> 12), 0, NULL, UINT64_MAX, 0};
     sum_piece(&m, s, n & ~(uint64_t)4095);
+}
+
+/* Copy the bytes of the plan's stream (b side: the destination) from offset lo to its end
+ * into out: the kept last partial block of a stream copied with block sums. */
+static void gather_stream(const plan_t *p, uint64_t lo, uint8_t *out) {
+    uint64_t pos = 0;
+    for (size_t t = 0; t < p->nt; t++)
+        for (size_t u = 0; u < p->nu; u++) {
+            uint64_t a = pos, b = pos + p->len[u];
+            pos = b;
+            if (b <= lo) continue;
+            uint64_t skip = a < lo ? lo - a : 0;
+            memcpy(out + (a + skip - lo), (const uint8_t *)(uintptr_t)(p->b_base[t] + p->b_off[u] + skip), b - a - skip);
+        }
+}
+
+/* Add the a side's runs of a plan, in plan order, to the summer's stream (the caller
+ * checked summer_fits): the checksum of what a transfer of that plan would move. */
+static void dd_sum_plan(summer_t *m, const plan_t *p) {
+    for (size_t t = 0; t < p->nt; t++)
+        for (size_t u = 0; u < p->nu; u++)
+            if (p->len[u]) sum_piece(m, (const uint8_t *)(uintptr_t)(p->a_base[t] + p->a_off[u]), p->len[u]);
 }
 
 /* ---------------------------------------------------------------- foreign copy functions */
@@ -511,6 +581,26 @@ static int wait_fd(int fd, short events, int64_t deadline_ms) {
     }
 }
 
+/* A summed stream moves at most this many payload bytes per system call, so the bytes
+ * are still in the core's own cache (L2) when they are summed right after it; a larger
+ * call leaves them to the shared cache or memory, and summing them costs several times
+ * more.  Loopback and network sockets move this much per call at full speed. */
+#ifndef DD_SUM_WINDOW
+#define DD_SUM_WINDOW (256u << 10)
+#endif
+
+/* Trim the k iovecs at iov to at most cap bytes; returns how many remain. */
+static size_t cap_iov(struct iovec *iov, size_t k, uint64_t cap) {
+    for (size_t i = 0; i < k; i++) {
+        if (iov[i].iov_len >= cap) {
+            iov[i].iov_len = cap;
+            return i + 1;
+        }
+        cap -= iov[i].iov_len;
+    }
+    return k;
+}
+
 /* Add the first r payload bytes of iov[0..) (those one writev or readv moved) to m. */
 static void sum_iov(summer_t *m, const struct iovec *iov, uint64_t r) {
     for (size_t i = 0; r; i++) {
@@ -545,6 +635,7 @@ static int64_t dd_sock_plan(int fd, int send, int64_t timeout_ms, size_t nt, con
             iov[0].iov_len = head_len - head_done;
         }
         size_t k = h + fill_iov(&p, &c, iov + h, NULL, &want, DD_IOV_BATCH - h);  /* IOV_MAX in all */
+        if (m && k > h) k = h + cap_iov(iov + h, k - h, DD_SUM_WINDOW);
         ssize_t r = send ? writev(fd, iov, k) : readv(fd, iov, k);
         if (r < 0) {
             if (errno == EINTR) continue;
@@ -734,7 +825,7 @@ static PyObject *py_copy_plan_sum(PyObject *self, PyObject *const *args, Py_ssiz
     if (get_plan(args, 5, &a) < 0) { PyBuffer_Release(&sums); return NULL; }
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
-    r = dd_copy_plan_sum(a.nt, U64P(a, 0), U64P(a, 1), a.nu, U64P(a, 2), U64P(a, 3), U64P(a, 4), threads,
+    r = dd_copy_plan_sum(a.nt, U64P(a, 0), U64P(a, 1), a.nu, U64P(a, 2), U64P(a, 3), U64P(a, 4), threads, 0,
                          value_is_src, (uint64_t)vbase, (uint64_t *)sums.buf, (size_t)sums.len / 16);
     Py_END_ALLOW_THREADS
     release_plan(&a);
@@ -797,6 +888,65 @@ static int get_summer(PyObject *const *args, summer_t *m, Py_buffer *views) {
 static void release_summer(Py_buffer *views) {
     PyBuffer_Release(&views[0]);
     if (views[1].buf) PyBuffer_Release(&views[1]);
+}
+
+/* copy_plan_stream(sbase, dbase, soff, doff, len, threads, sums, pos, tail, tail_start):
+ * copy the plan summing its stream (a summer at pos 0, as sock_plan's receiver would sum
+ * it); returns bytes copied.  ERANGE (nothing copied) unless the stream fits the summer. */
+static PyObject *py_copy_plan_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError,
+                        "copy_plan_stream(sbase, dbase, soff, doff, len, threads, sums, pos, tail, tail_start)");
+        return NULL;
+    }
+    int threads = (int)PyLong_AsLong(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    summer_t m;
+    Py_buffer sviews[2] = {{0}, {0}};
+    if (get_summer(args + 6, &m, sviews) < 0) return NULL;
+    plan_args a;
+    if (get_plan(args, 5, &a) < 0) { release_summer(sviews); return NULL; }
+    plan_t p = {U64P(a, 0), U64P(a, 1), U64P(a, 2), U64P(a, 3), U64P(a, 4), a.nt, a.nu};
+    uint64_t total = plan_bytes(&p);
+    int64_t r = -ERANGE;
+    if (m.pos == 0 && summer_fits(&m, total)) {
+        Py_BEGIN_ALLOW_THREADS
+        r = dd_copy_plan_sum(a.nt, p.a_base, p.b_base, a.nu, p.a_off, p.b_off, p.len, threads, 1, 0, 0, m.sums,
+                             m.nblocks);
+        if (r >= 0 && m.tail && m.tail_start < total) gather_stream(&p, m.tail_start, m.tail);
+        Py_END_ALLOW_THREADS
+    }
+    release_plan(&a);
+    release_summer(sviews);
+    return result_or_oserror(r);
+}
+
+/* sum_plan(base, off, len, sums, pos, tail, tail_start): add the runs of a plan half, in
+ * plan order, to a summer; returns their bytes.  ERANGE unless they fit the summer. */
+static PyObject *py_sum_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "sum_plan(base, off, len, sums, pos, tail, tail_start)");
+        return NULL;
+    }
+    summer_t m;
+    Py_buffer sviews[2] = {{0}, {0}};
+    if (get_summer(args + 3, &m, sviews) < 0) return NULL;
+    plan_args a;
+    if (get_plan(args, 3, &a) < 0) { release_summer(sviews); return NULL; }
+    plan_t p = {U64P(a, 0), U64P(a, 0), U64P(a, 1), U64P(a, 1), U64P(a, 2), a.nt, a.nu};
+    uint64_t total = plan_bytes(&p);
+    int64_t r = -ERANGE;
+    if (summer_fits(&m, total)) {
+        Py_BEGIN_ALLOW_THREADS
+        dd_sum_plan(&m, &p);
+        Py_END_ALLOW_THREADS
+        r = (int64_t)total;
+    }
+    release_plan(&a);
+    release_summer(sviews);
+    return result_or_oserror(r);
 }
 
 /* sum_stream(data, sums, pos, tail, tail_start): add data (the stream's bytes from pos
@@ -1441,6 +1591,11 @@ static PyMethodDef methods[] = {
      "sum_blocks(value, sums): add the two sums of each whole 4 KiB block of value to sums"},
     {"sum_stream", (PyCFunction)(void (*)(void))py_sum_stream, METH_FASTCALL,
      "sum_stream(data, sums, pos, tail, tail_start): add data, the stream's bytes from pos, to its block sums"},
+    {"copy_plan_stream", (PyCFunction)(void (*)(void))py_copy_plan_stream, METH_FASTCALL,
+     "copy_plan_stream(sbase, dbase, soff, doff, len, threads, sums, pos, tail, tail_start) -> bytes copied; "
+     "copies a plan summing its stream"},
+    {"sum_plan", (PyCFunction)(void (*)(void))py_sum_plan, METH_FASTCALL,
+     "sum_plan(base, off, len, sums, pos, tail, tail_start) -> bytes; sums a plan half's runs in plan order"},
     {"copy_plan_sum", (PyCFunction)(void (*)(void))py_copy_plan_sum, METH_FASTCALL,
      "copy_plan_sum(sbase, dbase, soff, doff, len, threads, sums, value_base, value_is_src) -> bytes copied; "
      "adds the copied bytes into the value's 4 KiB block sums (OSError ERANGE if a run leaves the value)"},

@@ -73,6 +73,19 @@ def copy_plan_sum(sbase: _U64Array, dbase: _U64Array, soff: _U64Array, doff: _U6
     at ``value_base`` (on the source side if ``value_is_src``); ``sums``: writable uint64,
     two per block.  ``OSError`` ERANGE (nothing copied) if a run leaves the value."""
 
+def copy_plan_stream(sbase: _U64Array, dbase: _U64Array, soff: _U64Array, doff: _U64Array, len: _U64Array,
+                     threads: int, sums: _U64Array, pos: int, tail: _Buffer | None, tail_start: int, /) -> int:
+    """``copy_plan`` that also adds the copied bytes, in plan order, to the block sums of a
+    stream (as :func:`sock_plan` sums what it moves; ``pos`` must be 0) and keeps its last
+    partial block in ``tail``; returns the bytes copied.  ``OSError`` ERANGE (nothing
+    copied) if the plan's bytes do not fit the sums or the tail."""
+
+def sum_plan(base: _U64Array, off: _U64Array, len: _U64Array, sums: _U64Array, pos: int, tail: _Buffer | None,
+             tail_start: int, /) -> int:
+    """Add the runs of a plan half, in plan order, to the block sums of a stream from
+    offset ``pos`` on (as :func:`sum_stream` would each run); returns their bytes.
+    ``OSError`` ERANGE (nothing added) if they do not fit the sums or the tail."""
+
 def call_plan(fn: int, stream: int, sbase: _U64Array, dbase: _U64Array, soff: _U64Array, doff: _U64Array,
               len: _U64Array, /) -> tuple[int, int]:
     """Call the C function at address ``fn``, ``int fn(dst, src, bytes, stream)``, once

@@ -12,7 +12,7 @@ tensor.  :func:`plan_units` crosses tensors with units.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -20,7 +20,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from . import _native
 
-__all__ = ["Plan", "plan_units", "coalesce", "block_offsets", "layer_tensor_indices", "tensor_span"]
+__all__ = ["Plan", "plan_units", "coalesce", "block_offsets", "layer_tensor_indices", "tensor_span", "sliced"]
 
 _U64 = np.uint64
 #: An array of uint64 (addresses, offsets, lengths).
@@ -171,3 +171,24 @@ def tensor_span(addrs: U64Array, bases: U64Array, offs: U64Array, lens: U64Array
     lo, hi = np.searchsorted(addrs[order], [first, last], side="right") - 1
     picked = order[max(int(lo), 0): int(hi) + 1]
     return int(picked.min()), int(picked.max()) + 1
+
+
+def sliced(plan: Plan, size: int) -> list[Plan]:
+    """``plan`` cut into plans of about ``size`` bytes (at most twice that) that together
+    move the same bytes: runs longer than a slice's share per tensor are split, and each
+    slice takes consecutive runs of every tensor.  A plan of at most ``size`` bytes is
+    itself; the same plan always gives the same slices."""
+    if plan.nbytes <= size:
+        return [plan]
+    per = max(1, size // max(1, plan.src_bases.shape[0]))
+    lens = plan.lens.astype(np.int64)
+    counts = np.maximum(1, -(-lens // per))
+    run = np.repeat(np.arange(lens.shape[0]), counts)
+    start = np.arange(run.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
+    start *= per
+    piece = np.minimum(lens[run] - start, per)
+    cuts = np.flatnonzero(np.diff((np.cumsum(piece) - 1) // per)) + 1
+    at = start.astype(np.uint64)
+    parts = zip(np.split(plan.src_offs[run] + at, cuts), np.split(plan.dst_offs[run] + at, cuts),
+                np.split(piece.astype(np.uint64), cuts))
+    return [replace(plan, src_offs=s, dst_offs=d, lens=n) for s, d, n in parts]

@@ -24,8 +24,9 @@ lazily (``hccl``, ``nccl``) are warmed by one exchange while the link is made, w
 link's timeout, so that no transfer's ``sync_kv_timeout`` pays for it.
 
 With ``transfer_checksum`` the socket transport is :mod:`.transports.checked`'s (every
-payload summed on both ends); a link whose transfers it cannot cover (one-sided shm
-copies, a process group) says so in a warning when it is made.
+payload summed on both ends) and the shm transport checks each one-sided copy against the
+owner's checksum; a link whose transfers it cannot cover (a process group) says so in a
+warning when it is made.
 
 With TLS configured (:mod:`.tls`), both connections of every link this engine opens are
 TLS, handshake first, whatever the transport; the server side does the same in the agent.
@@ -207,12 +208,9 @@ class Linker:
             return tcp, None
         shm = ShmTransport(peer.pid, mapped, self._probe_cma(peer), fallback=tcp,
                            device_pool=[cuda.IpcRegion.from_wire(r) for r in peer.device_regions],
-                           cuda_here=self.engine.device.startswith("cuda"))
+                           cuda_here=self.engine.device.startswith("cuda"), summed=checked)
         log.info("link to cluster %d uses shm (cross-memory attach %s)", peer.cluster_id,
                  "on" if shm.cma_ok else "off")
-        if checked:
-            log.warning("link to cluster %d uses shm: its one-sided copies are not checksummed (transfer_checksum "
-                        "covers tcp and TLS; set transfer_backend tcp to have them checked)", peer.cluster_id)
         return shm, mapped[0].local_base
 
     @staticmethod

@@ -34,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["ms_until", "peer_closed", "int_key", "ref_key", "request", "serve_known", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "sum_blocks", "sum_stream", "StreamSums", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "spin_readable", "COPY_THREADS",
+__all__ = ["ms_until", "peer_closed", "int_key", "ref_key", "request", "serve_known", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "copy_plan_stream", "sum_plan", "sum_blocks", "sum_stream", "StreamSums", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "spin_readable", "COPY_THREADS",
            "SPIN_US"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
@@ -147,6 +147,25 @@ def copy_plan_sum(plan: Plan, sums: U64Array, value_addr: int, *, value_is_src: 
     (ERANGE, nothing copied) if a run leaves the value."""
     return _native.copy_plan_sum(plan.src_bases, plan.dst_bases, plan.src_offs, plan.dst_offs, plan.lens,
                                  threads, sums, value_addr, value_is_src)
+
+
+def copy_plan_stream(plan: Plan, summed: "StreamSums", threads: int = COPY_THREADS) -> int:
+    """``copy_plan`` that sums the plan's stream (its runs in plan order: what a socket
+    would carry) into ``summed`` (at its start) while it copies, as :func:`sock_recv` sums
+    what it receives; returns the bytes copied.  ``OSError`` ERANGE (nothing copied) if
+    the plan's bytes do not fit ``summed``."""
+    moved: int = _native.copy_plan_stream(plan.src_bases, plan.dst_bases, plan.src_offs, plan.dst_offs, plan.lens,
+                                          threads, summed.sums, summed.pos, summed.tail, summed.tail_start)
+    summed.pos += moved
+    return moved
+
+
+def sum_plan(bases: U64Array, offs: U64Array, lens: U64Array, summed: "StreamSums") -> int:
+    """Add the runs of a plan half (``bases`` x ``offs``/``lens``), in plan order, to
+    ``summed``'s stream: the sums a transfer of them would produce, without moving them."""
+    added: int = _native.sum_plan(bases, offs, lens, summed.sums, summed.pos, summed.tail, summed.tail_start)
+    summed.pos += added
+    return added
 
 
 def cma_plan(pid: int, plan: Plan, *, write: bool, timeout_ms: int = 0) -> int:

@@ -2,10 +2,10 @@
 
 The agent reads one frame from a link's serve stream and hands it to
 :class:`RequestHandler`, which looks the message type up in a table: lookups
-(``RESOLVE``), key releases, transfers (``PUSH``/``PULL``: validated here against the
-registry, then served by the serve half of the transport that carries the bytes: the
-stream's (:mod:`.transports.tcp`) or the link's process group
-(:mod:`.transports.collective`)), ``UNLINK``, and the one-way ``NOTIFY``/``NOTE``.
+(``RESOLVE``), key releases, the checksums of one-sided copies (``SUM``), transfers
+(``PUSH``/``PULL``: validated here against the registry, then served by the serve half of
+the transport that carries the bytes: the stream's (:mod:`.transports.tcp`) or the link's
+process group (:mod:`.transports.collective`)), ``UNLINK``, and the one-way ``NOTIFY``/``NOTE``.
 
 A handler returns the reply to send (None: nothing), and for a pull the host plan whose
 bytes follow the reply in the same ``writev`` (:attr:`RequestHandler.payload`).  Anything
@@ -39,7 +39,7 @@ __all__ = ["RequestHandler", "SERVED", "OK", "runs_inside", "runs_inside_any"]
 
 #: What a linked peer may send on its request stream.
 SERVED = (wire.MsgType.RESOLVE, wire.MsgType.RELEASE_KEY, wire.MsgType.PUSH, wire.MsgType.PULL,
-          wire.MsgType.UNLINK, wire.MsgType.NOTIFY, wire.MsgType.NOTE)
+          wire.MsgType.SUM, wire.MsgType.UNLINK, wire.MsgType.NOTIFY, wire.MsgType.NOTE)
 
 _U64 = npt.NDArray[np.uint64]
 
@@ -94,7 +94,7 @@ class RequestHandler:
         self._known: dict[bytes, Union[_Admitted, _Served]] = {}
         self._table: dict[type[wire.Message], _Handler] = {
             wire.Resolve: self._resolve, wire.ReleaseKey: self._release_key, wire.Push: self._transfer,
-            wire.Pull: self._transfer, wire.Unlink: self._unlink, wire.Notify: self._notify, wire.Note: self._note,
+            wire.Pull: self._transfer, wire.Sum: self._sum, wire.Unlink: self._unlink, wire.Notify: self._notify, wire.Note: self._note,
         }
 
     def handle(self, link: Link, msg: wire.Message, sock: socket.socket,
@@ -189,6 +189,17 @@ class RequestHandler:
         bases, offs, lens = msg.arrays
         self._admitted = _Admitted(msg.epoch, rec, msg, Plan(bases, bases, offs, offs, lens, device, device))
         return self._serve_socket(link, self._admitted, sock)
+
+    def _sum(self, link: Link, msg: wire.Message, sock: socket.socket) -> wire.Message:
+        """The checksum of a plan half, checked as a transfer's (:mod:`.transports.checked`:
+        a one-sided copy's check), summed as this engine reads its memory now."""
+        assert isinstance(msg, wire.Sum)
+        rec = self.registry.get(msg.cache_id)
+        status, why = self._check(rec, msg)
+        if status:
+            return wire.Summed(status=status, message=why)
+        bases, offs, lens = msg.arrays
+        return wire.Summed(checksum=checked.sum_half(bases, offs, lens, _device_of(self.registry, rec, bases, offs)))
 
     def _serve_socket(self, link: Link, admitted: _Admitted, sock: socket.socket) -> wire.Message:
         """Serve a checked transfer whose bytes follow on the stream (push) or the reply

@@ -9,7 +9,9 @@ and ``bool`` fields packed together in declaration order, then ``str`` (UTF-8) a
 so they cost one ``struct`` call per side.  Payload bytes follow a frame on the same
 stream only where a message says so (``PUSH``: the sender streams the plan's bytes right
 after the frame; ``PULL``: the server answers with a ``REPLY`` and then the bytes); a
-``summed`` request's payload is followed by its sender's 8-byte checksum.
+``summed`` request's payload is followed by its sender's 8-byte checksum.  ``SUM`` asks the
+owner of a plan half for the checksum of its bytes (a one-sided copy's check), answered
+with ``SUMMED``.
 The peer's version is checked before anything else is decoded.
 """
 from __future__ import annotations
@@ -25,14 +27,15 @@ from .codec import HEADER_SIZE, U64, Buffer, FrameFormat, WireError
 
 __all__ = [
     "VERSION", "U64", "MsgType", "Message", "Hello", "HelloAck", "Attach", "Resolve", "Resolved",
-    "ReleaseKey", "Push", "Pull", "Reply", "Unlink", "Notify", "Note", "encode", "read_message", "read_frame", "Frame", "read_answer", "finish_answer", "OK", "OK_FRAME", "WireError",
+    "ReleaseKey", "Push", "Pull", "Sum", "Summed", "Reply", "Unlink", "Notify", "Note", "encode", "read_message", "read_frame", "Frame", "read_answer", "finish_answer", "OK", "OK_FRAME", "WireError",
     "PRE_LINK", "HEADER_SIZE", "parse_header", "decode_frame", "FORMAT",
 ]
 
 MAGIC = b"DDKV"
 #: 4: ``PUSH`` and ``PULL`` carry ``summed`` (end-to-end checksums); peers of another
 #: version refuse to link.
-VERSION = 4
+#: 5: ``SUM`` / ``SUMMED`` (checksums of one-sided copies).
+VERSION = 5
 _MAX_BODY = 16 << 20
 
 
@@ -49,6 +52,8 @@ class MsgType(IntEnum):
     UNLINK = 10
     NOTIFY = 11
     NOTE = 12
+    SUM = 13
+    SUMMED = 14
 
 
 @dataclass
@@ -166,6 +171,25 @@ class Pull(Push):
 
 
 @dataclass
+class Sum(Push):
+    """The owner's checksum of the plan half in ``arrays`` of cache ``cache_id`` (its bytes
+    as they are when it reads them, in plan order: what a one-sided copy of that plan
+    moves); answered with ``SUMMED``, and no payload moves either way."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SUM
+
+
+@dataclass
+class Summed(Message):
+    """The answer to ``SUM``: the checksum (``status`` 0), or why there is none."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SUMMED
+    status: int = 0
+    checksum: U64 = 0
+    message: str = ""
+
+
+@dataclass
 class Reply(Message):
     TYPE: ClassVar[MsgType] = MsgType.REPLY
     status: int = 0
@@ -217,9 +241,9 @@ _MAX_ARRAYS = 1 << 30
 FORMAT: FrameFormat[Message] = FrameFormat("datadist link", MAGIC, VERSION, MsgType, arrays="arrays",
                                            max_array_count=4)
 _LIMITS: dict[type[Message], tuple[int, int]] = {
-    **{cls: (_PRE_LINK_BODY, 0) for cls in (Hello, Attach, Unlink, Reply, Notify, Note, Resolve, ReleaseKey)},
+    **{cls: (_PRE_LINK_BODY, 0) for cls in (Hello, Attach, Unlink, Reply, Summed, Notify, Note, Resolve, ReleaseKey)},
     HelloAck: (_MAX_BODY, 0),
-    **{cls: (_MAX_BODY, _MAX_ARRAYS) for cls in (Resolved, Push, Pull)},
+    **{cls: (_MAX_BODY, _MAX_ARRAYS) for cls in (Resolved, Push, Pull, Sum)},
 }
 for _cls, (_body, _arrays) in _LIMITS.items():
     FORMAT.register(_cls, _cls.TYPE, _body, _arrays)

@@ -469,6 +469,26 @@ class _Child:
                       "ipc_open": sum(r is not None for r in getattr(link.transport, "_device", {}).values())}
                 for cid in engine.linked_clusters() for link in [engine.find_link(cid)] if link is not None}
 
+    def op_tamper_copy(self, how: str) -> None:
+        """Make this process's next summed one-sided copy (:func:`native.copy_plan_stream`,
+        the real one) go wrong: ``"after"`` changes one byte of its destination right after
+        it (for a push: the peer's memory, mapped here, before the peer sums it);
+        ``"shifted"`` reads its source one word off (a wrong plan, as a stale mapping would)."""
+        import ctypes
+
+        from datadist.engine import native
+
+        real = native.copy_plan_stream
+
+        def tampered(plan: Any, summed: Any, threads: int = native.COPY_THREADS) -> int:
+            native.copy_plan_stream = real  # once
+            moved = real(plan.rebase(src_delta=8) if how == "shifted" else plan, summed, threads)
+            if how == "after":
+                ctypes.c_uint8.from_address(int(plan.dst_bases[0]) + int(plan.dst_offs[0])).value ^= 0x10
+            return moved
+
+        native.copy_plan_stream = tampered
+
     def op_warm_collectives(self) -> None:
         """Create and drop one TCPStore server: torch.distributed opens a wake-up pipe the
         first time it does so and keeps it for the process's life.  Leak checks of the

@@ -1,7 +1,8 @@
-"""End-to-end integrity of socket transfers (``transfer_checksum``): a byte changed between
-two engine processes (by a proxy between them) fails the pull or push with
-``LLM_LINK_FAILED`` and a message that says "checksum mismatch"; the link stays up and the
-same transfer then arrives intact.  Without the option the changed byte lands unnoticed
+"""End-to-end integrity of transfers (``transfer_checksum``): a byte changed between two
+engine processes (by a proxy between them) fails the pull or push with ``LLM_LINK_FAILED``
+and a message that says "checksum mismatch"; the link stays up and the same transfer then
+arrives intact.  Over shm, a one-sided copy that read the wrong bytes or whose destination
+changed before the owner summed it fails the same way.  Without the option the changed byte lands unnoticed
 (the control: it is the checksum that catches it).  Over TLS, summed transfers of every
 shape (larger than the staging buffer, pipelined) arrive intact."""
 from __future__ import annotations
@@ -138,6 +139,50 @@ def test_without_the_option_a_changed_byte_lands_unnoticed(proxied: Any) -> None
     got = decoder.read("kv")
     want = expect_blocks(base, data, [0, 1, 2], [0, 1, 2], BLOCKS.row_bytes)
     assert int((got != want).sum()) == 1
+
+
+@pytest.fixture
+def shm_pair(peer_factory: Any) -> Tuple[Peer, Peer, np.ndarray, np.ndarray]:
+    """A prompt and a decoder (which sums its transfers) linked over shared memory, each
+    with a blocks cache ``kv`` of random bytes."""
+    port = free_port()
+    prompt = peer_factory("peer", "prompt", "PROMPT", PROMPT_ID, base_config("shm", listen_port=port))
+    decoder = peer_factory("peer", "decoder", "DECODER", DECODER_ID, base_config("shm", transfer_checksum=True))
+    prompt.alloc("kv", BLOCKS, blocks=True, bkey=KEY)
+    decoder.alloc("kv", BLOCKS, blocks=True, bkey=blocks_key(DECODER_ID, 0))
+    data = prompt.fill("kv", BLOCKS, 21)
+    base = decoder.fill("kv", BLOCKS, 22)
+    decoder.link(prompt, port=port)
+    assert decoder.call("links")[PROMPT_ID]["path"] == "shm"
+    return prompt, decoder, data, base
+
+
+def test_shm_copies_are_checked_against_the_owners_sum(shm_pair: Any) -> None:
+    """Over shm the decoder copies one-sidedly; the prompt sums the same runs by its own
+    reading of each request.  Intact copies pass; a pull that read the wrong bytes (its
+    source one word off, as a wrong plan or a stale mapping would) and a push whose
+    destination changed right after the copy (before the owner summed it) both fail with
+    a checksum mismatch, and the link stays up."""
+    prompt, decoder, data, base = shm_pair
+    decoder.cm("pull_blocks", KEY, Ref("kv"), [0, 1], [0, 1])
+    base = expect_blocks(base, data, [0, 1], [0, 1], BLOCKS.row_bytes)
+    np.testing.assert_array_equal(decoder.read("kv"), base)
+
+    decoder.call("tamper_copy", "shifted")
+    with expect_llm(S.LLM_LINK_FAILED) as caught:
+        decoder.cm("pull_blocks", KEY, Ref("kv"), [2, 5, 4], [3, 6, 7])
+    _mismatch(caught)
+    assert "owner's checksum" in caught[0].message
+    decoder.cm("pull_blocks", KEY, Ref("kv"), [2, 5, 4], [3, 6, 7])
+    base = expect_blocks(base, data, [2, 5, 4], [3, 6, 7], BLOCKS.row_bytes)
+    np.testing.assert_array_equal(decoder.read("kv"), base)
+
+    decoder.call("tamper_copy", "after")
+    with expect_llm(S.LLM_LINK_FAILED) as caught:
+        decoder.cm("push_blocks", KEY, Ref("kv"), [0, 3], [6, 1])
+    _mismatch(caught)
+    decoder.cm("push_blocks", KEY, Ref("kv"), [0, 3], [6, 1])
+    np.testing.assert_array_equal(prompt.read("kv"), expect_blocks(data, base, [0, 3], [6, 1], BLOCKS.row_bytes))
 
 
 @pytest.fixture(scope="module")

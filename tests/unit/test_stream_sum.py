@@ -74,3 +74,31 @@ def test_bytes_past_the_stream_are_refused_and_incomplete_streams_have_no_sum():
         s.checksum()
     with pytest.raises(ValueError, match="size"):
         StreamSum(-1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_copy_summed_in_plan_order_matches_the_owners_sum_of_its_half(seed):
+    """``copy_plan_stream`` (the copier of a one-sided copy) and ``sum_plan`` (the owner,
+    reading its half) give the checksum of the plan's runs in plan order, as a socket would
+    carry them, and the copy lands; runs of any length, tensors, threads."""
+    rng = np.random.default_rng(seed)
+    nt, nu = int(rng.integers(1, 4)), int(rng.integers(1, 7))
+    lens = rng.integers(0, 9000, nu).astype(np.uint64)
+    if seed == 0:
+        lens[0] = 3 << 20  # large enough for the copy's threads and streaming stores
+    offs = np.concatenate([[0], np.cumsum(lens[:-1] + rng.integers(0, 7, nu - 1).astype(np.uint64))]).astype(np.uint64)
+    span = int(offs[-1] + lens[-1]) + 16
+    src = rng.integers(0, 256, (nt, span), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    sb = np.array([src[t].ctypes.data for t in range(nt)], np.uint64)
+    db = np.array([dst[t].ctypes.data for t in range(nt)], np.uint64)
+    plan = Plan(sb, db, offs, offs, lens)
+    runs = [(t, int(o), int(o + n)) for t in range(nt) for o, n in zip(offs, lens)]
+    stream = np.concatenate([src[t, lo:hi] for t, lo, hi in runs])
+    copier, owner = StreamSum(plan.nbytes), StreamSum(plan.nbytes)
+    assert native.copy_plan_stream(plan, copier, threads=1 + seed % 2) == plan.nbytes
+    assert native.sum_plan(sb, offs, lens, owner) == plan.nbytes
+    assert copier.checksum() == owner.checksum() == checksum(stream)
+    np.testing.assert_array_equal(np.concatenate([dst[t, lo:hi] for t, lo, hi in runs]), stream)
+    with pytest.raises(OSError):
+        native.copy_plan_stream(plan, StreamSum(plan.nbytes - 1))

@@ -21,27 +21,42 @@ ends, so the two sums agree exactly when every byte arrived as it was sent.
 The initiator of a transfer decides: its requests carry ``summed`` (:mod:`..wire`), and
 the peer's agent honours that whatever its own setting.  Summed requests are served by
 the agent's Python path, never by the C fast path for frames it admitted before.
+
+One-sided copies (:mod:`.shm`) are checked the same way with the roles of the two sums
+changed: the process that copies sums the bytes as it copies them (the plan's runs in plan
+order, :func:`.native.copy_plan_stream`), and asks the owner of the other half for the
+checksum of the same runs read by the owner's own reading of the request (``SUM``,
+answered ``SUMMED``; :func:`sum_half` on the owner's agent thread), slice by slice
+(:func:`one_sided`).  A wrong plan, a stale mapping of the peer's memory or a torn copy
+gives two different sums.  A pull sends its
+``SUM`` before it copies, so the owner sums while the copier copies: that checks the
+bytes as they were when copied only while the owner does not write the source meanwhile,
+which is how prefill/decode use a pull (the prefill's blocks are final once offered).  A
+push asks after its copy, so the owner sums the destination as the copy left it.  A
+mismatch fails the transfer with ``LLM_LINK_FAILED`` as above.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import struct
 import time
 from ssl import SSLSocket
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from .. import native, tls, wire
 from ..checksum import StreamSum
-from ..errors import Fault, fail
+from ..errors import EngineError, Fault, fail
 from ..layout import Plan
-from .base import Channel, check_reply
+from .base import STALE, Channel, RemoteCache, StaleLookup, check_reply
 from .local import host_side
 from .tcp import PushStep, TcpTransport, request_sock, stream_failed
 
-__all__ = ["CheckedTcpTransport", "CheckedPushStep", "TRAILER_SIZE", "serve_push", "send_payload"]
+__all__ = ["CheckedTcpTransport", "CheckedPushStep", "TRAILER_SIZE", "serve_push", "send_payload", "sum_half",
+           "sum_request", "one_sided"]
 
 log = logging.getLogger("datadist")
 
@@ -80,8 +95,9 @@ def _receive(sock: socket.socket, plan: Plan, deadline: float) -> tuple[int, int
     return summed.checksum(), sent
 
 
-def _mismatch(what: str, nbytes: int, got: int, sent: int) -> str:
-    return (f"checksum mismatch on {what}: the {nbytes} bytes received sum to {got:#018x}, the sender's "
+def _mismatch(what: str, nbytes: int, got: int, sent: int, moved: str = "received",
+              theirs: str = "the sender's") -> str:
+    return (f"checksum mismatch on {what}: the {nbytes} bytes {moved} sum to {got:#018x}, {theirs} "
             f"checksum is {sent:#018x}; {_NOT_WRITTEN}")
 
 
@@ -130,3 +146,66 @@ def serve_push(sock: socket.socket, plan: Plan, timeout_ms: int, what: str) -> O
     why = _mismatch(what, plan.nbytes, got, sent)
     log.error("%s", why)
     return wire.Reply(status=int(Fault.LINK_FAILED), message=why)
+
+
+# -- one-sided copies (shm) ----------------------------------------------------------------
+def sum_request(plan: Plan, remote: RemoteCache, push: bool) -> bytes:
+    """The ``SUM`` frame that asks the owner for the checksum of its half of ``plan``."""
+    bases, offs = (plan.dst_bases, plan.dst_offs) if push else (plan.src_bases, plan.src_offs)
+    return wire.encode(wire.Sum(cache_id=remote.cache_id, epoch=remote.epoch, nbytes=plan.nbytes,
+                                arrays=[bases, offs, plan.lens]))
+
+
+def one_sided(link: Channel, frames: Sequence[bytes], sizes: Sequence[int], push: bool,
+              copies: Sequence[Callable[[float], int]], deadline: float) -> None:
+    """Run ``copies`` (one-sided copies of the slices of one transfer, each returning the
+    checksum of what it copied) checked against the owner's checksums that ``frames``
+    (:func:`sum_request`, one per slice of ``sizes`` bytes) ask for.  A pull sends them all
+    before it copies (the owner sums while the copier copies); a push sends each right after
+    its slice's copy, so the owner sums slice i while the copier copies slice i + 1.  The
+    answers are read
+    in order after the copies.  ``LLM_LINK_FAILED`` if a pair differs; the owner's refusal
+    (a stale lookup, a freed cache) as for any request."""
+    got: list[int] = []
+    sent = 0
+    try:
+        if not push:
+            for frame in frames:
+                link.send_request(frame, deadline)
+                sent += 1
+        for i, copy in enumerate(copies):
+            got.append(copy(deadline))
+            if push:
+                link.send_request(frames[i], deadline)
+                sent += 1
+    except BaseException:
+        with contextlib.suppress(EngineError):  # keep the stream in step (or the link is broken)
+            for _ in range(sent):
+                link.read_reply(time.monotonic() + link.timeout_ms / 1000.0)
+        raise
+    replies = [link.read_reply(deadline) for _ in frames]
+    for reply, mine, nbytes in zip(replies, got, sizes):
+        _compare(link, reply, mine, nbytes, push)
+
+
+def _compare(link: Channel, reply: wire.Message, got: int, nbytes: int, push: bool) -> None:
+    if not isinstance(reply, wire.Summed):
+        check_reply(link, reply)
+        link.protocol_error(reply)
+    if reply.status == STALE:
+        raise StaleLookup(reply.message)
+    if reply.status:
+        fail(Fault.of(reply.status), reply.message)
+    if reply.checksum != got:
+        what = f"a {'push to' if push else 'pull from'} cluster {link.remote_cluster_id} (shared memory)"
+        fail(Fault.LINK_FAILED, _mismatch(what, nbytes, got, reply.checksum, "copied", "the owner's"))
+
+
+def sum_half(bases: np.ndarray, offs: np.ndarray, lens: np.ndarray, device: str) -> int:
+    """The checksum of the runs of a plan half of this process's memory (a device cache
+    through one host staging buffer), in plan order: the owner's side of a ``SUM``."""
+    half = Plan(bases, bases, offs, offs, lens, device, device)
+    summed = StreamSum(half.nbytes)
+    with host_side(half, local_is_src=True) as host_plan:
+        native.sum_plan(host_plan.src_bases, host_plan.src_offs, host_plan.lens, summed)
+    return summed.checksum()

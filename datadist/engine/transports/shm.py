@@ -11,24 +11,37 @@ CUDA here, IPC refused), the link's socket transport moves it instead.  Raw peer
 (``ANY_CACHE``) are copied here only when they lie in a mapped pool; otherwise they go
 over the socket, where the peer checks them against its caches: cross-memory attach
 could write anywhere in the peer.
+
+With ``transfer_checksum`` (``summed``) every copy is checked against the owner's reading
+of the same runs (:func:`.checked.one_sided`): a host copy sums the bytes as it copies them
+(:func:`.native.copy_plan_stream`); a device copy and a cross-memory copy are summed by
+their local half afterwards (for a pull, the destination as the copy left it).
 """
 from __future__ import annotations
 
 import errno
 import functools
 import logging
-from typing import Iterable, NoReturn, Optional
+from typing import Callable, Iterable, NoReturn, Optional
 
 from ..errors import Fault, fail
 from .. import cuda, executor, native
-from ..layout import Plan
+from ..checksum import StreamSum
+from ..layout import Plan, sliced
 from ..memory import PeerArena
 from .base import Channel, ANY_CACHE, RemoteCache, Step, Transport
+from .checked import one_sided, sum_half, sum_request
 from .local import host_side
 
 __all__ = ["ShmTransport"]
 
 log = logging.getLogger("datadist")
+
+#: Bytes of one slice of a checked copy: large enough for the copy's threads and
+#: streaming stores (plans of 8 MiB and more), small enough that the owner sums one slice
+#: while the next is copied (2 MiB slices, copied without either, ran slower; measured
+#: with ``python -m datadist.bench --workload inorder-256k --transport shm --checksum``).
+SLICE = 16 << 20
 
 
 def _device_name() -> str:
@@ -43,8 +56,10 @@ class ShmTransport(Transport):
     name = "shm"
 
     def __init__(self, pid: int, arenas: list[PeerArena], cma_ok: bool, fallback: Transport,
-                 device_pool: Iterable[cuda.IpcRegion] = (), cuda_here: bool = False) -> None:
+                 device_pool: Iterable[cuda.IpcRegion] = (), cuda_here: bool = False, summed: bool = False) -> None:
         self.pid = pid
+        #: Whether copies are checked against the owner's checksum (``transfer_checksum``).
+        self.summed = summed
         self.arenas = arenas
         self.cma_ok = cma_ok
         self.fallback = fallback
@@ -99,6 +114,8 @@ class ShmTransport(Transport):
         moved = (plan.rebase(dst_delta=delta).on(plan.src_dev, peer_dev) if push
                  else plan.rebase(src_delta=delta).on(peer_dev, plan.dst_dev))
         copy = executor.bind(moved)
+        if self.summed:
+            return self._checked(link, plan, moved, copy, remote, push)
 
         def step(deadline: float) -> bool:
             try:
@@ -110,22 +127,42 @@ class ShmTransport(Transport):
 
         return step
 
+    def _checked(self, link: Channel, plan: Plan, moved: Plan, copy: Callable[[int], int], remote: RemoteCache,
+                 push: bool) -> Step:
+        """The step of a mapped copy checked against the owner's checksums: a host copy in
+        slices of ``SLICE`` bytes, each summed as it is copied (the owner sums one while
+        the next is copied, :func:`one_sided`); a device copy whole, summed after it."""
+        if not moved.on_host:
+            def device_copy(deadline: float) -> int:
+                try:
+                    copy(native.ms_until(deadline))
+                except TimeoutError:
+                    _copy_timed_out(link, plan, push)
+                return _local_sum(plan, push)
+
+            copies: list[Callable[[float], int]] = [device_copy]
+            frames, sizes = [sum_request(plan, remote, push)], [plan.nbytes]
+        else:
+            halves = sliced(plan, SLICE)
+            copies = [functools.partial(_copy_summed, part) for part in sliced(moved, SLICE)]
+            frames, sizes = [sum_request(half, remote, push) for half in halves], [half.nbytes for half in halves]
+
+        def step(deadline: float) -> bool:
+            one_sided(link, frames, sizes, push, copies, deadline)
+            link.check_peer()
+            return not push
+
+        return step
+
     def _unmapped(self, link: Channel, plan: Plan, remote: RemoteCache, write: bool, deadline: float) -> bool:
         """Move a plan whose peer side is not mapped here; True if it went through the
         peer's agent (socket fallback)."""
         if self.cma_ok and remote.cache_id != ANY_CACHE and remote.device == "cpu":
-            try:
-                with host_side(plan, local_is_src=write) as host_plan:
-                    native.cma_plan(self.pid, host_plan, write=write, timeout_ms=native.ms_until(deadline))
-            except TimeoutError:
-                _copy_timed_out(link, plan, write)
-            except OSError as exc:
-                if exc.errno == errno.ESRCH:
-                    link.mark_broken(f"peer process {self.pid} is gone")
-                    fail(Fault.LINK_FAILED,
-                                f"link to cluster {link.remote_cluster_id} is broken: peer process {self.pid} exited")
-                fail(Fault.FAILED,
-                            f"cross-memory copy with cluster {link.remote_cluster_id} (pid {self.pid}) failed: {exc}")
+            if self.summed:
+                one_sided(link, [sum_request(plan, remote, write)], [plan.nbytes], write,
+                          [functools.partial(self._cma_summed, link, plan, write)], deadline)
+            else:
+                self._cma(link, plan, write, deadline)
             link.check_peer()
             return not write
         if not self._told_fallback:
@@ -138,6 +175,24 @@ class ShmTransport(Transport):
             return self.fallback.push(link, plan, remote, deadline)
         self.fallback.pull(link, plan, remote, deadline)
         return True
+
+    def _cma(self, link: Channel, plan: Plan, write: bool, deadline: float) -> None:
+        """Move ``plan`` by cross-memory attach (``write``: a push)."""
+        try:
+            with host_side(plan, local_is_src=write) as host_plan:
+                native.cma_plan(self.pid, host_plan, write=write, timeout_ms=native.ms_until(deadline))
+        except TimeoutError:
+            _copy_timed_out(link, plan, write)
+        except OSError as exc:
+            if exc.errno == errno.ESRCH:
+                link.mark_broken(f"peer process {self.pid} is gone")
+                fail(Fault.LINK_FAILED,
+                     f"link to cluster {link.remote_cluster_id} is broken: peer process {self.pid} exited")
+            fail(Fault.FAILED, f"cross-memory copy with cluster {link.remote_cluster_id} (pid {self.pid}) failed: {exc}")
+
+    def _cma_summed(self, link: Channel, plan: Plan, write: bool, deadline: float) -> int:
+        self._cma(link, plan, write, deadline)
+        return _local_sum(plan, write)
 
     def push(self, link: Channel, plan: Plan, remote: RemoteCache, deadline: float) -> bool:
         return self.prepare(link, plan, remote, True)(deadline)
@@ -159,3 +214,18 @@ def _copy_timed_out(link: Channel, plan: Plan, write: bool) -> NoReturn:
     fail(Fault.TIMEOUT, f"{'push to' if write else 'pull from'} cluster {link.remote_cluster_id} "
                         f"({plan.nbytes} bytes) did not finish within sync_kv_timeout ({link.timeout_ms} ms); "
                         "the destination's bytes are undefined")
+
+
+def _copy_summed(plan: Plan, deadline: float) -> int:
+    """Copy a host plan, summing it as it is copied (the bytes are in registers anyway)."""
+    summed = StreamSum(plan.nbytes)
+    native.copy_plan_stream(plan, summed)
+    return summed.checksum()
+
+
+def _local_sum(plan: Plan, push: bool) -> int:
+    """The checksum of this process's half of ``plan`` (a push's source, a pull's
+    destination): the bytes a copy that could not sum them moved."""
+    if push:
+        return sum_half(plan.src_bases, plan.src_offs, plan.lens, plan.src_dev)
+    return sum_half(plan.dst_bases, plan.dst_offs, plan.lens, plan.dst_dev)
