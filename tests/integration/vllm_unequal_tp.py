@@ -102,7 +102,7 @@ def _serve(conn: Connection, producer: bool, rank: int, size: int, block: int, f
             elif cmd == "freed":
                 conn.send(loop.state(lambda lp: set(arg) <= set(lp.freed)))
             elif cmd == "counted":  # the prefill worker has read a first notice of request ``arg``
-                conn.send(loop.state(lambda lp: arg in lp.worker._notices))
+                conn.send(loop.state(lambda lp: arg in lp.worker._notices or arg in lp.freed))
             else:
                 return
     finally:
