@@ -16,7 +16,7 @@ from datadist.integrations.vllm.notes import MAX_READERS, parse_readers, pulled_
 
 def test_equal_tp_reads_its_own_rank_whole() -> None:
     plan = tp_plan(2, 2, 1, 4)
-    assert plan.reads == (Read(1, 0, 0, 4),) and not plan.split and plan.told == ()
+    assert plan.reads == (Read(1, 0, 0, 4),) and not plan.split
     assert readers(2, 2) == 1
 
 
@@ -49,7 +49,7 @@ def test_readers_count_the_decode_ranks_of_one_prefill_rank() -> None:
 
 def test_mla_reads_whole_blocks_of_one_rank_and_tells_the_rest() -> None:
     plan = tp_plan(4, 2, 1, 0, mla=True)
-    assert plan.reads == (Read(2, 0, 0, 0),) and not plan.split and plan.told == (3,)
+    assert plan.reads == (Read(2, 0, 0, 0),) and not plan.split and sources(4, 2, 1) == [2, 3]
     assert tp_plan(1, 2, 1, 0, mla=True).reads == (Read(0, 0, 0, 0),)
 
 

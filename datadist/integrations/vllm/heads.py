@@ -15,7 +15,7 @@ dividing the other), decode rank ``r`` reads as vLLM's NixlConnector does
   (``g = D / P``, ``Rp = g * Rd``): the heads are split, and ``g`` decode ranks read each
   prefill rank, which frees a request's blocks after the ``g``-th notice;
 - MLA: one latent "head" that every rank holds whole: rank ``r * P // D``'s whole
-  blocks (the other ranks of a group, when ``P > D``, are only told).
+  blocks (the other ranks of its :func:`sources`, when ``P > D``, are only told).
 
 Heads replicated over ranks (fewer KV heads than ranks on a side) are not mapped here.
 """
@@ -39,13 +39,12 @@ class Read:
 @dataclass(frozen=True)
 class TPPlan:
     """What a decode rank pulls for a request.  ``split``: runs move (chunk views, see
-    :mod:`.blocks`), else whole blocks; ``src_runs``: runs per prefill block; ``told``:
-    prefill ranks that are told without being read."""
+    :mod:`.blocks`), else whole blocks; ``src_runs``: runs per prefill block.  The ranks
+    it tells are :func:`sources` (all of them, read or not)."""
 
     reads: tuple[Read, ...]
     src_runs: int
     split: bool
-    told: tuple[int, ...] = ()
 
 
 def sources(prefill_tp: int, decode_tp: int, rank: int) -> list[int]:
@@ -76,7 +75,7 @@ def tp_plan(prefill_tp: int, decode_tp: int, rank: int, runs: int, *, mla: bool 
                          "DatadistConnector maps heads only when one divides the other")
     group = sources(prefill_tp, decode_tp, rank)
     if mla:
-        return TPPlan((Read(group[0], 0, 0, runs),), runs, False, tuple(group[1:]))
+        return TPPlan((Read(group[0], 0, 0, runs),), runs, False)
     if not runs:
         raise ValueError(f"prefill instance has {prefill_tp} tensor-parallel ranks, this one {decode_tp}: "
                          "DatadistConnector splits or joins heads only in the KV cache layouts it knows "
