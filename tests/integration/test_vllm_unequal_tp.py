@@ -37,13 +37,14 @@ def test_tp2_prefill_heads_are_joined_on_a_tp1_decode_rank(report: Dict[str, Any
 
 
 def test_tp1_prefill_heads_are_split_over_tp2_decode_ranks(report: Dict[str, Any]) -> None:
-    """One prefill rank of 4 KV heads, two decode ranks of 2, blocks twice the prefill's:
-    each decode rank's blocks hold its own 2 heads of 2 prefill blocks end to end (the
+    """One prefill rank of 4 KV heads, two decode ranks of 2, blocks twice the prefill's,
+    pulling one request at once on fresh links, then others one after the other: each
+    decode rank's blocks hold its own 2 heads of 2 prefill blocks end to end (the
     second half of a block no prefill block fills stays zero), each counting its heads' bytes."""
     r = report["tp1_to_tp2"]
-    for pulled in (r["first"]["d-c1"], r["first"]["d-lone"], r["second"]["d-c1"]):
+    for pulled in (*r["both"], r["first"]["d-c1"], r["first"]["d-lone"], r["second"]["d-c1"]):
         assert pulled["failed"] is False and pulled["exact"] is True, r
-    assert r["bytes"] == [(3 + 2) * LAYERS * HEADS_BLOCK_BYTES, 3 * LAYERS * HEADS_BLOCK_BYTES], r
+    assert r["bytes"] == [(3 + 3 + 2) * LAYERS * HEADS_BLOCK_BYTES, (3 + 3) * LAYERS * HEADS_BLOCK_BYTES], r
 
 
 def test_a_prefill_rank_read_by_two_decode_ranks_frees_after_both(report: Dict[str, Any]) -> None:
@@ -52,7 +53,7 @@ def test_a_prefill_rank_read_by_two_decode_ranks_frees_after_both(report: Dict[s
     first decode rank only (the second never comes), is freed when its 2 s lease runs out."""
     r = report["tp1_to_tp2"]
     assert r["held_after_first"] is True, r
-    assert r["freed"] == ["c1", "lone"], r
+    assert r["freed"] == ["c0", "c1", "lone"], r  # c0: both decode ranks pulled it at once
     assert r["expired"] == 1, r  # lone only
 
 

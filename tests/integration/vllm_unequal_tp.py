@@ -13,8 +13,9 @@ row as the CPU kernels read a block, with the pattern's heads of that decode ran
 
 - ``tp2_to_tp1``: two prefill ranks hold a request's blocks; one decode rank joins their
   heads (blocks of the same size);
-- ``tp1_to_tp2``: one prefill rank holds two requests; two decode ranks of blocks twice
-  as large each take their heads of 2 prefill blocks per block.  The first decode rank
+- ``tp1_to_tp2``: one prefill rank holds three requests; two decode ranks of blocks twice
+  as large each take their heads of 2 prefill blocks per block: both pull ``c0`` at once,
+  on fresh links; then the first decode rank
   pulls ``c1`` alone, then the second: the prefill rank must hold the blocks after the
   first notice and free them after the second.  Only the first pulls ``lone`` (the second
   "died"): its 2 s lease frees it.
@@ -181,14 +182,17 @@ def tp1_to_tp2(ctx: Any) -> dict[str, Any]:
     prefill = _started([Rank(ctx, True, 0, 1, lease_s=LONE_S)])
     decode = _started([Rank(ctx, False, 0, 2, 2 * BLOCK), Rank(ctx, False, 1, 2, 2 * BLOCK)])
     try:
-        prefill[0].hold({"c1": HELD_S, "lone": LONE_S})
+        prefill[0].hold({"c0": HELD_S, "c1": HELD_S, "lone": LONE_S})
+        for d in decode:  # both at once, on fresh links
+            d.pull(prefill, {"d-c0": ("c0", [3, 4], [0, 1, 5])}, ratio=2)
+        both = [d.call("done", ["d-c0"])["done"]["d-c0"] for d in decode]
         decode[0].pull(prefill, {"d-c1": ("c1", [1, 2], [2, 3, 4]), "d-lone": ("lone", [5], [6, 7])}, ratio=2)
         first = decode[0].call("done", ["d-c1", "d-lone"])
         after_first = prefill[0].call("counted", "c1")
         decode[1].pull(prefill, {"d-c1": ("c1", [1, 2], [2, 3, 4])}, ratio=2)
         second = decode[1].call("done", ["d-c1"])
         freed = prefill[0].call("freed", ["c1", "lone"])
-        return {"first": first["done"], "second": second["done"], "bytes": [first["bytes"], second["bytes"]],
+        return {"both": both, "first": first["done"], "second": second["done"], "bytes": [first["bytes"], second["bytes"]],
                 "held_after_first": "c1" not in after_first["freed"], "freed": sorted(freed["freed"]),
                 "expired": freed["expired"]}
     finally:
