@@ -31,12 +31,22 @@ BLOCK_SIZE = 32
 START_TIMEOUT_S = 300.0
 
 
-def write_tiny_model(path: str, max_len: int = 4096) -> str:
-    """Save a small random Llama config (2 layers, 4 heads, 2 KV heads) at ``path``."""
+def write_tiny_model(path: str, max_len: int = 4096, weights: bool = False) -> str:
+    """Save a small random Llama config (2 layers, 4 heads, 2 KV heads) at ``path``; with
+    ``weights``, random weights too (seeded), for instances of different tensor parallelism
+    (vLLM's dummy weights are drawn per rank's shard, so they are another model at another
+    tensor-parallel size)."""
     from transformers import LlamaConfig
 
-    LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=max_len).save_pretrained(path)
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_len)
+    config.save_pretrained(path)
+    if weights:
+        import torch
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     return path
 
 

@@ -51,15 +51,17 @@ class Server:
 
     def __init__(self, model: str, log_path: str, *, python: str = sys.executable, kv: Optional[dict] = None,
                  block_size: int = BLOCK_SIZE, max_model_len: int = 4096, prefix_caching: bool = False,
-                 kvcache_gib: int = 1, extra_args: Sequence[str] = ()) -> None:
+                 kvcache_gib: int = 1, tensor_parallel: int = 1, load_format: str = "dummy",
+                 extra_args: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.url = f"127.0.0.1:{self.port}"
         self.model = model
         self.log_path = log_path
         args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
-                "--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
+                "--host", "127.0.0.1", "--load-format", load_format, "--skip-tokenizer-init", "--dtype", "bfloat16",
                 "--block-size", str(block_size), "--enforce-eager", "--max-model-len", str(max_model_len),
-                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", *extra_args]
+                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+                "--tensor-parallel-size", str(tensor_parallel), *extra_args]
         if kv:
             args += ["--kv-transfer-config", json.dumps(kv)]
         # ROOT first: the servers import datadist and ems from this tree.  Unpinned, as

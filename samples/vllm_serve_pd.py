@@ -21,6 +21,12 @@ connector metrics from ``/metrics``; exits 0 when every token matches and the de
 loaded prompts by transfer.
 
     bash .ci/vllm-env && .venv-vllm/bin/python samples/vllm_serve_pd.py [--connector ems]
+        [--prefill-tp 2 --decode-tp 1]
+
+With ``--prefill-tp`` / ``--decode-tp`` the prefill and decode servers run with that
+tensor parallelism (DatadistConnector joins or splits the KV heads per rank, see
+docs/vllm.md); the plain server stays at 1, and every server loads the same random
+weights from files.
 """
 from __future__ import annotations
 
@@ -55,10 +61,12 @@ def kv_config(connector: str, role: str, extra: Optional[dict] = None, policy: s
 
 def pd_servers(model: str, work: str, python: str, connector: str, pool: Optional[str] = None, *,
                policy: str = "fail", prefill_extra: Optional[dict] = None, decode_extra: Optional[dict] = None,
-               decode_prefix_caching: bool = False, **server_args: Any) -> tuple[Server, Server]:
-    """A prefill and a decode server with ``connector`` (started, not yet ready); logs in
-    ``work`` as ``<connector>-prefill.log`` and ``<connector>-decode.log``; ``server_args``
-    go to both :class:`Server`."""
+               decode_prefix_caching: bool = False, prefill_tp: int = 1, decode_tp: int = 1,
+               **server_args: Any) -> tuple[Server, Server]:
+    """A prefill and a decode server with ``connector`` (started, not yet ready), of
+    tensor parallelism ``prefill_tp`` and ``decode_tp``; logs in ``work`` as
+    ``<connector>-prefill.log`` and ``<connector>-decode.log``; ``server_args`` go to both
+    :class:`Server`."""
     logs = f"{work}/{connector}-prefill.log", f"{work}/{connector}-decode.log"
     if connector == "ems":
         both = kv_config("ems", "kv_both", {"server": pool}, policy)
@@ -66,8 +74,9 @@ def pd_servers(model: str, work: str, python: str, connector: str, pool: Optiona
                 Server(model, logs[1], python=python, kv=both, prefix_caching=True, **server_args))
     producer = kv_config("datadist", "kv_producer", {"host": "127.0.0.1", **(prefill_extra or {})}, policy)
     consumer = kv_config("datadist", "kv_consumer", decode_extra, policy)
-    return (Server(model, logs[0], python=python, kv=producer, **server_args),
-            Server(model, logs[1], python=python, kv=consumer, prefix_caching=decode_prefix_caching, **server_args))
+    return (Server(model, logs[0], python=python, kv=producer, tensor_parallel=prefill_tp, **server_args),
+            Server(model, logs[1], python=python, kv=consumer, prefix_caching=decode_prefix_caching,
+                   tensor_parallel=decode_tp, **server_args))
 
 
 def agreement(proxy_url: str, plain_url: str, model: str, batch: Sequence[List[int]]) -> Dict[str, Any]:
@@ -117,13 +126,18 @@ def _pool(connector: str) -> Iterator[Optional[str]]:
         yield pool
 
 
-def run(connector: str, as_json: bool) -> int:
+def run(connector: str, as_json: bool, prefill_tp: int = 1, decode_tp: int = 1) -> int:
     from vllm_instance import write_tiny_model
 
+    # Instances of another tensor parallelism than the plain one load the same weights
+    # from files (vLLM's dummy weights differ per tensor-parallel size).
+    weights = prefill_tp != 1 or decode_tp != 1
+    load = "safetensors" if weights else "dummy"
     with tempfile.TemporaryDirectory(prefix="vllm-serve-pd-") as work, _pool(connector) as pool:
-        model = write_tiny_model(f"{work}/model", 4096)
-        plain = Server(model, f"{work}/plain.log")
-        prefill, decode = pd_servers(model, work, sys.executable, connector, pool)
+        model = write_tiny_model(f"{work}/model", 4096, weights=weights)
+        plain = Server(model, f"{work}/plain.log", load_format=load)
+        prefill, decode = pd_servers(model, work, sys.executable, connector, pool, prefill_tp=prefill_tp,
+                                     decode_tp=decode_tp, load_format=load)
         servers = [plain, prefill, decode]
         start_all(servers)
         proxy = Proxy([prefill.url], [decode.url])
@@ -154,8 +168,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--connector", choices=sorted(MODULES), default="datadist")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line")
+    parser.add_argument("--prefill-tp", type=int, default=1, help="tensor parallelism of the prefill server")
+    parser.add_argument("--decode-tp", type=int, default=1, help="tensor parallelism of the decode server")
     args = parser.parse_args()
-    return run(args.connector, args.json)
+    return run(args.connector, args.json, args.prefill_tp, args.decode_tp)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@
 One set of servers serves the whole module (each one is a heavy process on a small
 machine), started together: a plain server; a DatadistConnector prefill server (a 6 s
 lease on held blocks) and decode server (its own prefix cache on, failed loads
-recomputed); two EmsConnector servers sharing one ems-server pool.  The last test kills
-the prefill server.
+recomputed); a DatadistConnector server of tensor parallelism 2 (``kv_both``: prefill for
+the decode server, decode for the prefill server); two EmsConnector servers sharing one
+ems-server pool.  Every server loads the same random weights from files (vLLM's dummy
+weights differ per tensor-parallel size).  The last test kills the prefill server.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from waiting import until
 
 from _launch import private_pool
 from vllm_serve import Proxy, Server, complete, request, start_all
-from vllm_serve_pd import (MAX_TOKENS, agreement, connector_metrics, metric_values, pd_servers, prompts,
+from vllm_serve_pd import (MAX_TOKENS, agreement, connector_metrics, kv_config, metric_values, pd_servers, prompts,
                            transferred_tokens)
 
 # Starting the servers (minutes on a loaded machine) counts against the first test that runs.
@@ -32,8 +34,10 @@ LEASE_S = 6.0
 #: How often a server's metrics are asked (each ask is an HTTP request to a server that
 #: shares the machine's cores).
 _ASK_S = 0.25
-#: Five servers load together on a machine that may be shared: minutes.
+#: Six servers load together on a machine that may be shared: minutes.
 START_TIMEOUT_S = 720.0
+#: The servers' weights: random, from files, the same at every tensor-parallel size.
+LOAD = "safetensors"
 
 
 @dataclass
@@ -44,12 +48,14 @@ class Cluster:
     decode: Server
     ems_a: Server
     ems_b: Server
+    tp2: Server
     proxy: Proxy
     ems_proxy: Proxy
 
 
 def _write_model(python: str, path: str) -> str:
-    done = subprocess.run([python, "-c", f"from vllm_instance import write_tiny_model; write_tiny_model({path!r})"],
+    done = subprocess.run([python, "-c", f"from vllm_instance import write_tiny_model; "
+                                         f"write_tiny_model({path!r}, weights=True)"],
                           cwd=ROOT / "samples", capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return path
@@ -60,17 +66,20 @@ def cluster() -> Iterator[Cluster]:
     python = vllm_python()
     with tempfile.TemporaryDirectory(prefix="vllm-serve-test-") as work, private_pool(256 << 20) as pool:
         model = _write_model(python, f"{work}/model")
-        plain = Server(model, f"{work}/plain.log", python=python)
+        plain = Server(model, f"{work}/plain.log", python=python, load_format=LOAD)
         prefill, decode = pd_servers(model, work, python, "datadist", policy="recompute",
                                      prefill_extra={"kv_lease_duration": LEASE_S},
-                                     decode_extra={"sync_kv_timeout_ms": 5000}, decode_prefix_caching=True)
-        ems_a, ems_b = pd_servers(model, work, python, "ems", pool)
-        servers = [plain, prefill, decode, ems_a, ems_b]
+                                     decode_extra={"sync_kv_timeout_ms": 5000}, decode_prefix_caching=True,
+                                     load_format=LOAD)
+        ems_a, ems_b = pd_servers(model, work, python, "ems", pool, load_format=LOAD)
+        tp2 = Server(model, f"{work}/tp2.log", python=python, load_format=LOAD, tensor_parallel=2,
+                     kv=kv_config("datadist", "kv_both", {"host": "127.0.0.1"}))
+        servers = [plain, prefill, decode, ems_a, ems_b, tp2]
         start_all(servers, timeout_s=START_TIMEOUT_S)
         proxy = Proxy([prefill.url], [decode.url])
         ems_proxy = Proxy([ems_a.url], [ems_b.url])
         try:
-            yield Cluster(model, plain, prefill, decode, ems_a, ems_b, proxy, ems_proxy)
+            yield Cluster(model, plain, prefill, decode, ems_a, ems_b, tp2, proxy, ems_proxy)
         finally:
             proxy.close()
             ems_proxy.close()
@@ -91,6 +100,36 @@ def test_pd_through_the_proxy_matches_the_plain_server(cluster: Cluster) -> None
     # server has not sent yet into one chunk, so a loaded machine sends fewer than one per token).
     assert min(report["stream_chunks"]) >= 2 and max(report["stream_chunks"]) <= MAX_TOKENS, report
     assert transferred_tokens(cluster.decode.metrics()) - before >= sum(report["prompts"]), report
+
+
+def _unequal_tp(cluster: Cluster, prefill: Server, decode: Server, vocab: int) -> None:
+    """Prompts through a proxy from ``prefill`` to ``decode`` (of other tensor
+    parallelism): the decode server's tokens, whole and streamed, are the plain server's,
+    it loaded every prompt token by KV transfer, and no transfer failed (a failed load
+    would be recomputed by the decode server of the module, and would go unseen)."""
+    batch = prompts((33, 100, 417), vocab=vocab)
+    before = transferred_tokens(decode.metrics())
+    failed = connector_metrics(decode.metrics(), "vllm:datadist_").get("vllm:datadist_num_failed_transfers_total", 0.0)
+    proxy = Proxy([prefill.url], [decode.url])
+    try:
+        report = agreement(proxy.url, cluster.plain.url, cluster.model, batch)
+    finally:
+        proxy.close()
+    assert report["errors"] == [], report
+    assert report["match"] == [True] * len(batch) and report["stream_match"] == [True] * len(batch), report
+    assert transferred_tokens(decode.metrics()) - before >= sum(report["prompts"]), report
+    found = connector_metrics(decode.metrics(), "vllm:datadist_")
+    assert found.get("vllm:datadist_num_failed_transfers_total", 0.0) == failed, found
+
+
+def test_tp2_prefill_to_tp1_decode_matches_the_plain_server(cluster: Cluster) -> None:
+    """TP 2 -> TP 1: the decode server joins the two prefill ranks' KV heads (see _unequal_tp)."""
+    _unequal_tp(cluster, cluster.tp2, cluster.decode, 443)
+
+
+def test_tp1_prefill_to_tp2_decode_matches_the_plain_server(cluster: Cluster) -> None:
+    """TP 1 -> TP 2: each decode rank takes its KV head of the prefill blocks (see _unequal_tp)."""
+    _unequal_tp(cluster, cluster.prefill, cluster.tp2, 439)
 
 
 def test_concurrent_requests_pull_in_parallel(cluster: Cluster) -> None:

@@ -71,13 +71,22 @@ def chunk_desc(layout: PagedLayout, parts: int) -> "CacheDesc":
     return CacheDesc(len(layout.addrs), [layout.num_blocks * parts, per_chunk], layout.data_type, desc.placement)
 
 
-def split_pairs(remote: list[int], local: list[int], ratio: int, runs: int) -> tuple[np.ndarray, np.ndarray]:
+def split_pairs(remote: list[int], local: list[int], ratio: int, runs: int, src_runs: Optional[int] = None,
+                src_first: int = 0, dst_first: int = 0, count: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
     """Chunk indices (prefill, decode) that put prefill block ``remote[j]`` into part
-    ``j % ratio`` of decode block ``local[j // ratio]``, every run of it."""
+    ``j % ratio`` of decode block ``local[j // ratio]``: ``count`` runs (all ``runs`` by
+    default) from prefill run ``src_first`` of ``src_runs`` per prefill block (``runs`` by
+    default) to decode run ``dst_first`` of ``runs`` per decode block, in order.
+
+    Unequal tensor parallelism moves a range of heads (:mod:`.heads`): the runs of one
+    head range are neighbours on both sides, so with ``ratio`` 1 each block's range is one
+    contiguous region and the transports move it as one copy."""
+    src_runs = runs if src_runs is None else src_runs
+    count = runs if count is None else count
     src = np.asarray(remote, dtype=np.int64)
     dst = np.asarray(local, dtype=np.int64)
     j = np.arange(src.shape[0])
-    o = np.arange(runs)
-    src_chunks = src[:, None] * runs + o
-    dst_chunks = (dst[j // ratio][:, None] * runs + o) * ratio + (j % ratio)[:, None]
+    o = np.arange(count)
+    src_chunks = src[:, None] * src_runs + src_first + o
+    dst_chunks = (dst[j // ratio][:, None] * runs + dst_first + o) * ratio + (j % ratio)[:, None]
     return src_chunks.ravel(), dst_chunks.ravel()

@@ -18,8 +18,9 @@ The request protocol is NixlConnector's, so a proxy written for it works unchang
    blocks are free within one lease; a slow one keeps them.
 
 A prefill instance's blocks may be smaller than the decode instance's by a whole factor
-(``remote_block_size``; see :mod:`.blocks` for the layouts where that works); any other
-difference refuses the load.
+(``remote_block_size``), and its tensor parallelism may differ when one size divides the
+other (each decode rank joins or splits the KV heads, :mod:`.heads`), in the layouts where
+blocks split (:mod:`.blocks`); any other difference refuses the load.
 
 A pull that fails reports the request's blocks through ``get_block_ids_with_load_errors``
 (vLLM then fails or recomputes the request, per ``kv_load_failure_policy``); other

@@ -8,7 +8,10 @@ it); a decode worker pulls on threads of its own (up to ``max_concurrent_pulls``
 once), renews the lease of every pull still queued from a second thread (and of every
 pull to a peer as one to it begins), and reports each request as received, with its
 blocks as load errors when the pull failed.  Prefill blocks of a size that divides ours
-are pulled into parts of our blocks where the KV cache layout allows it (:mod:`.blocks`).
+are pulled into parts of our blocks, and the heads of a prefill instance of other tensor
+parallelism are joined or split per rank, where the KV cache layout allows it
+(:mod:`.blocks`, :mod:`.heads`); a prefill rank that several decode ranks read frees a
+request's blocks after the last one's notice.
 
 No peer holds back the others: each peer has a lock of its own for linking, a link is
 made on a thread of its own as soon as a request names a new peer (so a pull queued
@@ -18,7 +21,6 @@ answers every pull that waited on it.
 """
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import threading
@@ -33,6 +35,8 @@ from ... import (BlocksCacheKey, Cache, LLMClusterInfo, LLMConfig, LLMDataDist, 
 from ..affinity import on_instance_cpus
 from ..paged import PagedLayout, paged_layout
 from .blocks import attention_kind, chunk_desc, split_pairs, token_runs
+from .heads import Read, TPPlan, readers, sources, tp_plan
+from .notes import parse_note, parse_readers, pulled_note, renew_note
 from .stats import ConnectorStats
 
 if TYPE_CHECKING:
@@ -88,24 +92,6 @@ class RecvJob:
     ratio: int = 1             # local block size / the prefill side's (its blocks fill parts of ours)
 
 
-def pulled_note(request_ids: list[str]) -> str:
-    return json.dumps({"pulled": request_ids})
-
-
-def renew_note(request_ids: list[str]) -> str:
-    return json.dumps({"renew": request_ids})
-
-
-def parse_note(text: str, kind: str = "pulled") -> list[str]:
-    """Request ids of a decode worker's notification of ``kind`` (``pulled`` or
-    ``renew``); [] for anything else (a peer's bytes are not trusted)."""
-    try:
-        ids = json.loads(text).get(kind, [])
-    except (ValueError, AttributeError):
-        return []
-    return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
-
-
 class DatadistWorker:
     def __init__(self, vllm_config: "VllmConfig", settings: Settings,
                  kv_cache_config: Optional["KVCacheConfig"], attention: Optional[str] = None) -> None:
@@ -123,6 +109,9 @@ class DatadistWorker:
         #: The attention kernel (``backend:isa``, .blocks); None: read from vLLM when registering.
         self.attention = attention
         self.runs = 0               # runs of token rows per block, where blocks can be split (.blocks)
+        model = getattr(vllm_config, "model_config", None)
+        self.mla = bool(getattr(model, "use_mla", False))  # one latent head, whole on every rank (.heads)
+        self.total_kv_heads = int(model.get_total_num_kv_heads()) if model is not None else 0
         self._split: dict[int, Cache] = {}  # decode: our cache cut in chunks of a prefill block's run, per ratio
         self._datadist: Optional[LLMDataDist] = None
         self._cache: Optional[Cache] = None
@@ -150,6 +139,8 @@ class DatadistWorker:
         self._holding: dict[str, float] = {}     # prefill: request id -> end of its blocks' lease
         self._released: set[str] = set()         # prefill: pulled (the decode side told us), free now
         self._early: dict[str, float] = {}       # prefill: pulled before we held them -> when told
+        #: prefill: pulled notices of requests that more decode ranks read -> (notices, when last told)
+        self._notices: dict[str, tuple[int, float]] = {}
         self._received: set[str] = set()
         self._failed: set[str] = set()
         self._errors: set[int] = set()
@@ -229,8 +220,9 @@ class DatadistWorker:
         if any(0 < job.lease_s / 6 < self._pace for job in to_recv.values()):
             self._wake.set()  # a shorter lease than the renewal thread paces itself on
         for req_id, job in to_recv.items():
-            if job.local_blocks and len(job.peers) == self.tp_size:
-                self._link_soon(job.peers[self.tp_rank])
+            if job.local_blocks and not job.refused:
+                for peer in self._targets(job):
+                    self._link_soon(peer)
             self._pool.submit(self._pull, req_id, job)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
@@ -246,23 +238,40 @@ class DatadistWorker:
         with self._lock:
             for _, text in notes:
                 self._note(text, now)
-            expired = {r for r, deadline in self._holding.items() if deadline <= now}
-            for _ in expired:
-                self.stats.record("num_kv_expired_reqs")
-            sent = (self._released & set(self._holding)) | expired
-            for req_id in sent:
-                del self._holding[req_id]
-            self._released.clear()
-            stale = now - self.settings.lease_s
-            self._early = {r: t for r, t in self._early.items() if t > stale}
+            sent = self._free(now)
             received, failed = self._received, self._failed
             self._received, self._failed = set(), set()
         return sent, received, failed
 
+    def _free(self, now: float) -> set[str]:
+        """Requests whose blocks the prefill side frees now: pulled or out of lease (under the lock)."""
+        expired = {r for r, deadline in self._holding.items() if deadline <= now}
+        for _ in expired:
+            self.stats.record("num_kv_expired_reqs")
+        sent = (self._released & set(self._holding)) | expired
+        for req_id in sent:
+            del self._holding[req_id]
+            self._notices.pop(req_id, None)
+        self._released.clear()
+        stale = now - self.settings.lease_s
+        self._early = {r: t for r, t in self._early.items() if t > stale}
+        self._notices = {r: n for r, n in self._notices.items() if r in self._holding or n[1] > stale}
+        return sent
+
     def _note(self, text: str, now: float) -> None:
-        """A decode worker's notification: blocks pulled (free them) or a lease renewed."""
-        for req_id in parse_note(text, "pulled"):
-            if req_id in self._holding:
+        """A decode worker's notification: blocks pulled (free them once every decode rank
+        that reads them said so) or a lease renewed."""
+        pulled = parse_note(text, "pulled")
+        count = parse_readers(text) if pulled else 1
+        if not count:
+            log.warning("a decode worker's pulled notice names a bad count of readers; ignored (the blocks are "
+                        "freed when their lease runs out)")
+            pulled = []
+        for req_id in pulled:
+            seen = self._notices.pop(req_id, (0, now))[0] + 1
+            if seen < count:
+                self._notices[req_id] = (seen, now)
+            elif req_id in self._holding:
                 self._released.add(req_id)
             else:
                 self._early[req_id] = now
@@ -276,58 +285,57 @@ class DatadistWorker:
         return errors
 
     # -- the pull thread -----------------------------------------------------------------
-    def sources(self, peers: list[Endpoint]) -> list[Endpoint]:
-        """The prefill ranks this rank would read from, as NixlConnector maps them: with
-        P prefill and D decode ranks, decode rank r reads P/D ranks from r*P/D when P >= D,
-        else rank r*P//D (which holds the heads of r among others)."""
-        count = len(peers)
-        if count >= self.tp_size:
-            per = count // self.tp_size
-            return peers[self.tp_rank * per:(self.tp_rank + 1) * per]
-        return [peers[self.tp_rank * count // self.tp_size]] if count else []
+    def _targets(self, job: RecvJob) -> list[Endpoint]:
+        """The prefill ranks this rank reads from or tells, as NixlConnector maps them (:mod:`.heads`)."""
+        return [job.peers[i] for i in sources(len(job.peers), self.tp_size, self.tp_rank)]
 
-    def _source(self, job: RecvJob) -> Endpoint:
-        """The prefill rank to pull from.  Unequal tensor parallelism (heads are not split
-        or joined per rank yet) refuses the job: nothing is moved, and the prefill ranks
-        this rank reads from are told, so they free the blocks at once (the first one by
-        the caller, as after any refusal)."""
-        sources = self.sources(job.peers)
-        if not sources:
+    def _plan(self, job: RecvJob) -> TPPlan:
+        """What to pull for ``job``; ``ValueError`` (a refusal: nothing moves) when it
+        cannot be done with these caches."""
+        if job.refused:
+            raise ValueError(job.refused)
+        if not job.peers:
             raise ValueError("kv_transfer_params name no prefill endpoints (remote_cluster_ids is empty)")
-        if len(job.peers) != self.tp_size:
-            job.refused = (f"prefill instance has {len(job.peers)} tensor-parallel ranks, this one "
-                           f"{self.tp_size}; DatadistConnector needs equal tensor parallelism")
-            for other in sources[1:]:
-                self._tell_pulled(other, job.remote_request_id)
-        return sources[0]
+        if job.ratio > 1 and not self.runs:
+            raise ValueError(f"prefill blocks of 1/{job.ratio} of this instance's block size: DatadistConnector "
+                             f"splits blocks only in the KV cache layouts it knows (see datadist.integrations.vllm."
+                             f"blocks), not in this one ({self.attention or 'attention kernel unknown'})")
+        return tp_plan(len(job.peers), self.tp_size, self.tp_rank, self.runs, mla=self.mla,
+                       total_kv_heads=self.total_kv_heads, kind=self.attention or "attention kernel unknown")
 
     def _pull(self, req_id: str, job: RecvJob) -> None:
-        error = None
+        """Pull ``job`` and tell the prefill ranks: all of them after a pull or a refusal
+        (nothing moved, nobody will pull those blocks again), after a failure those still
+        linked (a dead peer is not linked again to be told)."""
+        error: Optional[Exception] = None
+        refused = False
         peer = None
         try:
-            peer = self._source(job)
-            if job.refused:
-                raise ValueError(job.refused)
+            try:
+                plan = self._plan(job)
+            except ValueError:
+                refused = True
+                raise
             if job.local_blocks:
-                with self._using(peer):
-                    self._link(peer)
-                    self._renew_for(peer)
-                    started = time.perf_counter()
-                    self._pull_blocks(peer, job)
+                started = time.perf_counter()
+                moved = 0
+                for read in plan.reads:
+                    peer = job.peers[read.source]
+                    moved += self._pull_from(peer, job, plan, read)
                 self.stats.record("transfer_duration", time.perf_counter() - started)
                 self.stats.record("num_blocks", len(job.local_blocks))
-                if self.layout is not None:
-                    self.stats.record("bytes_transferred", len(job.remote_blocks) * len(self.layout.addrs)
-                                      * self.layout.block_bytes // job.ratio)
+                self.stats.record("bytes_transferred", moved)
         except (LLMException, OSError, ValueError) as exc:
             error = exc
             self.stats.record("num_failed_transfers")
             log.warning("request %s: pulling %d blocks from %s failed: %s", req_id, len(job.local_blocks),
-                        peer, exc)
+                        peer or "the prefill instance", exc)
             if peer is not None and isinstance(exc, LLMException):
                 self._forget(peer.cluster_id)
-        if peer is not None and (error is None or job.refused or peer.cluster_id in self._linked):
-            self._tell_pulled(peer, job.remote_request_id)
+        count = readers(len(job.peers), self.tp_size)
+        for target in self._targets(job):
+            if error is None or refused or target.cluster_id in self._linked:
+                self._tell_pulled(target, job.remote_request_id, count)
         with self._lock:
             self._pending.pop(req_id, None)
             if job.awaited:
@@ -336,28 +344,36 @@ class DatadistWorker:
                 self._failed.add(req_id)
                 self._errors.update(job.local_blocks)
 
-    def _pull_blocks(self, peer: Endpoint, job: RecvJob) -> None:
+    def _pull_from(self, peer: Endpoint, job: RecvJob, plan: TPPlan, read: Read) -> int:
+        """One pull of ``read`` from ``peer``; the bytes it moved."""
+        with self._using(peer):
+            self._link(peer)
+            self._renew_for(peer)
+            return self._pull_blocks(peer, job, plan, read)
+
+    def _pull_blocks(self, peer: Endpoint, job: RecvJob, plan: TPPlan, read: Read) -> int:
         if self._cache is None or self.layout is None:
             raise RuntimeError("DatadistConnector worker: no registered KV cache (register_kv_caches not run)")
-        if job.ratio > 1 and not self.runs:
-            raise ValueError(f"prefill blocks of 1/{job.ratio} of this instance's block size: DatadistConnector "
-                             f"splits blocks only in the KV cache layouts it knows (see datadist.integrations.vllm."
-                             f"blocks), not in this one ({self.attention or 'attention kernel unknown'})")
+        chunked = plan.split or job.ratio > 1
+        key = (peer.cluster_id, job.ratio if chunked else 0)
         with self._peer_lock(peer.cluster_id):
-            handle = self._pulls.get((peer.cluster_id, job.ratio))
+            handle = self._pulls.get(key)
             if handle is None:
-                local = self._cache if job.ratio == 1 else self._split_cache(job.ratio)
+                local = self._split_cache(job.ratio) if chunked else self._cache
                 handle = self._engine().cache_manager.prepare_pull_blocks(
-                    BlocksCacheKey(peer.cluster_id, 0 if job.ratio == 1 else 1), local)
-                self._pulls[(peer.cluster_id, job.ratio)] = handle
-        if job.ratio == 1:
+                    BlocksCacheKey(peer.cluster_id, 1 if chunked else 0), local)
+                self._pulls[key] = handle
+        per_block = len(self.layout.addrs) * self.layout.block_bytes
+        if not chunked:
             handle.run(job.remote_blocks, job.local_blocks)
-        else:
-            handle.run(*split_pairs(job.remote_blocks, job.local_blocks, job.ratio, self.runs))
+            return len(job.remote_blocks) * per_block
+        handle.run(*split_pairs(job.remote_blocks, job.local_blocks, job.ratio, self.runs, plan.src_runs,
+                                read.src_first, read.dst_first, read.count))
+        return len(job.remote_blocks) * per_block // (self.runs * job.ratio) * read.count
 
     def _split_cache(self, ratio: int) -> Cache:
         """Our cache in chunks of a prefill block's run, for prefill blocks 1/``ratio`` of
-        ours (registered once per ratio; called under a peer lock)."""
+        ours or heads split or joined (registered once per ratio; called under a peer lock)."""
         assert self.layout is not None
         with self._lock:
             cache = self._split.get(ratio)
@@ -460,8 +476,7 @@ class DatadistWorker:
         that peer as they begin (a renewal would wait for the link behind the pull)."""
         by_peer: dict[int, tuple[Endpoint, list[str]]] = {}
         for job in pending:
-            if job.lease_s > 0 and len(job.peers) == self.tp_size:
-                peer = job.peers[self.tp_rank]
+            for peer in self._targets(job) if job.lease_s > 0 else []:
                 by_peer.setdefault(peer.cluster_id, (peer, []))[1].append(job.remote_request_id)
         for cluster_id, (peer, ids) in by_peer.items():
             with self._lock:
@@ -473,8 +488,7 @@ class DatadistWorker:
         """Renew every lease held by ``peer`` for this worker, as a pull from it begins."""
         with self._lock:
             ids = [job.remote_request_id for job in self._pending.values()
-                   if job.lease_s > 0 and len(job.peers) == self.tp_size
-                   and job.peers[self.tp_rank].cluster_id == peer.cluster_id]
+                   if job.lease_s > 0 and any(p.cluster_id == peer.cluster_id for p in self._targets(job))]
         if ids:
             self._send_renewal(peer, ids)
 
@@ -485,12 +499,12 @@ class DatadistWorker:
         except (LLMException, RuntimeError) as exc:  # the pull reports the peer's failure
             log.debug("lease renewal to %s:%d failed: %s", peer.host, peer.port, exc)
 
-    def _tell_pulled(self, peer: Endpoint, remote_request_id: str) -> None:
+    def _tell_pulled(self, peer: Endpoint, remote_request_id: str, count: int = 1) -> None:
         """Let the prefill worker free the request's blocks (also after a failed pull:
-        nobody will pull them again)."""
+        nobody will pull them again) once all ``count`` decode ranks that read it said so."""
         try:
             self._link(peer)
-            self._engine().send_notification(peer.cluster_id, pulled_note([remote_request_id]))
+            self._engine().send_notification(peer.cluster_id, pulled_note([remote_request_id], count))
         except LLMException as exc:
             log.warning("could not tell %s:%d that request %s is pulled (%s); it frees the blocks when "
                         "their lease runs out", peer.host, peer.port, remote_request_id, exc)
