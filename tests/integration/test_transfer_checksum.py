@@ -144,10 +144,13 @@ def test_without_the_option_a_changed_byte_lands_unnoticed(proxied: Any) -> None
 @pytest.fixture
 def shm_pair(peer_factory: Any) -> Tuple[Peer, Peer, np.ndarray, np.ndarray]:
     """A prompt and a decoder (which sums its transfers) linked over shared memory, each
-    with a blocks cache ``kv`` of random bytes."""
+    with a blocks cache ``kv`` of random bytes in host memory (also on a machine with a
+    GPU: the tampering below hooks the host copy, ``native.copy_plan_stream``)."""
     port = free_port()
-    prompt = peer_factory("peer", "prompt", "PROMPT", PROMPT_ID, base_config("shm", listen_port=port))
-    decoder = peer_factory("peer", "decoder", "DECODER", DECODER_ID, base_config("shm", transfer_checksum=True))
+    prompt = peer_factory("peer", "prompt", "PROMPT", PROMPT_ID,
+                          base_config("shm", listen_port=port, device_type="cpu"))
+    decoder = peer_factory("peer", "decoder", "DECODER", DECODER_ID,
+                           base_config("shm", transfer_checksum=True, device_type="cpu"))
     prompt.alloc("kv", BLOCKS, blocks=True, bkey=KEY)
     decoder.alloc("kv", BLOCKS, blocks=True, bkey=blocks_key(DECODER_ID, 0))
     data = prompt.fill("kv", BLOCKS, 21)
