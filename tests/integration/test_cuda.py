@@ -150,3 +150,57 @@ def test_nccl_moves_device_caches_between_two_gpus(peer_factory) -> None:
     dst = expect_blocks(dst, src, [6], [2], BLOCKS.row_bytes)
     np.testing.assert_array_equal(decoder.read("dst"), dst)
     assert {t["device"] for t in decoder.call("tensor_info", "dst")} == {"cuda:1"}
+
+
+@pytest.mark.parametrize("runs", [[(0, 1 << 15)], [(3, 5000), (9001, 777)], [(8192, 4096), (0, 4096)]],
+                         ids=["whole", "unaligned", "scattered"])
+def test_device_halves_are_summed_on_the_gpu_as_the_c_loops_sum_them(runs) -> None:
+    import torch
+
+    from datadist.engine import native
+    from datadist.engine.checksum import StreamSum
+    from datadist.engine.transports.device_sum import device_checksum
+
+    gen = torch.Generator(device="cuda:0").manual_seed(3)
+    tensors = [torch.randint(0, 256, (1 << 15,), dtype=torch.uint8, device="cuda:0", generator=gen) for _ in range(5)]
+    hosts = [t.cpu().numpy() for t in tensors]
+    offs = np.array([o for o, _ in runs], dtype=np.uint64)
+    lens = np.array([n for _, n in runs], dtype=np.uint64)
+    on_host = StreamSum(int(lens.sum()) * len(hosts))
+    native.sum_plan(np.array([h.ctypes.data for h in hosts], dtype=np.uint64), offs, lens, on_host)
+    bases = np.array([t.data_ptr() for t in tensors], dtype=np.uint64)
+    for group in (1, 1 << 14, 1 << 30):
+        assert device_checksum(bases, offs, lens, "cuda:0", group_bytes=group) == on_host.checksum()
+
+
+#: 8 tensors of 8 blocks of 512 KiB (32 MiB of the 64 MiB pools): a pull of 5 blocks
+#: (20 MiB) or a push of 4 (16 MiB) is summed on the GPU.
+BIG_BLOCKS = Desc(8, (8, 256, 1024), "fp16")
+BIG_HOST_BLOCKS = Desc(8, (8, 256, 1024), "fp16", "HOST")
+
+
+@pytest.mark.parametrize("prompt_desc", [BIG_BLOCKS, BIG_HOST_BLOCKS], ids=["device", "host"])
+def test_checked_shm_copies_of_device_caches(peer_factory, prompt_desc: Desc) -> None:
+    """``transfer_checksum`` over shm with a device cache on the decoder: its copies of
+    16 MiB and more are summed on the GPU and compared with the prompt's sums of the same runs (on
+    the GPU for a device cache, by the C loops for a host one), so the two agree on real
+    transfers."""
+    port = free_port()
+    prompt = peer_factory("peer", "prompt", "PROMPT", PROMPT_ID,
+                          _gpu_config("shm", listen_port=port, sync_kv_timeout=10000))
+    decoder = peer_factory("peer", "decoder", "DECODER", DECODER_ID,
+                           _gpu_config("shm", transfer_checksum=True, sync_kv_timeout=10000))
+    prompt.wait_ready()
+    decoder.wait_ready()
+    decoder.link(prompt, port=port)
+    prompt.alloc("src", prompt_desc, blocks=True, bkey=blocks_key(PROMPT_ID, 1))
+    src = prompt.fill("src", prompt_desc, 10)
+    decoder.alloc("dst", BIG_BLOCKS, blocks=True, bkey=blocks_key(DECODER_ID, 2))
+    dst = decoder.fill("dst", BIG_BLOCKS, 11)
+    decoder.cm("pull_blocks", blocks_key(PROMPT_ID, 1), Ref("dst"), [5, 0, 7, 2, 4], [1, 6, 3, 0, 2])
+    dst = expect_blocks(dst, src, [5, 0, 7, 2, 4], [1, 6, 3, 0, 2], BIG_BLOCKS.row_bytes)
+    np.testing.assert_array_equal(decoder.read("dst"), dst)
+    decoder.cm("push_blocks", blocks_key(PROMPT_ID, 1), Ref("dst"), [1, 6, 3, 0], [2, 4, 5, 7])
+    want = expect_blocks(src, dst, [1, 6, 3, 0], [2, 4, 5, 7], BIG_BLOCKS.row_bytes)
+    np.testing.assert_array_equal(prompt.read("src"), want)
+    assert decoder.call("links")[PROMPT_ID]["path"] == "shm"

@@ -52,6 +52,7 @@ from ..checksum import StreamSum
 from ..errors import EngineError, Fault, fail
 from ..layout import Plan
 from .base import STALE, Channel, RemoteCache, StaleLookup, check_reply
+from .device_sum import GPU_FROM, device_checksum
 from .local import host_side
 from .tcp import PushStep, TcpTransport, request_sock, stream_failed
 
@@ -202,8 +203,13 @@ def _compare(link: Channel, reply: wire.Message, got: int, nbytes: int, push: bo
 
 
 def sum_half(bases: np.ndarray, offs: np.ndarray, lens: np.ndarray, device: str) -> int:
-    """The checksum of the runs of a plan half of this process's memory (a device cache
-    through one host staging buffer), in plan order: the owner's side of a ``SUM``."""
+    """The checksum of the runs of a plan half of this process's memory, in plan order:
+    the owner's side of a ``SUM``, and a device copy's own.  CUDA halves of
+    :data:`.device_sum.GPU_FROM` bytes or more are summed on the GPU
+    (:func:`.device_sum.device_checksum`); other device halves through one host staging
+    buffer."""
+    if device.startswith("cuda") and int(lens.sum()) * int(bases.shape[0]) >= GPU_FROM:
+        return device_checksum(bases, offs, lens, device)
     half = Plan(bases, bases, offs, offs, lens, device, device)
     summed = StreamSum(half.nbytes)
     with host_side(half, local_is_src=True) as host_plan:
