@@ -325,17 +325,20 @@ static int parts_for(int max_threads, uint64_t total) {
     return max_threads > DD_MAX_THREADS ? DD_MAX_THREADS : max_threads;
 }
 
-/* Run parts[0] on this thread and the others on threads of their own; all take chunks
- * until none are left, so this thread does them all if no thread could start. */
-static void run_parts(part_t *parts, int n) {
+/* Run fn on parts[0] (of n parts of `size` bytes each) on this thread and on the others
+ * on threads of their own; all take chunks until none are left, so this thread does them
+ * all if no thread could start. */
+static void run_threads(void *(*fn)(void *), void *parts, size_t size, int n) {
     pthread_t th[DD_MAX_THREADS];
     int started[DD_MAX_THREADS] = {0};
     for (int k = 1; k < n; k++)
-        started[k] = pthread_create(&th[k], NULL, copy_thread, &parts[k]) == 0;
-    copy_thread(&parts[0]);
+        started[k] = pthread_create(&th[k], NULL, fn, (char *)parts + k * size) == 0;
+    fn(parts);
     for (int k = 1; k < n; k++)
         if (started[k]) pthread_join(th[k], NULL);
 }
+
+static void run_parts(part_t *parts, int n) { run_threads(copy_thread, parts, sizeof(part_t), n); }
 
 /* Copy every run (a = source, b = destination); destinations must not overlap.  The plan
  * is split by bytes (4 KiB aligned chunks), not by runs, so one huge run is shared too.
@@ -501,12 +504,58 @@ static void gather_stream(const plan_t *p, uint64_t lo, uint8_t *out) {
         }
 }
 
+/* Add bytes [lo, hi) of the a side's stream (the runs in plan order) to the summer, whose
+ * pos is the stream's offset 0 plus `start`. */
+static void sum_range(const plan_t *p, summer_t *m, uint64_t start, uint64_t lo, uint64_t hi) {
+    uint64_t per_t = 0;
+    for (size_t u = 0; u < p->nu; u++) per_t += p->len[u];
+    if (per_t == 0) return;
+    for (size_t t = lo / per_t; t < p->nt; t++) {
+        uint64_t pos = t * per_t;
+        if (pos >= hi) return;
+        for (size_t u = 0; u < p->nu && pos < hi; u++) {
+            uint64_t a = pos, b = pos + p->len[u];
+            pos = b;
+            if (b <= lo) continue;
+            uint64_t from = a < lo ? lo - a : 0, to = (b > hi ? hi : b) - a;
+            m->pos = start + a + from;
+            sum_piece(m, (const uint8_t *)(uintptr_t)(p->a_base[t] + p->a_off[u] + from), to - from);
+        }
+    }
+}
+
+/* One thread's share of a plan's sums: chunks of 4 KiB aligned stream ranges, so the
+ * threads add to disjoint blocks (and tail bytes) of the one shared summer. */
+typedef struct {
+    const plan_t *p;
+    chunks_t *work;
+    summer_t m;      /* this thread's cursor over the shared sums and tail */
+    uint64_t start;  /* the summer's pos at the stream's offset 0 */
+} sum_part_t;
+
+static void *sum_thread(void *arg) {
+    sum_part_t *w = arg;
+    uint64_t lo, hi;
+    while (next_chunk(w->work, &lo, &hi)) sum_range(w->p, &w->m, w->start, lo, hi);
+    return NULL;
+}
+
 /* Add the a side's runs of a plan, in plan order, to the summer's stream (the caller
- * checked summer_fits): the checksum of what a transfer of that plan would move. */
-static void dd_sum_plan(summer_t *m, const plan_t *p) {
-    for (size_t t = 0; t < p->nt; t++)
-        for (size_t u = 0; u < p->nu; u++)
-            if (p->len[u]) sum_piece(m, (const uint8_t *)(uintptr_t)(p->a_base[t] + p->a_off[u]), p->len[u]);
+ * checked summer_fits): the checksum of what a transfer of that plan would move.  Large
+ * plans whose stream starts on a block boundary are summed by up to max_threads threads:
+ * an owner summing a one-sided copy's half reads it from memory, which one core does at
+ * a fraction of the memory's bandwidth. */
+static void dd_sum_plan(summer_t *m, const plan_t *p, int max_threads) {
+    uint64_t total = plan_bytes(p);
+    int n = (m->pos & 4095) ? 1 : parts_for(max_threads, total);
+    if (n == 1) {
+        sum_range(p, m, m->pos, 0, total);
+        return;
+    }
+    chunks_t work = chunks_for(total, n, 0);
+    sum_part_t parts[DD_MAX_THREADS];
+    for (int k = 0; k < n; k++) parts[k] = (sum_part_t){p, &work, *m, m->pos};
+    run_threads(sum_thread, parts, sizeof(sum_part_t), n);
 }
 
 /* ---------------------------------------------------------------- foreign copy functions */
@@ -922,14 +971,17 @@ static PyObject *py_copy_plan_stream(PyObject *self, PyObject *const *args, Py_s
     return result_or_oserror(r);
 }
 
-/* sum_plan(base, off, len, sums, pos, tail, tail_start): add the runs of a plan half, in
- * plan order, to a summer; returns their bytes.  ERANGE unless they fit the summer. */
+/* sum_plan(base, off, len, sums, pos, tail, tail_start[, threads]): add the runs of a plan
+ * half, in plan order, to a summer (with up to `threads` threads, default 1); returns their
+ * bytes.  ERANGE unless they fit the summer. */
 static PyObject *py_sum_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "sum_plan(base, off, len, sums, pos, tail, tail_start)");
+    if (nargs != 7 && nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "sum_plan(base, off, len, sums, pos, tail, tail_start[, threads])");
         return NULL;
     }
+    int threads = nargs == 8 ? (int)PyLong_AsLong(args[7]) : 1;
+    if (PyErr_Occurred()) return NULL;
     summer_t m;
     Py_buffer sviews[2] = {{0}, {0}};
     if (get_summer(args + 3, &m, sviews) < 0) return NULL;
@@ -940,7 +992,7 @@ static PyObject *py_sum_plan(PyObject *self, PyObject *const *args, Py_ssize_t n
     int64_t r = -ERANGE;
     if (summer_fits(&m, total)) {
         Py_BEGIN_ALLOW_THREADS
-        dd_sum_plan(&m, &p);
+        dd_sum_plan(&m, &p, threads);
         Py_END_ALLOW_THREADS
         r = (int64_t)total;
     }

@@ -81,9 +81,10 @@ def copy_plan_stream(sbase: _U64Array, dbase: _U64Array, soff: _U64Array, doff: 
     copied) if the plan's bytes do not fit the sums or the tail."""
 
 def sum_plan(base: _U64Array, off: _U64Array, len: _U64Array, sums: _U64Array, pos: int, tail: _Buffer | None,
-             tail_start: int, /) -> int:
+             tail_start: int, threads: int = 1, /) -> int:
     """Add the runs of a plan half, in plan order, to the block sums of a stream from
-    offset ``pos`` on (as :func:`sum_stream` would each run); returns their bytes.
+    offset ``pos`` on (as :func:`sum_stream` would each run), with up to ``threads``
+    threads where it is large and ``pos`` is a multiple of 4096; returns their bytes.
     ``OSError`` ERANGE (nothing added) if they do not fit the sums or the tail."""
 
 def call_plan(fn: int, stream: int, sbase: _U64Array, dbase: _U64Array, soff: _U64Array, doff: _U64Array,

@@ -160,10 +160,13 @@ def copy_plan_stream(plan: Plan, summed: "StreamSums", threads: int = COPY_THREA
     return moved
 
 
-def sum_plan(bases: U64Array, offs: U64Array, lens: U64Array, summed: "StreamSums") -> int:
+def sum_plan(bases: U64Array, offs: U64Array, lens: U64Array, summed: "StreamSums", threads: int = 1) -> int:
     """Add the runs of a plan half (``bases`` x ``offs``/``lens``), in plan order, to
-    ``summed``'s stream: the sums a transfer of them would produce, without moving them."""
-    added: int = _native.sum_plan(bases, offs, lens, summed.sums, summed.pos, summed.tail, summed.tail_start)
+    ``summed``'s stream: the sums a transfer of them would produce, without moving them.
+    Halves of 8 MiB or more starting on a block boundary of the stream are summed by up
+    to ``threads`` threads."""
+    added: int = _native.sum_plan(bases, offs, lens, summed.sums, summed.pos, summed.tail, summed.tail_start,
+                                  threads)
     summed.pos += added
     return added
 

@@ -102,3 +102,25 @@ def test_a_copy_summed_in_plan_order_matches_the_owners_sum_of_its_half(seed):
     np.testing.assert_array_equal(np.concatenate([dst[t, lo:hi] for t, lo, hi in runs]), stream)
     with pytest.raises(OSError):
         native.copy_plan_stream(plan, StreamSum(plan.nbytes - 1))
+
+
+@pytest.mark.parametrize("runs", [[(0, 16 << 20), (20 << 20, (8 << 20) + 4095), (40 << 20, 3)], [(5, 40 << 20)]])
+def test_a_plan_summed_by_threads_sums_as_one_thread_does(runs):
+    """``sum_plan`` over several threads (chunks of the stream) gives the sums and tail of
+    one thread, with runs that cut blocks and a tail; a changed byte changes it."""
+    rng = np.random.default_rng(len(runs))
+    tensors = [rng.integers(0, 256, 48 << 20, dtype=np.uint8) for _ in range(2)]
+    bases = np.array([t.ctypes.data for t in tensors], dtype=np.uint64)
+    offs = np.array([o for o, _ in runs], dtype=np.uint64)
+    lens = np.array([n for _, n in runs], dtype=np.uint64)
+    n = int(lens.sum()) * 2
+
+    def summed(threads: int) -> int:
+        s = StreamSum(n)
+        assert native.sum_plan(bases, offs, lens, s, threads) == n
+        return s.checksum()
+
+    one = summed(1)
+    assert summed(3) == summed(4) == one
+    tensors[1][int(offs[-1]) + int(lens[-1]) - 1] ^= 1
+    assert summed(4) != one

@@ -213,5 +213,5 @@ def sum_half(bases: np.ndarray, offs: np.ndarray, lens: np.ndarray, device: str)
     half = Plan(bases, bases, offs, offs, lens, device, device)
     summed = StreamSum(half.nbytes)
     with host_side(half, local_is_src=True) as host_plan:
-        native.sum_plan(host_plan.src_bases, host_plan.src_offs, host_plan.lens, summed)
+        native.sum_plan(host_plan.src_bases, host_plan.src_offs, host_plan.lens, summed, native.COPY_THREADS)
     return summed.checksum()
