@@ -1,5 +1,7 @@
 """Fixtures of the real-process harness (see harness.py), for every module in this folder,
-and a private ``ems-server`` for tests that run client code as a user would."""
+the fake NPU's environment (fake_npu_env.py: defined here once, so its session-scoped
+build runs once per run, not once per module that imports it), and a private
+``ems-server`` for tests that run client code as a user would."""
 import os
 import select
 import subprocess
@@ -8,9 +10,10 @@ from typing import Iterator
 
 import pytest
 
+from fake_npu_env import npu_env, npu_peers
 from harness import pair, pair_holder, peer_factory
 
-__all__ = ["pair", "pair_holder", "peer_factory", "ems_pool_dir"]
+__all__ = ["pair", "pair_holder", "peer_factory", "npu_env", "npu_peers", "ems_pool_dir"]
 
 
 @pytest.fixture(scope="module")

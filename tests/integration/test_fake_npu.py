@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fake_npu_env import npu_env, npu_peers, ok, run  # noqa: F401  (fixtures)
+from fake_npu_env import ok, run
 from harness import (DECODER_ID, PROMPT_ID, Desc, Ref, base_config, blocks_key, cache_key, expect_blocks,
                      expect_rows, free_port, key_config)
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from fake_npu_env import npu_env  # noqa: F401  (fixture)
 from harness import free_port
 from vllm_standins import write_vllm_standins
 

@@ -17,7 +17,7 @@ import signal
 
 import pytest
 
-from fake_npu_env import npu_env, ok, run  # noqa: F401  (fixtures)
+from fake_npu_env import ok, run
 from test_vendor_shaped import run_scenario
 
 pytestmark = [pytest.mark.fake_npu, pytest.mark.timeout(300)]

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from datadist import LLMStatusCode
-from fake_npu_env import npu_env, npu_peers, ok, run  # noqa: F401  (fixtures)
+from fake_npu_env import ok, run
 from harness import DECODER_ID, PROMPT_ID, Desc, Ref, base_config, blocks_key, expect_blocks, free_port, run_ranks
 
 pytestmark = [pytest.mark.fake_npu, pytest.mark.timeout(300)]

@@ -155,18 +155,14 @@ def _serve(conn: Connection, producer: bool, seed: Optional[int], block: int, se
         worker.close()
 
 
-class Half:
-    """A worker process and the pipe that drives it."""
+class Child:
+    """A worker process and the pipe that drives it (``target(conn, *args)`` serves it)."""
 
-    def __init__(self, ctx: Any, producer: bool, seed: Optional[int], block: int = BLOCK, **settings: Any) -> None:
-        self.seed = seed
+    def __init__(self, ctx: Any, target: Callable[..., None], args: tuple[Any, ...]) -> None:
         self.conn, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(theirs, producer, seed, block, settings))
+        self.proc = ctx.Process(target=target, args=(theirs, *args))
         self.proc.start()
         self.endpoint: Optional[Endpoint] = None
-
-    def ready(self) -> None:
-        self.endpoint = self._recv()
 
     def _recv(self) -> Any:
         assert self.conn.poll(2 * WAIT_S), f"worker process {self.proc.pid} did not answer (exit code {self.proc.exitcode})"
@@ -176,14 +172,9 @@ class Half:
         self.conn.send((cmd, arg))
         return self._recv()
 
-    def hold(self, *req_ids: str, lease_s: float = HELD_S) -> None:
-        self.call("step", ({}, {r: lease_s for r in req_ids}, {}))
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
-
-    def close(self) -> None:
-        if self.proc.is_alive() and self.proc.exitcode is None:
+    def close(self) -> int:
+        """Stop the process (killed if it does not stop); its exit code, -1 if none."""
+        if self.proc.is_alive():
             try:
                 self.conn.send(("stop", None))
             except OSError:
@@ -192,6 +183,24 @@ class Half:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(10)
+        return int(self.proc.exitcode if self.proc.exitcode is not None else -1)
+
+
+class Half(Child):
+    """A worker half: its KV caches are ``caches(seed, block)``."""
+
+    def __init__(self, ctx: Any, producer: bool, seed: Optional[int], block: int = BLOCK, **settings: Any) -> None:
+        super().__init__(ctx, _serve, (producer, seed, block, settings))
+        self.seed = seed
+
+    def ready(self) -> None:
+        self.endpoint = self._recv()
+
+    def hold(self, *req_ids: str, lease_s: float = HELD_S) -> None:
+        self.call("step", ({}, {r: lease_s for r in req_ids}, {}))
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
 
 
 def pull(decode: Half, jobs: dict[str, tuple[Half, str, list[int], list[int], float]], ratio: int = 1) -> None:

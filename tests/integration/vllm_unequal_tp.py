@@ -29,13 +29,13 @@ from __future__ import annotations
 import json
 import multiprocessing
 from multiprocessing.connection import Connection
-from typing import Any, Optional
+from typing import Any
 
 import torch
-from vllm_pulls import WAIT_S, Loop, assembled
+from vllm_pulls import Child, Loop, assembled
 from vllm_worker_halves import make_worker
 
-from datadist.integrations.vllm.worker import Endpoint, RecvJob
+from datadist.integrations.vllm.worker import RecvJob
 
 HEADS, HEAD_SIZE, BLOCK, BLOCKS, LAYERS = 4, 32, 32, 8, 2
 HELD_S = 60.0   # a lease no scenario expects to run out
@@ -112,27 +112,16 @@ def _serve(conn: Connection, producer: bool, rank: int, size: int, block: int, f
         worker.close()
 
 
-class Rank:
-    """A worker process and the pipe that drives it."""
+class Rank(Child):
+    """A worker rank of a tensor-parallel instance of ``size`` ranks."""
 
     def __init__(self, ctx: Any, producer: bool, rank: int, size: int, block: int = BLOCK, flash: bool = False,
                  lease_s: float = HELD_S) -> None:
-        self.conn, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(theirs, producer, rank, size, block, flash, lease_s))
-        self.proc.start()
-        self.endpoint: Optional[Endpoint] = None
+        super().__init__(ctx, _serve, (producer, rank, size, block, flash, lease_s))
 
     def ready(self) -> "Rank":
         self.endpoint = self._recv()
         return self
-
-    def _recv(self) -> Any:
-        assert self.conn.poll(2 * WAIT_S), f"worker process {self.proc.pid} did not answer (exit {self.proc.exitcode})"
-        return self.conn.recv()
-
-    def call(self, cmd: str, arg: Any = None) -> Any:
-        self.conn.send((cmd, arg))
-        return self._recv()
 
     def hold(self, leases: dict[str, float]) -> None:
         self.call("step", ({}, leases, {}))
@@ -144,18 +133,6 @@ class Rank:
                              awaited=True, lease_s=HELD_S, ratio=ratio)
                 for req, (remote_id, local, remote) in jobs.items()}
         self.call("step", (recv, {}, {req: (0, job) for req, job in recv.items()}))
-
-    def close(self) -> int:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("stop", None))
-            except OSError:
-                pass
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10)
-        return int(self.proc.exitcode if self.proc.exitcode is not None else -1)
 
 
 def _started(ranks: list[Rank]) -> list[Rank]:
