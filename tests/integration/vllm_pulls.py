@@ -136,23 +136,30 @@ def _serve(conn: Connection, producer: bool, seed: Optional[int], block: int, se
     own = caches(seed, block)
     worker = make_worker(own, BLOCKS, producer, **settings)
     loop = Loop(worker, own)
+    serve_commands(conn, loop, {"done": lambda arg: loop.state(lambda lp: set(arg) <= set(lp.done))})
+
+
+def serve_commands(conn: Connection, loop: Loop, answers: dict[str, Callable[[Any], Any]]) -> None:
+    """Send the worker's endpoint, then answer the parent's commands until ``stop``:
+    ``step`` queues a step, ``freed`` says whether requests were freed, the others are
+    ``answers``; the loop and the worker end with it."""
     try:
-        conn.send(worker.endpoint)
+        conn.send(loop.worker.endpoint)
         while True:
             cmd, arg = conn.recv()
             if cmd == "step":
                 loop.steps.put(arg)
                 conn.send(None)
-            elif cmd == "done":
-                conn.send(loop.state(lambda lp: set(arg) <= set(lp.done)))
             elif cmd == "freed":
                 conn.send(loop.state(lambda lp: set(arg) <= set(lp.freed)))
+            elif cmd in answers:
+                conn.send(answers[cmd](arg))
             else:
                 return
     finally:
         loop.stop.set()
         loop.thread.join(10)
-        worker.close()
+        loop.worker.close()
 
 
 class Child:

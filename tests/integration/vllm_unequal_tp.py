@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-from vllm_pulls import Child, Loop, assembled
+from vllm_pulls import Child, Loop, assembled, serve_commands
 from vllm_worker_halves import make_worker
 
 from datadist.integrations.vllm.worker import RecvJob
@@ -89,27 +89,12 @@ def _serve(conn: Connection, producer: bool, rank: int, size: int, block: int, f
     worker = make_worker(own, BLOCKS, producer, rank, size, "FLASH_ATTN:" if flash else "CPU_ATTN:vec",
                          lease_s=lease_s)
     loop = Heads(worker, own, heads)
-    try:
-        conn.send(worker.endpoint)
-        while True:
-            cmd, arg = conn.recv()
-            if cmd == "step":
-                loop.steps.put(arg)
-                conn.send(None)
-            elif cmd == "done":
-                conn.send(dict(loop.state(lambda lp: set(arg) <= set(lp.done)),
-                               zeros=all(bool((c == 0).all()) for c in own),
-                               bytes=sum(worker.stats.data.get("bytes_transferred", []))))
-            elif cmd == "freed":
-                conn.send(loop.state(lambda lp: set(arg) <= set(lp.freed)))
-            elif cmd == "counted":  # the prefill worker has read a first notice of request ``arg``
-                conn.send(loop.state(lambda lp: arg in lp.worker._notices or arg in lp.freed))
-            else:
-                return
-    finally:
-        loop.stop.set()
-        loop.thread.join(10)
-        worker.close()
+    serve_commands(conn, loop, {
+        "done": lambda arg: dict(loop.state(lambda lp: set(arg) <= set(lp.done)),
+                                 zeros=all(bool((c == 0).all()) for c in own),
+                                 bytes=sum(worker.stats.data.get("bytes_transferred", []))),
+        # the prefill worker has read a first notice of request ``arg``
+        "counted": lambda arg: loop.state(lambda lp: arg in lp.worker._notices or arg in lp.freed)})
 
 
 class Rank(Child):
