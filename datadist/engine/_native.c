@@ -277,9 +277,13 @@ typedef struct {
     uint64_t *sums;
 } part_t;
 
-/* Copy bytes [lo, hi) of the plan's concatenated stream. */
-static void copy_range(const part_t *w, uint64_t lo, uint64_t hi) {
-    const plan_t *p = w->p;
+/* Visit the runs of bytes [lo, hi) of the plan's concatenated stream (each tensor's runs
+ * in order, tensor after tensor): visit(ctx, t, u, a, from, to) for the bytes from..to of
+ * run u of tensor t, which starts at stream offset a.  The one walk of a stream range that
+ * copies, sums and gathers share. */
+typedef void (*run_visit)(void *ctx, size_t t, size_t u, uint64_t a, uint64_t from, uint64_t to);
+
+static void walk_stream(const plan_t *p, uint64_t lo, uint64_t hi, run_visit visit, void *ctx) {
     uint64_t per_t = 0;
     for (size_t u = 0; u < p->nu; u++) per_t += p->len[u];
     if (per_t == 0) return;
@@ -290,16 +294,25 @@ static void copy_range(const part_t *w, uint64_t lo, uint64_t hi) {
             uint64_t a = pos, b = pos + p->len[u];
             pos = b;
             if (b <= lo) continue;
-            uint64_t s = a < lo ? lo - a : 0;
-            uint64_t e = (b > hi ? hi : b) - a;
-            uint64_t src = p->a_base[t] + p->a_off[u] + s, dst = p->b_base[t] + p->b_off[u] + s;
-            if (w->summed)
-                copy_sum((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, e - s,
-                         w->by_stream ? a + s : (w->value_is_src ? src : dst) - w->vbase, w->sums, w->stream);
-            else
-                copy_run((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, e - s, w->stream);
+            visit(ctx, t, u, a, a < lo ? lo - a : 0, (b > hi ? hi : b) - a);
         }
     }
+}
+
+static void copy_piece(void *ctx, size_t t, size_t u, uint64_t a, uint64_t s, uint64_t e) {
+    const part_t *w = ctx;
+    const plan_t *p = w->p;
+    uint64_t src = p->a_base[t] + p->a_off[u] + s, dst = p->b_base[t] + p->b_off[u] + s;
+    if (w->summed)
+        copy_sum((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, e - s,
+                 w->by_stream ? a + s : (w->value_is_src ? src : dst) - w->vbase, w->sums, w->stream);
+    else
+        copy_run((uint8_t *)(uintptr_t)dst, (const uint8_t *)(uintptr_t)src, e - s, w->stream);
+}
+
+/* Copy bytes [lo, hi) of the plan's concatenated stream. */
+static void copy_range(const part_t *w, uint64_t lo, uint64_t hi) {
+    walk_stream(w->p, lo, hi, copy_piece, (void *)w);
 }
 
 static void *copy_thread(void *arg) {
@@ -490,38 +503,42 @@ static void dd_sum_blocks(const uint8_t *s, uint64_t n, uint64_t *sums) {
     sum_piece(&m, s, n & ~(uint64_t)4095);
 }
 
+typedef struct {
+    const plan_t *p;
+    uint8_t *out;
+    uint64_t lo;
+} gather_t;
+
+static void gather_piece(void *ctx, size_t t, size_t u, uint64_t a, uint64_t from, uint64_t to) {
+    const gather_t *g = ctx;
+    memcpy(g->out + (a + from - g->lo), (const uint8_t *)(uintptr_t)(g->p->b_base[t] + g->p->b_off[u] + from),
+           to - from);
+}
+
 /* Copy the bytes of the plan's stream (b side: the destination) from offset lo to its end
  * into out: the kept last partial block of a stream copied with block sums. */
 static void gather_stream(const plan_t *p, uint64_t lo, uint8_t *out) {
-    uint64_t pos = 0;
-    for (size_t t = 0; t < p->nt; t++)
-        for (size_t u = 0; u < p->nu; u++) {
-            uint64_t a = pos, b = pos + p->len[u];
-            pos = b;
-            if (b <= lo) continue;
-            uint64_t skip = a < lo ? lo - a : 0;
-            memcpy(out + (a + skip - lo), (const uint8_t *)(uintptr_t)(p->b_base[t] + p->b_off[u] + skip), b - a - skip);
-        }
+    gather_t g = {p, out, lo};
+    walk_stream(p, lo, plan_bytes(p), gather_piece, &g);
+}
+
+typedef struct {
+    const plan_t *p;
+    summer_t *m;
+    uint64_t start; /* the summer's pos at the stream's offset 0 */
+} sum_walk_t;
+
+static void sum_run_piece(void *ctx, size_t t, size_t u, uint64_t a, uint64_t from, uint64_t to) {
+    sum_walk_t *w = ctx;
+    w->m->pos = w->start + a + from;
+    sum_piece(w->m, (const uint8_t *)(uintptr_t)(w->p->a_base[t] + w->p->a_off[u] + from), to - from);
 }
 
 /* Add bytes [lo, hi) of the a side's stream (the runs in plan order) to the summer, whose
  * pos is the stream's offset 0 plus `start`. */
 static void sum_range(const plan_t *p, summer_t *m, uint64_t start, uint64_t lo, uint64_t hi) {
-    uint64_t per_t = 0;
-    for (size_t u = 0; u < p->nu; u++) per_t += p->len[u];
-    if (per_t == 0) return;
-    for (size_t t = lo / per_t; t < p->nt; t++) {
-        uint64_t pos = t * per_t;
-        if (pos >= hi) return;
-        for (size_t u = 0; u < p->nu && pos < hi; u++) {
-            uint64_t a = pos, b = pos + p->len[u];
-            pos = b;
-            if (b <= lo) continue;
-            uint64_t from = a < lo ? lo - a : 0, to = (b > hi ? hi : b) - a;
-            m->pos = start + a + from;
-            sum_piece(m, (const uint8_t *)(uintptr_t)(p->a_base[t] + p->a_off[u] + from), to - from);
-        }
-    }
+    sum_walk_t w = {p, m, start};
+    walk_stream(p, lo, hi, sum_run_piece, &w);
 }
 
 /* One thread's share of a plan's sums: chunks of 4 KiB aligned stream ranges, so the
