@@ -369,7 +369,7 @@ class Link(PeerLookups, LinkLife):
             remote = key if isinstance(key, RemoteCache) else self.lookup(key, deadline)[0]
             return self._bind(remote, planner(remote), push)
         finally:
-            self.turns.release()
+            self._let_go()
 
     def _acquire(self, deadline: float) -> None:
         if not self.turns.acquire(blocking=False) and \
@@ -381,8 +381,9 @@ class Link(PeerLookups, LinkLife):
                                           f"transfers for sync_kv_timeout ({self.timeout_ms} ms)")
 
     def _let_go(self) -> None:
-        """Let go of the link after a transfer (serving the transfers queued behind it);
-        a link whose peer went away meanwhile is closed now."""
+        """Let go of the link (serving the transfers queued behind it); a link closed
+        while this thread held it is released now.  Every holder but :meth:`close` itself
+        lets go through here."""
         self.turns.release()
         if self._release_when_idle:
             self.close(wait=False)
@@ -474,7 +475,8 @@ class Link(PeerLookups, LinkLife):
                         f"cluster {self.remote_cluster_id} linked to this engine, not the other way round; "
                         "notifications go from the engine that called link_clusters to the one it linked to")
         deadline = time.monotonic() + self.timeout_ms / 1000.0
-        with self.turns:
+        self.turns.acquire()
+        try:
             self.check_alive()
             sock = self._request_sock()
             try:
@@ -482,12 +484,17 @@ class Link(PeerLookups, LinkLife):
                 sock.sendall(wire.encode(wire.Note(text=text)))
             except OSError as exc:
                 self._fail(exc)
+        finally:
+            self._let_go()
 
     def release_key(self, key: CacheRef) -> None:
         """Tell the owner that ``key`` was consumed (pull_cache through a CacheKey)."""
         deadline = time.monotonic() + self.timeout_ms / 1000.0
-        with self.turns:
+        self.turns.acquire()
+        try:
             reply = self.rpc(key.release_message(), deadline)
+        finally:
+            self._let_go()
         if not isinstance(reply, wire.Reply):
             self.protocol_error(reply)
 
@@ -516,7 +523,11 @@ class Link(PeerLookups, LinkLife):
             (wait and self.turns.acquire(timeout=self.timeout_ms / 1000.0 + 1.0))
         if not got and not wait:
             self._release_when_idle = True
-            return
+            # The holder may have let go between the try above and the flag (it checks the
+            # flag after letting go): try once more, else whoever holds the link now sees it.
+            if not self.turns.acquire(blocking=False):
+                return
+            got = True
         try:
             self._release()
         finally:

@@ -208,9 +208,9 @@ def sum_half(bases: np.ndarray, offs: np.ndarray, lens: np.ndarray, device: str)
     :data:`.device_sum.GPU_FROM` bytes or more are summed on the GPU
     (:func:`.device_sum.device_checksum`); other device halves through one host staging
     buffer."""
-    if device.startswith("cuda") and int(lens.sum()) * int(bases.shape[0]) >= GPU_FROM:
-        return device_checksum(bases, offs, lens, device)
     half = Plan(bases, bases, offs, offs, lens, device, device)
+    if device.startswith("cuda") and half.nbytes >= GPU_FROM:
+        return device_checksum(bases, offs, lens, device)
     summed = StreamSum(half.nbytes)
     with host_side(half, local_is_src=True) as host_plan:
         native.sum_plan(host_plan.src_bases, host_plan.src_offs, host_plan.lens, summed, native.COPY_THREADS)
