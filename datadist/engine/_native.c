@@ -750,8 +750,10 @@ static int64_t dd_spin_readable(int fd, int64_t spin_us) {
 }
 
 static int64_t dd_wait_readable(int fd, int64_t spin_us, int64_t timeout_ms) {
-    int64_t r = dd_spin_readable(fd, spin_us);
-    if (r != 0) return r < 0 ? r : 0;
+    if (spin_us > 0) { /* no spin: the sleeping poll alone (a spin's first poll would be a system call more) */
+        int64_t r = dd_spin_readable(fd, spin_us);
+        if (r != 0) return r < 0 ? r : 0;
+    }
     return wait_fd(fd, POLLIN, now_ms() + timeout_ms);
 }
 

@@ -288,7 +288,8 @@ class Agent:
                 if self._stop:
                     return
                 self._guarded(self._dispatch, key)
-            self._guarded(self._expire_pending)
+            if self._incoming.pending:  # most turns of the loop serve links, with nobody opening one
+                self._guarded(self._expire_pending)
 
     def _dispatch(self, key: selectors.SelectorKey) -> None:
         if key.data == "wake":
