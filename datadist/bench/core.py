@@ -31,6 +31,11 @@ the pushes of this process, the pulls of fan-in's decoders; every row records
 
 ``--hog N`` runs N busy processes beside the measured ones for the whole run (every row
 records ``hog``): the condition of a machine with more runnable threads than cores.
+``--nice N`` runs the measured processes (this one and its decoders; the hogs stay at 0) at
+scheduling niceness N, as ``nice -n N`` would (every row records ``nice``): below 0 needs
+the right to raise priority (root, or CAP_SYS_NICE).  With every core busy, the kernel
+holds a woken thread of equal weight until the running one's slice ends (milliseconds);
+a weight above the hogs' lets the engine's threads run when woken (docs/performance.md).
 
 ``--plot OUT`` draws whatever ran into ``OUT.png`` and ``OUT.svg`` (matplotlib, extra
 ``[plot]``): GB/s against block size for a sweep, GB/s per workload otherwise.
@@ -60,7 +65,7 @@ import numpy as np
 
 from .. import __version__
 from .fanin import TRANSPORTS as FANIN_TRANSPORTS, run_fanin
-from .hog import Hog
+from .hog import Hog, set_nice
 from .plan import print_plan_rows
 from .record import record
 from .shapes import (DEVICE_ONLY, DEVICES, SWEEP_KIB, TRANSPORTS, WORKLOADS, Workload, blocks, config, desc, filled_source,
@@ -335,6 +340,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="fan-in: decoder processes pulling from the prompt at once (default 8)")
     ap.add_argument("--hog", type=_count, default=0, metavar="N",
                     help="N busy processes run beside the measured ones (a CPU hog; default 0)")
+    ap.add_argument("--nice", type=int, default=0, metavar="N",
+                    help="run the measured processes at niceness N (the hogs at 0; below 0 needs CAP_SYS_NICE)")
     ap.add_argument("--checksum", action="store_true",
                     help="end-to-end checksums of every socket transfer and shm copy (transfer_checksum; local "
                          "copies are not summed): compare with a run without it for the option's cost")
@@ -374,6 +381,11 @@ def _apply(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             ap.error(f"--transport {transport} needs --device {device}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         ap.error("--plot needs matplotlib: pip install 'datadist[plot]'")
+    if args.nice:
+        try:
+            set_nice(args.nice)
+        except (PermissionError, ValueError) as exc:
+            ap.error(f"--nice {args.nice}: {exc}")
 
 
 def _run_workload(wl: str, transports: Sequence[str], args: argparse.Namespace) -> List[Row]:
@@ -389,6 +401,7 @@ def _run_workload(wl: str, transports: Sequence[str], args: argparse.Namespace) 
         else:
             row = run(wl, tr, args.device, rounds=args.rounds, checksum=args.checksum, **shape)
         row["hog"] = args.hog
+        row["nice"] = args.nice
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)

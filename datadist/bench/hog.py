@@ -4,17 +4,29 @@ prompt serving many decoders, or an engine sharing its cores with model work, lo
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from types import TracebackType
 from typing import Any, List, Optional, Type
 
-__all__ = ["Hog"]
+__all__ = ["Hog", "set_nice"]
 
 #: Longest wait for a hog process to start spinning, in seconds.
 _START_S = 60.0
 
 
+def set_nice(n: int) -> None:
+    """Run this process's calling thread, and every thread and process it starts after,
+    at niceness ``n`` (-20..19; Linux keeps one per thread, inherited by what the thread
+    starts).  PermissionError where ``n`` raises priority without the right to."""
+    if not -20 <= n <= 19:
+        raise ValueError(f"niceness must be in [-20, 19], not {n}")
+    os.setpriority(os.PRIO_PROCESS, 0, n)
+
+
 def _spin(started: Any) -> None:
-    """Child: say so, then burn CPU until killed."""
+    """Child: at the default niceness (whatever the bench's), say so, then burn CPU until
+    killed."""
+    os.setpriority(os.PRIO_PROCESS, 0, 0)
     started.set()
     while True:
         pass

@@ -3,6 +3,8 @@ decoders pulled, and a shortened run (few decoders and rounds, with and without 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import List
 
 import pytest
@@ -49,16 +51,27 @@ def test_a_hog_runs_busy_processes_only_inside_its_block() -> None:
         Hog(-1)
 
 
+@pytest.mark.timeout(60)
+def test_hogs_run_at_the_default_niceness_whatever_the_bench_runs_at() -> None:
+    code = ("import os; from datadist.bench.hog import Hog, set_nice; set_nice(3)\n"
+            "with Hog(1) as hog:\n"
+            "    stat = open(f'/proc/{hog._processes[0].pid}/stat').read()\n"
+            "    print(os.getpriority(os.PRIO_PROCESS, 0), stat.rsplit(')', 1)[1].split()[16])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["3", "0"]
+
+
 @pytest.mark.timeout(150)
 def test_a_shortened_fan_in_reports_verified_rows_of_the_one_schema() -> None:
     proc = run_bench("--workload", "fan-in", "--transport", "shm", "--transport", "tcp", "--transport", "local",
-                "--decoders", "2", "--rounds", "30", "--hog", "1", "--json", timeout=140)
+                "--decoders", "2", "--rounds", "30", "--hog", "1", "--nice", "2", "--json", timeout=140)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["system"] for r in rows] == ["datadist-shm", "datadist-tcp"]  # no fan-in within one process
     for row in rows:
         assert list(row)[:len(FIELDS)] == list(FIELDS)
-        assert row["workload"] == "fan-in" and row["verified"] is True and row["hog"] == 1
+        assert row["workload"] == "fan-in" and row["verified"] is True and (row["hog"], row["nice"]) == (1, 2)
         assert (row["block_kib"], row["blocks"], row["decoders"], row["rounds"], row["calls"]) == (2, 16, 2, 30, 60)
         assert row["call_kib"] == 128 and row["checked_blocks"] > 16
         assert 0 < row["p50_us"] <= row["p99_us"]
@@ -68,6 +81,7 @@ def test_a_shortened_fan_in_reports_verified_rows_of_the_one_schema() -> None:
 @pytest.mark.parametrize("flags, named", [
     (["--workload", "small-4k", "--decoders", "2"], "--decoders"),
     (["--workload", "fan-in", "--hog", "x"], "--hog"),
+    (["--workload", "small-4k", "--nice", "20"], "--nice"),
 ])
 def test_bad_flags_are_one_line(flags: List[str], named: str) -> None:
     proc = run_bench(*flags, "--transport", "shm")
