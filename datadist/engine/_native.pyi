@@ -129,3 +129,10 @@ def ref_key(a: object, b: object, limit: int, /) -> RefKey | None:
 
 def coalesce(src: _U64Array, dst: _U64Array, lens: _U64Array, /) -> tuple[bytearray, bytearray, bytearray]:
     """The runs with empty ones dropped and neighbours that continue each other merged."""
+
+def meter_bounds(bounds: Buffer, /) -> None:
+    """The latency histogram's bucket bounds (int64 nanoseconds, ascending, at most 64)."""
+
+def meter_moved(cells: Buffer, nbytes: int, start: float, /) -> None:
+    """Count a transfer of ``nbytes`` begun at ``start`` (``time.monotonic``) into the int64
+    ``cells`` [bytes, nanoseconds, bucket 0 .. bucket B]; runs with the GIL held."""

@@ -3,6 +3,9 @@ how the metrics endpoint is configured (datadist.MetricsPort, DATADIST_METRICS_P
 from __future__ import annotations
 
 import threading
+import time
+from array import array
+from bisect import bisect_left
 
 import numpy as np
 import pytest
@@ -12,7 +15,8 @@ from datadist._options import parse_options
 from datadist.engine.errors import EngineError, Fault
 from datadist.engine.layout import Plan, plan_units
 from datadist.engine.link import Link
-from datadist.engine.metrics import LATENCY_BOUNDS, EngineMetrics
+from datadist.engine import _native
+from datadist.engine.metrics import LATENCY_BOUNDS, EngineMetrics, LinkMeter, OpCounts
 from datadist.engine.transports.base import RemoteCache
 from fakes import FakeTransport
 
@@ -91,6 +95,35 @@ def test_a_transfer_that_never_gets_the_busy_link_is_counted_as_a_timeout() -> N
     snap = metrics.snapshot()
     assert _rows(metrics) == {("pull_blocks", FakeTransport.name, "LLM_TIMEOUT"): (1, 0)}
     assert snap["timeouts"] == {"pull_blocks": 1}
+
+
+@pytest.mark.parametrize("latency", [7e-4, 0.3, 20.0, 3.5])
+def test_a_counted_transfer_lands_in_the_bucket_python_would_choose(latency: float) -> None:
+    """meter_moved (C) counts bytes, nanoseconds and one bucket as OpCounts.observe would;
+    the latencies sit far from every bound (a call takes microseconds)."""
+    meter = LinkMeter(lambda: "tcp")
+    start = time.monotonic() - latency
+    meter.moved("pull_blocks", 4096, start)
+    meter.moved("pull_blocks", 1, start)
+    after = time.monotonic() - start
+    counts = meter.ops["pull_blocks"]
+    expected = [0] * (len(LATENCY_BOUNDS) + 1)
+    expected[bisect_left(LATENCY_BOUNDS, latency)] = 2
+    assert counts.buckets == expected and counts.bytes == 4097 and counts.ok == 2
+    assert 2 * latency <= counts.seconds <= 2 * after
+    assert all(c.bytes == 0 and not any(c.buckets) for op, c in meter.ops.items() if op != "pull_blocks")
+    total = OpCounts()
+    total.add(counts)
+    total.add(counts)
+    assert (total.bytes, total.buckets) == (2 * 4097, [2 * n for n in expected])
+
+
+def test_counting_refuses_cells_of_another_shape() -> None:
+    for cells in (array("q", [0] * len(LATENCY_BOUNDS)), bytearray(7), array("q", [0] * 40)):
+        with pytest.raises(ValueError, match="cells"):
+            _native.meter_moved(cells, 1, time.monotonic())
+    with pytest.raises(ValueError, match="ascending"):
+        _native.meter_bounds(array("q", [5, 3]))
 
 
 def test_link_attempts_failures_and_relinks() -> None:
