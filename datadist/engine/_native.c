@@ -676,6 +676,56 @@ static void sum_iov(summer_t *m, const struct iovec *iov, uint64_t r) {
     }
 }
 
+/* The largest summed transfer serve_known serves (its block sums are allocated per request;
+ * larger ones cost their Python path's overhead relatively little). */
+#ifndef DD_FAST_SUMMED_MAX
+#define DD_FAST_SUMMED_MAX (4u << 20)
+#endif
+
+/* CRC-32 (the IEEE polynomial, reflected: zlib's crc32, chained the same way). */
+static uint32_t crc_table[256];
+
+static uint32_t crc32_update(uint32_t crc, const uint8_t *p, uint64_t n) {
+    if (!crc_table[1]) {
+        for (uint32_t i = 0; i < 256; i++) {
+            uint32_t c = i;
+            for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+            crc_table[i] = c;
+        }
+    }
+    crc = ~crc;
+    while (n--) crc = crc_table[(crc ^ *p++) & 0xFF] ^ (crc >> 8);
+    return ~crc;
+}
+
+/* The checksum of an n-byte stream from its summer (checksum.from_block_sums): CRC-32 of
+ * the sums of its whole blocks, then of its tail bytes, with n in the high half. */
+static uint64_t summer_checksum(const summer_t *m, uint64_t n) {
+    uint32_t crc = crc32_update(0, (const uint8_t *)m->sums, (n >> 12) * 16);
+    if (n & 4095) crc = crc32_update(crc, m->tail, n & 4095);
+    return (n & 0xFFFFFFFFu) << 32 | crc;
+}
+
+/* A summer for a whole n-byte stream in memory of its own (free with summer_free);
+ * nblocks 0 when out of memory. */
+static summer_t summer_alloc(uint64_t n) {
+    summer_t m = {calloc((size_t)((n + 4095) >> 12) * 2 + 1, 8), (size_t)((n + 4095) >> 12), 0,
+                  malloc((size_t)(n & 4095) + 1), n - (n & 4095), n & 4095};
+    if (!m.sums || !m.tail) {
+        free(m.sums);
+        free(m.tail);
+        m.sums = NULL;
+        m.tail = NULL;
+        m.nblocks = 0;
+    }
+    return m;
+}
+
+static void summer_free(summer_t *m) {
+    free(m->sums);
+    free(m->tail);
+}
+
 /* Stream the a side of a plan through a socket with writev/readv (send=1 writes the runs,
  * after `head` if given, in the same system calls; send=0 reads into them), for at most
  * timeout_ms.  With a summer `m` the payload's bytes are added to its block sums right
@@ -1248,16 +1298,21 @@ static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t na
  * Reads the next frame's header (header_size bytes; a frame header ends with its two
  * little-endian uint32 lengths, body and arrays) and, if the whole frame is at most limit
  * bytes, the rest of it.  When those bytes are a key of the dict known whose value is a
- * tuple (admitted_epoch, is_push, admitted, bases, offs, lens) and admitted_epoch equals
- * epoch (the registry has not changed since the frame was checked), the request is served
- * here without the GIL: a push's payload is read into the runs (bases x offs, lens) and
- * answer is sent; a pull is answered with answer followed by the runs' bytes.  Nothing of
- * the frame is trusted before it matched a frame checked in full: lengths only bound what
- * is read, never more than limit.
+ * tuple (admitted_epoch, is_push, admitted, bases, offs, lens, summed) and admitted_epoch
+ * equals epoch (the registry has not changed since the frame was checked), the request is
+ * served here without the GIL: a push's payload is read into the runs (bases x offs, lens)
+ * and answer is sent; a pull is answered with answer followed by the runs' bytes.  A
+ * summed transfer of at most DD_FAST_SUMMED_MAX bytes is summed as it moves (the stream
+ * checksum of checksum.py): a pull's payload is followed by its checksum (8 bytes, little
+ * endian); a push's checksum is read after its payload and answer is sent only if the
+ * bytes that arrived sum to it.  Nothing of the frame is trusted before it matched a frame
+ * checked in full: lengths only bound what is read, never more than limit.
  *
  * Returns (0, admitted) when served, (1, header) when the frame is longer than limit
  * (nothing past its header read), (2, frame) when it was read whole but is not served
- * here; OSError (ETIMEDOUT, ECONNRESET, ...) when the socket fails. */
+ * here, (3, admitted, got, sent) when a summed push arrived whole but its bytes sum to got
+ * against the sender's sent (nothing answered: the caller refuses it); OSError
+ * (ETIMEDOUT, ECONNRESET, ...) when the socket fails. */
 static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 7) {
@@ -1297,37 +1352,61 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
     PyObject *value = PyDict_GetItemWithError(known, frame);  /* borrowed */
     if (value == NULL && PyErr_Occurred()) { Py_DECREF(frame); return NULL; }
     int same = 0;
-    if (value != NULL && PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 6) {
+    if (value != NULL && PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 7) {
         same = PyObject_RichCompareBool(PyTuple_GET_ITEM(value, 0), epoch, Py_EQ);
         if (same < 0) { Py_DECREF(frame); return NULL; }
     }
     if (!same) return Py_BuildValue("(iN)", 2, frame);
     Py_INCREF(value);  /* the dict may change once the GIL is released */
-    int push = PyObject_IsTrue(PyTuple_GET_ITEM(value, 1));
+    int push = PyObject_IsTrue(PyTuple_GET_ITEM(value, 1)), summed = PyObject_IsTrue(PyTuple_GET_ITEM(value, 6));
     plan_args a;
     int planned = get_plan(&PyTuple_GET_ITEM(value, 3), 3, &a);
     if (planned < 0 && !PyErr_ExceptionMatches(PyExc_ValueError)) { Py_DECREF(value); Py_DECREF(frame); return NULL; }
-    if (planned < 0 || a.nu == 0 || a.nt == 0) {  /* not a plan to serve here */
-        PyErr_Clear();
+    plan_t p = {planned < 0 ? NULL : U64P(a, 0), NULL, planned < 0 ? NULL : U64P(a, 1), NULL,
+                planned < 0 ? NULL : U64P(a, 2), a.nt, a.nu};
+    uint64_t nbytes = planned < 0 ? 0 : plan_bytes(&p);
+    if (planned < 0 || a.nu == 0 || a.nt == 0 || (summed && (nbytes == 0 || nbytes > DD_FAST_SUMMED_MAX))) {
+        PyErr_Clear();  /* not a plan to serve here */
         release_plan(&a);
         Py_DECREF(value);
         return Py_BuildValue("(iN)", 2, frame);
     }
+    summer_t m = {NULL, 0, 0, NULL, UINT64_MAX, 0};
+    if (summed && (m = summer_alloc(nbytes)).nblocks == 0) {
+        release_plan(&a);
+        Py_DECREF(value);
+        Py_DECREF(frame);
+        return PyErr_NoMemory();
+    }
+    summer_t *mp = summed ? &m : NULL;
     const char *ans = PyBytes_AS_STRING(args[6]);
     size_t ans_len = (size_t)PyBytes_GET_SIZE(args[6]);
+    uint64_t got = 0, sent = 0;
+    uint8_t trailer[8];
     Py_BEGIN_ALLOW_THREADS
     if (push) {
-        r = dd_sock_plan((int)fd, 0, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2), NULL, 0, NULL);
-        if (r >= 0) r = dd_sock_plan((int)fd, 1, timeout_ms, 0, NULL, 0, NULL, NULL, ans, ans_len, NULL);
+        r = dd_sock_plan((int)fd, 0, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2), NULL, 0, mp);
+        if (r >= 0 && summed && (r = dd_recv_exact((int)fd, trailer, 8, timeout_ms)) >= 0) {
+            got = summer_checksum(&m, nbytes);
+            for (int i = 7; i >= 0; i--) sent = sent << 8 | trailer[i];
+        }
+        if (r >= 0 && got == sent) r = dd_sock_plan((int)fd, 1, timeout_ms, 0, NULL, 0, NULL, NULL, ans, ans_len, NULL);
     } else {
-        r = dd_sock_plan((int)fd, 1, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2), ans, ans_len,
-                         NULL);
+        r = dd_sock_plan((int)fd, 1, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2), ans, ans_len, mp);
+        if (r >= 0 && summed) {
+            uint64_t c = summer_checksum(&m, nbytes);
+            for (int i = 0; i < 8; i++) trailer[i] = (uint8_t)(c >> (8 * i));
+            r = dd_sock_plan((int)fd, 1, timeout_ms, 0, NULL, 0, NULL, NULL, (const char *)trailer, 8, NULL);
+        }
     }
     Py_END_ALLOW_THREADS
+    if (summed) summer_free(&m);
     release_plan(&a);
     Py_DECREF(frame);
     if (r < 0) { Py_DECREF(value); return result_or_oserror(r); }
-    PyObject *out = Py_BuildValue("(iO)", 0, PyTuple_GET_ITEM(value, 2));
+    PyObject *out = got == sent ? Py_BuildValue("(iO)", 0, PyTuple_GET_ITEM(value, 2))
+                                : Py_BuildValue("(iOKK)", 3, PyTuple_GET_ITEM(value, 2), (unsigned long long)got,
+                                                (unsigned long long)sent);
     Py_DECREF(value);
     return out;
 }

@@ -111,8 +111,9 @@ def sock_plan(fd: int, send: bool, timeout_ms: int, base: _U64Array, off: _U64Ar
     (nothing moved) if the payload would go past the sums or the tail."""
 
 def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, limit: int, timeout_ms: int,
-                answer: bytes, /) -> tuple[int, Any]:
-    """Serve the next frame on ``fd`` if it is a key of ``known`` of the current ``epoch``."""
+                answer: bytes, /) -> tuple[Any, ...]:
+    """Serve the next frame on ``fd`` if it is a key of ``known`` of the current ``epoch``
+    (a summed one of at most 4 MiB summed as it moves)."""
 
 def request(fd: int, head: Buffer, base: _U64Array | None, off: _U64Array | None, len: _U64Array | None,
             answer_len: int, spin_us: int, timeout_ms: int, /) -> bytes:

@@ -98,14 +98,18 @@ def request(fd: int, head: bytes, plan: Optional[Plan], answer_len: int, timeout
 
 
 def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, limit: int, timeout_ms: int,
-                answer: bytes) -> tuple[int, Any]:
+                answer: bytes) -> tuple[Any, ...]:
     """The agent's fast path for a request frame admitted before, in one C call (see
     ``_native.c``): reads the next frame from ``fd`` and, if its bytes are a key of
-    ``known`` whose value ``(epoch, is_push, admitted, bases, offs, lens)`` is of the current
-    ``epoch``, serves it (a push's payload in, ``answer`` out; a pull's ``answer`` and
-    payload out).  Returns ``(0, admitted)`` when served, ``(1, header)`` for a frame longer
-    than ``limit`` (only its header read), ``(2, frame)`` for one read whole but not served."""
-    got: tuple[int, Any] = _native.serve_known(fd, known, epoch, header_size, limit, int(timeout_ms), answer)
+    ``known`` whose value ``(epoch, is_push, admitted, bases, offs, lens, summed)`` is of
+    the current ``epoch``, serves it (a push's payload in, ``answer`` out; a pull's
+    ``answer`` and payload out; a summed one of at most 4 MiB with the stream checksum of
+    :mod:`.checksum`: behind a pull's payload, checked behind a push's before ``answer``).
+    Returns ``(0, admitted)`` when served, ``(1, header)`` for a frame longer than
+    ``limit`` (only its header read), ``(2, frame)`` for one read whole but not served,
+    ``(3, admitted, got, sent)`` for a summed push whose bytes sum to ``got``, not to the
+    sender's ``sent`` (nothing answered)."""
+    got: tuple[Any, ...] = _native.serve_known(fd, known, epoch, header_size, limit, int(timeout_ms), answer)
     return got
 
 

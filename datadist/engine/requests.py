@@ -61,18 +61,19 @@ class _Admitted(NamedTuple):
 
     def known(self) -> "Union[_Admitted, _Served]":
         """What the memory of admitted frames keeps for this request: for a host plan the
-        tuple the C fast path serves from (:func:`native.serve_known`), else itself (the
-        Python path serves it: staging device memory, checking a summed payload)."""
+        tuple the C fast path serves from (:func:`native.serve_known`; a summed one too,
+        up to its size limit), else itself (the Python path serves it: staging device
+        memory)."""
         plan, push = self.plan, not isinstance(self.msg, wire.Pull)
         bases, offs = (plan.dst_bases, plan.dst_offs) if push else (plan.src_bases, plan.src_offs)
-        if not plan.on_host or not plan.lens.shape[0] or not bases.shape[0] or self.msg.summed:
+        if not plan.on_host or not plan.lens.shape[0] or not bases.shape[0]:
             return self
-        return (self.epoch, push, self, bases, offs, plan.lens)
+        return (self.epoch, push, self, bases, offs, plan.lens, self.msg.summed)
 
 
-#: ``(epoch, is_push, admitted, bases, offs, lens)``: an admitted host-memory transfer as
-#: the C fast path serves it.
-_Served = tuple[int, bool, _Admitted, np.ndarray, np.ndarray, np.ndarray]
+#: ``(epoch, is_push, admitted, bases, offs, lens, summed)``: an admitted host-memory
+#: transfer as the C fast path serves it.
+_Served = tuple[int, bool, _Admitted, np.ndarray, np.ndarray, np.ndarray, bool]
 _Handler = Callable[[Link, wire.Message, socket.socket], Optional[wire.Message]]
 
 
@@ -117,12 +118,17 @@ class RequestHandler:
         links read their frame here and are served by :meth:`handle_frame`."""
         if isinstance(sock, SSLSocket):
             return wire.read_frame(sock, SERVED, keep=_ADMIT_FRAME)
-        status, got = native.serve_known(sock.fileno(), self._known, self.registry.epoch, wire.HEADER_SIZE,
-                                         _ADMIT_FRAME, self.timeout_ms, wire.OK_FRAME)
+        status, got, *sums = native.serve_known(sock.fileno(), self._known, self.registry.epoch, wire.HEADER_SIZE,
+                                                _ADMIT_FRAME, self.timeout_ms, wire.OK_FRAME)
         if status == 0:
             admitted: _Admitted = got
             if not isinstance(admitted.msg, wire.Pull):
                 self._arrived(link, admitted.rec, admitted.msg)
+            return None
+        if status == 3:  # a summed push arrived damaged: refused, and nobody learns of an arrival
+            refusal = checked.refusal(self._push_from(link), got.msg.nbytes, *sums)
+            sock.settimeout(self.timeout_ms / 1000.0)
+            sock.sendall(wire.encode(refusal))
             return None
         return wire.read_frame(sock, SERVED, got=got, keep=_ADMIT_FRAME)
 
@@ -211,15 +217,17 @@ class RequestHandler:
             self.payload_summed = msg.summed
             return OK
         if msg.summed:
-            refused = checked.serve_push(sock, admitted.plan, self.timeout_ms,
-                                         f"a push from cluster {link.remote_cluster_id} into cluster "
-                                         f"{self.registry.cluster_id}")
+            refused = checked.serve_push(sock, admitted.plan, self.timeout_ms, self._push_from(link))
             if refused is not None:
                 return refused  # nothing arrived, as far as watchers of the cache learn
         else:
             tcp.serve_push(sock, admitted.plan, self.timeout_ms)
         self._arrived(link, admitted.rec, msg)
         return OK
+
+    def _push_from(self, link: Link) -> str:
+        """A push of ``link``'s peer, as messages name it."""
+        return f"a push from cluster {link.remote_cluster_id} into cluster {self.registry.cluster_id}"
 
     def _serve_collective(self, link: Link, msg: wire.Push, sock: socket.socket, status: int,
                           why: str, device: str) -> Optional[wire.Reply]:

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from datadist.engine import native, requests, wire
+from datadist.engine.checksum import StreamSum
+from datadist.engine.errors import Fault
 from datadist.engine.link import Link
 from datadist.engine.notes import NoteBox
 from datadist.engine.registry import Registry
@@ -221,7 +223,8 @@ def test_hostile_lengths_are_bounded_before_anything_is_read_or_allocated(served
 def test_a_known_frame_of_another_epoch_is_read_not_served(served) -> None:
     handler, reg, memory, ours, peer = served
     frame = _frame(1, memory)
-    admitted = ("not an epoch", True, None, np.zeros(2, np.uint64), np.zeros(1, np.uint64), np.zeros(1, np.uint64))
+    admitted = ("not an epoch", True, None, np.zeros(2, np.uint64), np.zeros(1, np.uint64), np.zeros(1, np.uint64),
+                False)
     peer.sendall(frame)
     status, got = native.serve_known(ours.fileno(), {frame: admitted}, reg.epoch, wire.HEADER_SIZE, 4096, 1000,
                                      wire.OK_FRAME)
@@ -251,3 +254,91 @@ def test_a_request_writes_frame_and_runs_and_returns_the_answers_first_bytes() -
     finally:
         a.close()
         b.close()
+
+
+#: Blocks of the summed transfers: 2 tensors x 2 blocks of 5000 bytes cross 4 KiB blocks
+#: of the stream and end inside one (a tail).
+SUMMED = 5000
+
+
+@pytest.fixture
+def summed_cache() -> Iterator[tuple[RequestHandler, Registry, np.ndarray, socket.socket, socket.socket, Link]]:
+    reg = Registry(5, 1)
+    memory = np.zeros((2, 3 * SUMMED), dtype=np.uint8)
+    reg.add(dict(num_tensors=2, tensor_size=3 * SUMMED, batch_size=3, is_blocks=True, dtype="INT8",
+                 addrs=np.array([memory[0].ctypes.data, memory[1].ctypes.data], np.uint64)))
+    ours, peer = socket.socketpair()
+    ours.settimeout(5)
+    peer.settimeout(5)
+    link = Link(remote_cluster_id=9, remote_role=0, peer_pid=0, timeout_ms=5000, is_client=False)
+    with ours, peer:
+        yield requests.RequestHandler(reg, NoteBox(), 5000), reg, memory, ours, peer, link
+
+
+def _summed_frame(reg: Registry, memory: np.ndarray, pull: bool) -> bytes:
+    """Blocks 1 and 2 of both tensors, summed."""
+    base = np.array([memory[0].ctypes.data, memory[1].ctypes.data], np.uint64)
+    cls = wire.Pull if pull else wire.Push
+    return wire.encode(cls(cache_id=1, epoch=reg.epoch, nbytes=4 * SUMMED, summed=True,
+                           arrays=[base, np.array([SUMMED], np.uint64), np.array([2 * SUMMED], np.uint64)]))
+
+
+def _checksum(data: bytes) -> int:
+    summed = StreamSum(len(data))
+    summed.add(np.frombuffer(data, dtype=np.uint8))
+    return summed.checksum()
+
+
+def _recv(sock: socket.socket, n: int) -> bytes:
+    got = bytearray()
+    while len(got) < n:
+        got += sock.recv(n - len(got))
+    return bytes(got)
+
+
+def test_the_fast_path_checks_a_known_summed_push(summed_cache) -> None:
+    handler, reg, memory, ours, peer, link = summed_cache
+    frame = _summed_frame(reg, memory, pull=False)
+    rng = np.random.default_rng(5)
+
+    def push(payload: bytes, trailer: int) -> "wire.Frame | None":
+        peer.sendall(frame + payload + trailer.to_bytes(8, "little"))
+        return handler.serve_known(link, ours)
+
+    first = rng.integers(0, 256, 4 * SUMMED, dtype=np.uint8).tobytes()
+    read = push(first, _checksum(first))  # not known yet: read, and checked by the Python path
+    assert read is not None
+    with contextlib.ExitStack() as scope:
+        assert handler.handle_frame(link, read, ours, scope) is requests.OK
+    second = rng.integers(0, 256, 4 * SUMMED, dtype=np.uint8).tobytes()
+    assert push(second, _checksum(second)) is None  # known now: served and checked in C
+    assert _recv(peer, len(wire.OK_FRAME)) == wire.OK_FRAME
+    assert memory[:, SUMMED:].tobytes() == second
+
+    third = rng.integers(0, 256, 4 * SUMMED, dtype=np.uint8).tobytes()
+    assert push(third, _checksum(third[:-1] + bytes([third[-1] ^ 1]))) is None  # one bit off
+    peer.settimeout(5)
+    reply = wire.read_answer(peer)
+    assert isinstance(reply, wire.Reply) and reply.status == int(Fault.LINK_FAILED)
+    assert "checksum mismatch" in reply.message and "not written" in reply.message
+    assert native.spin_readable(ours.fileno(), 1000) is False  # the stream is in step
+    assert push(second, _checksum(second)) is None  # and the next push is served again
+    assert _recv(peer, len(wire.OK_FRAME)) == wire.OK_FRAME
+    assert memory[:, SUMMED:].tobytes() == second
+
+
+def test_the_fast_path_sums_a_known_summed_pull(summed_cache) -> None:
+    handler, reg, memory, ours, peer, link = summed_cache
+    memory[:] = np.random.default_rng(6).integers(0, 256, memory.shape, dtype=np.uint8)
+    frame = _summed_frame(reg, memory, pull=True)
+    peer.sendall(frame)
+    first = handler.serve_known(link, ours)  # admitted by the Python path (which sends nothing here)
+    assert first is not None
+    with contextlib.ExitStack() as scope:
+        assert handler.handle_frame(link, first, ours, scope) is requests.OK
+    peer.sendall(frame)
+    assert handler.serve_known(link, ours) is None  # served in C
+    got = _recv(peer, len(wire.OK_FRAME) + 4 * SUMMED + 8)
+    payload = got[len(wire.OK_FRAME):-8]
+    assert got[:len(wire.OK_FRAME)] == wire.OK_FRAME and payload == memory[:, SUMMED:].tobytes()
+    assert int.from_bytes(got[-8:], "little") == _checksum(payload)

@@ -57,7 +57,7 @@ from .local import host_side
 from .tcp import PushStep, TcpTransport, request_sock, stream_failed
 
 __all__ = ["CheckedTcpTransport", "CheckedPushStep", "TRAILER_SIZE", "serve_push", "send_payload", "sum_half",
-           "sum_request", "one_sided"]
+           "sum_request", "one_sided", "refusal"]
 
 log = logging.getLogger("datadist")
 
@@ -142,9 +142,13 @@ def serve_push(sock: socket.socket, plan: Plan, timeout_ms: int, what: str) -> O
     intact, else the ``LLM_LINK_FAILED`` answer that says so (logged here too)."""
     with host_side(plan, local_is_src=False) as host_plan:
         got, sent = _receive(sock, host_plan, time.monotonic() + timeout_ms / 1000.0)
-    if got == sent:
-        return None
-    why = _mismatch(what, plan.nbytes, got, sent)
+    return None if got == sent else refusal(what, plan.nbytes, got, sent)
+
+
+def refusal(what: str, nbytes: int, got: int, sent: int) -> wire.Reply:
+    """The ``LLM_LINK_FAILED`` answer to a summed push (``what``, for messages) of ``nbytes``
+    whose bytes arrived summing to ``got`` against the sender's ``sent``; logged here."""
+    why = _mismatch(what, nbytes, got, sent)
     log.error("%s", why)
     return wire.Reply(status=int(Fault.LINK_FAILED), message=why)
 
