@@ -1245,20 +1245,23 @@ static PyObject *py_index_array(PyObject *self, PyObject *const *args, Py_ssize_
     return Py_BuildValue("(NLL)", out, (long long)lo, (long long)hi);
 }
 
-/* request(fd, head, base, off, len, answer_len, spin_us, timeout_ms): one request of a link
- * and the first bytes of its answer, in one call without the GIL: writev of the frame head
- * and the runs (base x off, len; base None: no payload), a wait for the answer (spinning
- * spin_us first), and exactly answer_len bytes of it, returned as bytes.  OSError ETIMEDOUT
- * at the deadline (timeout_ms for the whole call), ECONNRESET at end of stream. */
+/* request(fd, head, base, off, len, answer_len, spin_us, timeout_ms[, summed]): one request
+ * of a link and the first bytes of its answer, in one call without the GIL: writev of the
+ * frame head and the runs (base x off, len; base None: no payload), with summed the runs'
+ * stream checksum behind them (8 bytes, little endian; at most FAST_SUMMED_MAX bytes of
+ * runs, else ValueError), a wait for the answer (spinning spin_us first), and exactly
+ * answer_len bytes of it, returned as bytes.  OSError ETIMEDOUT at the deadline
+ * (timeout_ms for the whole call), ECONNRESET at end of stream. */
 static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "request(fd, head, base, off, len, answer_len, spin_us, timeout_ms)");
+    if (nargs != 8 && nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "request(fd, head, base, off, len, answer_len, spin_us, timeout_ms[, summed])");
         return NULL;
     }
     long fd = PyLong_AsLong(args[0]);
     Py_ssize_t answer_len = PyLong_AsSsize_t(args[5]);
     long long spin_us = PyLong_AsLongLong(args[6]), timeout_ms = PyLong_AsLongLong(args[7]);
+    int summed = nargs == 9 ? PyObject_IsTrue(args[8]) : 0;
     if (PyErr_Occurred()) return NULL;
     if (answer_len < 1 || answer_len > 4096) {
         PyErr_SetString(PyExc_ValueError, "request: answer_len must be in [1, 4096]");
@@ -1273,19 +1276,39 @@ static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t na
             return NULL;
         }
     }
+    summer_t m = {NULL, 0, 0, NULL, UINT64_MAX, 0};
+    uint64_t nbytes = 0;
+    if (summed) {
+        plan_t p = {a.held ? U64P(a, 0) : NULL, NULL, a.held ? U64P(a, 1) : NULL, NULL, a.held ? U64P(a, 2) : NULL,
+                    a.nt, a.nu};
+        nbytes = a.held ? plan_bytes(&p) : 0;
+        if (nbytes == 0 || nbytes > DD_FAST_SUMMED_MAX) {
+            release_plan(&a);
+            PyErr_SetString(PyExc_ValueError, "request: a summed payload must be 1 .. FAST_SUMMED_MAX bytes");
+            return NULL;
+        }
+        if ((m = summer_alloc(nbytes)).nblocks == 0) { release_plan(&a); return PyErr_NoMemory(); }
+    }
     Py_buffer head;
-    if (PyObject_GetBuffer(args[1], &head, PyBUF_SIMPLE) < 0) { release_plan(&a); return NULL; }
+    if (PyObject_GetBuffer(args[1], &head, PyBUF_SIMPLE) < 0) { summer_free(&m); release_plan(&a); return NULL; }
     PyObject *answer = PyBytes_FromStringAndSize(NULL, answer_len);
-    if (answer == NULL) { PyBuffer_Release(&head); release_plan(&a); return NULL; }
+    if (answer == NULL) { summer_free(&m); PyBuffer_Release(&head); release_plan(&a); return NULL; }
     char *ans = PyBytes_AS_STRING(answer);
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
     int64_t deadline = now_ms() + timeout_ms;
     r = dd_sock_plan((int)fd, 1, timeout_ms, a.nt, a.held ? U64P(a, 0) : NULL, a.nu, a.held ? U64P(a, 1) : NULL,
-                     a.held ? U64P(a, 2) : NULL, (const char *)head.buf, (size_t)head.len, NULL);
+                     a.held ? U64P(a, 2) : NULL, (const char *)head.buf, (size_t)head.len, summed ? &m : NULL);
+    if (r >= 0 && summed) {
+        uint64_t c = summer_checksum(&m, nbytes);
+        uint8_t trailer[8];
+        for (int i = 0; i < 8; i++) trailer[i] = (uint8_t)(c >> (8 * i));
+        r = dd_sock_plan((int)fd, 1, deadline - now_ms(), 0, NULL, 0, NULL, NULL, (const char *)trailer, 8, NULL);
+    }
     if (r >= 0) r = dd_wait_readable((int)fd, spin_us, deadline - now_ms());
     if (r >= 0) r = dd_recv_exact((int)fd, ans, (uint64_t)answer_len, deadline - now_ms());
     Py_END_ALLOW_THREADS
+    summer_free(&m);
     PyBuffer_Release(&head);
     release_plan(&a);
     if (r < 0) { Py_DECREF(answer); return result_or_oserror(r); }
@@ -1842,6 +1865,10 @@ PyMODINIT_FUNC PyInit__native(void) {
             Py_DECREF(m);
             return NULL;
         }
+    }
+    if (PyModule_AddIntConstant(m, "FAST_SUMMED_MAX", DD_FAST_SUMMED_MAX) < 0) {
+        Py_DECREF(m);
+        return NULL;
     }
     return m;
 }

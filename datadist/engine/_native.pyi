@@ -115,9 +115,12 @@ def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, 
     """Serve the next frame on ``fd`` if it is a key of ``known`` of the current ``epoch``
     (a summed one of at most 4 MiB summed as it moves)."""
 
+FAST_SUMMED_MAX: int
+
 def request(fd: int, head: Buffer, base: _U64Array | None, off: _U64Array | None, len: _U64Array | None,
-            answer_len: int, spin_us: int, timeout_ms: int, /) -> bytes:
-    """Write ``head`` and the runs, wait for the answer, return its first ``answer_len`` bytes."""
+            answer_len: int, spin_us: int, timeout_ms: int, summed: bool = ..., /) -> bytes:
+    """Write ``head`` and the runs (``summed``: and their checksum, at most
+    ``FAST_SUMMED_MAX`` bytes), wait for the answer, return its first ``answer_len`` bytes."""
 
 class RefKey:
     """Two block lists as a hashable key by the identity of their entries."""

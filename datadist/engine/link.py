@@ -133,20 +133,25 @@ class Link(PeerLookups, LinkLife):
         fail(Fault.LINK_FAILED, f"protocol error on link to cluster {self.remote_cluster_id}")
 
     # -- requests ------------------------------------------------------------------------
-    def rpc(self, msg: Union[wire.Message, bytes], deadline: float, send_plan: Optional[Plan] = None) -> wire.Message:
+    def rpc(self, msg: Union[wire.Message, bytes], deadline: float, send_plan: Optional[Plan] = None,
+            summed: bool = False) -> wire.Message:
         """Send ``msg`` (a message, or one encoded before) and the source runs of
         ``send_plan`` right after it on the request connection, and read the answer, all
         before ``deadline``.  A timeout or socket error breaks the link (the stream can
         no longer be trusted).  A frame encoded before goes out over a plain socket in one
-        C call that writes it with the runs and reads the answer's first bytes."""
+        C call that writes it with the runs and reads the answer's first bytes; ``summed``
+        (only for such a call: a plain socket and an encoded frame) puts the runs'
+        checksum behind them in it."""
         sock = self._request_sock()
         if not isinstance(msg, bytes) or isinstance(sock, SSLSocket):
+            assert not summed, "a summed request goes through the C call only"
             self.send_request(msg, deadline, send_plan)
             return self.read_reply(deadline)
         try:
             spin = self.req_spin.spin_us(LOAD.busy())
             started = time.perf_counter()
-            head = native.request(sock.fileno(), msg, send_plan, len(wire.OK_FRAME), native.ms_until(deadline), spin)
+            head = native.request(sock.fileno(), msg, send_plan, len(wire.OK_FRAME), native.ms_until(deadline), spin,
+                                  summed)
             self.req_spin.outcome(spin, (time.perf_counter() - started) * 1e6)
             if head == wire.OK_FRAME:
                 return wire.OK

@@ -35,7 +35,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
     ) from exc
 
 __all__ = ["ms_until", "peer_closed", "int_key", "ref_key", "request", "serve_known", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "copy_plan_stream", "sum_plan", "sum_blocks", "sum_stream", "StreamSums", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "spin_readable", "COPY_THREADS",
-           "SPIN_US"]
+           "SPIN_US", "FAST_SUMMED_MAX"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
 COPY_THREADS = max(1, min(4, int(os.environ.get("DATADIST_COPY_THREADS", os.cpu_count() or 1))))
@@ -83,17 +83,23 @@ def ref_key(src: object, dst: object, limit: int) -> Optional[Any]:
     return _native.ref_key(src, dst, limit)
 
 
+#: The largest payload a summed request or a summed answer of the agent's fast path moves
+#: in C (:func:`request`, :func:`serve_known`); larger ones take the Python path.
+FAST_SUMMED_MAX: int = _native.FAST_SUMMED_MAX
+
+
 def request(fd: int, head: bytes, plan: Optional[Plan], answer_len: int, timeout_ms: int,
-            spin_us: int = SPIN_US) -> bytes:
+            spin_us: int = SPIN_US, summed: bool = False) -> bytes:
     """One request on a non-blocking socket ``fd`` in one call: ``head`` (a frame) and the
-    plan's source runs written, the answer awaited (polling ``spin_us`` before sleeping)
-    and its first ``answer_len`` bytes returned.  ``TimeoutError`` after ``timeout_ms``,
-    ``ConnectionResetError`` if the stream ends."""
+    plan's source runs written (``summed``: summed as they go, their stream checksum behind
+    them; 1 to :data:`FAST_SUMMED_MAX` bytes), the answer awaited (polling ``spin_us``
+    before sleeping) and its first ``answer_len`` bytes returned.  ``TimeoutError`` after
+    ``timeout_ms``, ``ConnectionResetError`` if the stream ends."""
     if plan is None:
         got: bytes = _native.request(fd, head, None, None, None, answer_len, spin_us, int(timeout_ms))
     else:
         got = _native.request(fd, head, plan.src_bases, plan.src_offs, plan.lens, answer_len, spin_us,
-                              int(timeout_ms))
+                              int(timeout_ms), summed)
     return got
 
 

@@ -37,7 +37,8 @@ class FakeChannel:
         answer = self.answers.popleft()
         return answer(msg, plan) if callable(answer) else answer
 
-    def rpc(self, msg: wire.Message | bytes, deadline: float, send_plan: Optional[Plan] = None) -> wire.Message:
+    def rpc(self, msg: wire.Message | bytes, deadline: float, send_plan: Optional[Plan] = None,
+            summed: bool = False) -> wire.Message:
         if isinstance(msg, bytes):  # a frame encoded before: recorded as the message it carries
             cls, blen, _ = wire.parse_header(msg[:wire.HEADER_SIZE])
             msg = wire.decode_frame(cls, msg[wire.HEADER_SIZE:], blen)

@@ -342,3 +342,28 @@ def test_the_fast_path_sums_a_known_summed_pull(summed_cache) -> None:
     payload = got[len(wire.OK_FRAME):-8]
     assert got[:len(wire.OK_FRAME)] == wire.OK_FRAME and payload == memory[:, SUMMED:].tobytes()
     assert int.from_bytes(got[-8:], "little") == _checksum(payload)
+
+
+def test_a_summed_request_puts_the_payloads_checksum_behind_it() -> None:
+    from datadist.engine.layout import Plan
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.settimeout(5)
+    with a, b:
+        payload = np.random.default_rng(7).integers(0, 256, 3 * SUMMED, dtype=np.uint8)
+        zero = np.zeros(1, np.uint64)
+        plan = Plan(np.array([payload.ctypes.data], np.uint64), zero, np.array([100, 2 * SUMMED], np.uint64),
+                    np.zeros(2, np.uint64), np.array([SUMMED, SUMMED - 100], np.uint64))
+        b.sendall(b"answer")
+        assert native.request(a.fileno(), b"HEAD", plan, 6, 1000, 0, True) == b"answer"
+        sent = payload[100:100 + SUMMED].tobytes() + payload[2 * SUMMED:3 * SUMMED - 100].tobytes()
+        got = _recv(b, 4 + len(sent) + 8)
+        assert got[:4] == b"HEAD" and got[4:-8] == sent
+        assert int.from_bytes(got[-8:], "little") == _checksum(sent)
+        big = Plan(plan.src_bases, zero, zero, zero, np.array([native.FAST_SUMMED_MAX + 1], np.uint64))
+        for bad in (None, big):
+            with pytest.raises(ValueError, match="summed"):
+                native._native.request(a.fileno(), b"x", *((None,) * 3 if bad is None else
+                                                          (bad.src_bases, bad.src_offs, bad.lens)), 4, 0, 100, True)
+        assert native.spin_readable(b.fileno(), 1000) is False  # nothing was sent for them

@@ -75,7 +75,8 @@ class Channel(Protocol):
     #: The stream this end's requests (and a pull's payload) travel on.
     req_sock: Optional[socket.socket]
 
-    def rpc(self, msg: wire.Message | bytes, deadline: float, send_plan: Optional[Plan] = None) -> wire.Message:
+    def rpc(self, msg: wire.Message | bytes, deadline: float, send_plan: Optional[Plan] = None,
+            summed: bool = False) -> wire.Message:
         """Send ``msg`` (or its frame, encoded before; then ``send_plan``'s bytes) and read
         the reply, before ``deadline``."""
 
