@@ -41,7 +41,8 @@ from .planning import BlockList, Side, block_list_arg, blocks_plan, check_nonemp
 from .registry import CacheRecord, Registry
 from .transports.base import Prepared, RemoteCache
 
-__all__ = ["PreparedTransfer", "PlanMemory", "PLANS_PER_HANDLE", "PLAN_BLOCKS_PER_HANDLE", "MAX_BATCH"]
+__all__ = ["PreparedTransfer", "PlanMemory", "PLANS_PER_HANDLE", "PLAN_BLOCKS_PER_HANDLE", "MAX_BATCH", "SPARSE_AFTER",
+           "SPARSE_KEEP"]
 
 #: Block lists whose plans a prepared transfer remembers (the most recent ones).
 PLANS_PER_HANDLE = 32
@@ -50,6 +51,10 @@ MAX_BATCH = 256
 #: Entries of the block lists whose plans a prepared transfer remembers, all together: a
 #: plan and its key take about 40 bytes per entry, so one holds at most about 1.3 MiB.
 PLAN_BLOCKS_PER_HANDLE = 32768
+#: Misses in a row after which a prepared transfer remembers only every ``SPARSE_KEEP``-th
+#: new plan: block lists that never repeat (random blocks per call) would otherwise pay
+#: for keys and evictions that nothing finds again (a tenth of a small pull's CPU).
+SPARSE_AFTER, SPARSE_KEEP = 64, 16
 
 
 def _blocks_ident(blocks: object) -> Optional[Hashable]:
@@ -66,12 +71,15 @@ class PlanMemory:
     the lists' entries (``RefKey``: the lists' pointer arrays, no entry visited, 2 us for
     two lists of 4096), then by their values (``IntKey`` pairs, ranges), which a later call
     with equal lists of other int objects finds (13 us at 4096 + 4096: every entry read).
-    A plan is kept under both."""
+    A plan is kept under both.  After :data:`SPARSE_AFTER` misses in a row only every
+    :data:`SPARSE_KEEP`-th new plan is kept, until one is found again: lists that do repeat
+    are then still kept within a few calls, and their first hit restores keeping every one."""
 
-    __slots__ = ("_memo",)
+    __slots__ = ("_memo", "_misses")
 
     def __init__(self) -> None:
         self._memo: Weighed[Hashable, Prepared] = Weighed(PLANS_PER_HANDLE, PLAN_BLOCKS_PER_HANDLE)
+        self._misses = 0  # lookups in a row that found nothing
 
     def find(self, src_blocks: Any, dst_blocks: Any) -> tuple[Optional[Prepared], object]:
         """The plan remembered for these block lists (None if none), and what :meth:`keep`
@@ -80,15 +88,23 @@ class PlanMemory:
         if probe is not None:
             hit = self._memo.get(probe)
             if hit is not None:
+                self._misses = 0
                 return hit, None
         sb, db = _blocks_ident(src_blocks), _blocks_ident(dst_blocks)
         key = (sb, db) if sb is not None and db is not None else None
         hit = self._memo.get(key) if key is not None else None
-        return (hit, None) if hit is not None else (None, (probe, key))
+        if hit is not None:
+            self._misses = 0
+            return hit, None
+        self._misses += 1
+        return None, (probe, key)
 
     def keep(self, keys: object, prepared: Prepared, src_blocks: Sized, dst_blocks: Sized) -> None:
-        """Remember ``prepared`` under the keys :meth:`find` gave (nothing if it gave None)."""
+        """Remember ``prepared`` under the keys :meth:`find` gave (nothing if it gave None,
+        or while lookups keep missing: see the class docstring)."""
         if keys is None:
+            return
+        if self._misses > SPARSE_AFTER and self._misses % SPARSE_KEEP:
             return
         probe, key = cast(Tuple[Any, Optional[Hashable]], keys)
         weight = len(src_blocks) + len(dst_blocks)  # plan arrays and keys grow with the lists

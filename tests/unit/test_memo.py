@@ -82,6 +82,37 @@ def test_plan_memory_finds_a_plan_by_the_lists_identity_or_their_values() -> Non
     assert memory.find(src, dst)[0] is None
 
 
+def test_plan_memory_keeps_few_plans_of_lists_that_never_repeat_until_one_does() -> None:
+    from datadist.engine.prepared import SPARSE_AFTER, SPARSE_KEEP, PlanMemory
+
+    memory = PlanMemory()
+    kept = []
+    for i in range(SPARSE_AFTER + 4 * SPARSE_KEEP):  # every list new: each lookup misses
+        src, dst = [i, i + 1], [7, 8]
+        hit, keys = memory.find(src, dst)
+        assert hit is None
+        plan: Any = ("plan", i)
+        memory.keep(keys, plan, src, dst)
+        if memory.find([i, i + 1], [7, 8])[0] is plan:
+            kept.append(i)
+    # all of the first SPARSE_AFTER were kept (each found again at once, which resets the
+    # count); then still all: every keep is followed by a hit here.
+    assert len(kept) == SPARSE_AFTER + 4 * SPARSE_KEEP
+
+    memory = PlanMemory()
+    for i in range(SPARSE_AFTER + 4 * SPARSE_KEEP):  # misses only, no lookup finds anything
+        hit, keys = memory.find([i, i + 1], [7, 8])
+        memory.keep(keys, ("plan", i), [i, i + 1], [7, 8])
+    found = [i for i in range(SPARSE_AFTER + 1, SPARSE_AFTER + 4 * SPARSE_KEEP)
+             if memory.find([i, i + 1], [7, 8])[0] == ("plan", i)]
+    assert found and len(found) <= 4  # past SPARSE_AFTER misses only every SPARSE_KEEP-th is kept
+    repeated = found[-1]
+    assert memory.find([repeated, repeated + 1], [7, 8])[0] == ("plan", repeated)
+    src, dst = [10 ** 6, 1], [2, 3]  # after that hit every new plan is kept again
+    memory.keep(memory.find(src, dst)[1], "again", src, dst)
+    assert memory.find(src, dst)[0] == "again"
+
+
 def test_coalesce_merges_exactly_the_runs_that_continue_each_other() -> None:
     import numpy as np
 
