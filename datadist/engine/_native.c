@@ -1159,6 +1159,65 @@ static PyObject *py_sock_plan(PyObject *self, PyObject *const *args, Py_ssize_t 
     return result_or_oserror(r);
 }
 
+/* sock_summed(fd, send, timeout_ms, base, off, len[, head]): a summed payload of 1 ..
+ * FAST_SUMMED_MAX bytes through a non-blocking socket in one call: send=1 writes head
+ * (if given) and the runs, summed as they go, then their stream checksum (8 bytes, little
+ * endian), and returns it; send=0 reads the runs, summing them, then the sender's
+ * checksum, and returns (checksum of what arrived, the sender's).  timeout_ms for each of
+ * the two steps; OSError as sock_plan. */
+static PyObject *py_sock_summed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6 && nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "sock_summed(fd, send, timeout_ms, base, off, len[, head])");
+        return NULL;
+    }
+    long fd = PyLong_AsLong(args[0]);
+    int send = PyObject_IsTrue(args[1]);
+    long long timeout_ms = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    plan_args a;
+    if (get_plan(args + 3, 3, &a) < 0) return NULL;
+    uint64_t nbytes = plan_bytes(&(plan_t){U64P(a, 0), U64P(a, 0), U64P(a, 1), U64P(a, 1), U64P(a, 2), a.nt, a.nu});
+    if (nbytes == 0 || nbytes > DD_FAST_SUMMED_MAX) {
+        release_plan(&a);
+        PyErr_SetString(PyExc_ValueError, "sock_summed: a summed payload must be 1 .. FAST_SUMMED_MAX bytes");
+        return NULL;
+    }
+    Py_buffer head = {0};
+    if (nargs == 7 && args[6] != Py_None) {
+        if (!send) { release_plan(&a); PyErr_SetString(PyExc_ValueError, "head is for sending"); return NULL; }
+        if (PyObject_GetBuffer(args[6], &head, PyBUF_SIMPLE) < 0) { release_plan(&a); return NULL; }
+    }
+    summer_t m = summer_alloc(nbytes);
+    if (m.nblocks == 0) {
+        if (head.buf) PyBuffer_Release(&head);
+        release_plan(&a);
+        return PyErr_NoMemory();
+    }
+    uint64_t mine = 0, theirs = 0;
+    uint8_t trailer[8];
+    int64_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = dd_sock_plan((int)fd, send, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2),
+                     (const char *)head.buf, head.buf ? (size_t)head.len : 0, &m);
+    if (r >= 0) {
+        mine = summer_checksum(&m, nbytes);
+        if (send) {
+            for (int i = 0; i < 8; i++) trailer[i] = (uint8_t)(mine >> (8 * i));
+            r = dd_sock_plan((int)fd, 1, timeout_ms, 0, NULL, 0, NULL, NULL, (const char *)trailer, 8, NULL);
+        } else if ((r = dd_recv_exact((int)fd, trailer, 8, timeout_ms)) >= 0) {
+            for (int i = 7; i >= 0; i--) theirs = theirs << 8 | trailer[i];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    summer_free(&m);
+    if (head.buf) PyBuffer_Release(&head);
+    release_plan(&a);
+    if (r < 0) return result_or_oserror(r);
+    return send ? PyLong_FromUnsignedLongLong(mine) : Py_BuildValue("(KK)", (unsigned long long)mine,
+                                                                    (unsigned long long)theirs);
+}
+
 static PyObject *py_wait_readable(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "wait_readable(fd, spin_us, timeout_ms)"); return NULL; }
@@ -1848,6 +1907,8 @@ static PyMethodDef methods[] = {
      "int fn(dst, src, bytes, stream) per run until one returns non-zero"},
     {"cma_plan", (PyCFunction)(void (*)(void))py_cma_plan, METH_FASTCALL,
      "cma_plan(pid, write, lbase, rbase, loff, roff, len) -> bytes moved (OSError on failure)"},
+    {"sock_summed", (PyCFunction)(void (*)(void))py_sock_summed, METH_FASTCALL,
+     "sock_summed(fd, send, timeout_ms, base, off, len[, head]) -> checksum | (got, sent)"},
     {"sock_plan", (PyCFunction)(void (*)(void))py_sock_plan, METH_FASTCALL,
      "sock_plan(fd, send, timeout_ms, base, off, len[, head]) -> payload bytes moved (OSError on failure)"},
     {NULL, NULL, 0, NULL},

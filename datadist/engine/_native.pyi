@@ -140,3 +140,8 @@ def meter_bounds(bounds: Buffer, /) -> None:
 def meter_moved(cells: Buffer, nbytes: int, start: float, /) -> None:
     """Count a transfer of ``nbytes`` begun at ``start`` (``time.monotonic``) into the int64
     ``cells`` [bytes, nanoseconds, bucket 0 .. bucket B]; runs with the GIL held."""
+
+def sock_summed(fd: int, send: bool, timeout_ms: int, base: _U64Array, off: _U64Array, len: _U64Array,
+                head: Buffer | None = ..., /) -> Any:
+    """A summed payload (1 to ``FAST_SUMMED_MAX`` bytes) and its checksum through ``fd``:
+    sending returns the checksum sent, receiving ``(checksum of what arrived, the sender's)``."""

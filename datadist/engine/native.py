@@ -12,7 +12,7 @@ import functools
 import os
 import time
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Tuple, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -35,7 +35,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
     ) from exc
 
 __all__ = ["ms_until", "peer_closed", "int_key", "ref_key", "request", "serve_known", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "copy_plan_stream", "sum_plan", "sum_blocks", "sum_stream", "StreamSums", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "spin_readable", "COPY_THREADS",
-           "SPIN_US", "FAST_SUMMED_MAX"]
+           "SPIN_US", "FAST_SUMMED_MAX", "send_summed", "recv_summed"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
 COPY_THREADS = max(1, min(4, int(os.environ.get("DATADIST_COPY_THREADS", os.cpu_count() or 1))))
@@ -209,17 +209,12 @@ class StreamSums(Protocol):
 
 def _sock(fd: int, send: bool, timeout_ms: int, bases: U64Array, offs: U64Array, lens: U64Array,
           head: Optional[_Buffer] = None, summed: Optional[StreamSums] = None) -> int:
-    try:
-        if summed is None:
-            return _native.sock_plan(fd, send, int(timeout_ms), bases, offs, lens, head)
-        moved = _native.sock_plan(fd, send, int(timeout_ms), bases, offs, lens, head, summed.sums, summed.pos,
-                                  summed.tail, summed.tail_start)
-        summed.pos += moved
-        return moved
-    except OSError as exc:
-        if exc.errno == errno.ETIMEDOUT:
-            raise TimeoutError(errno.ETIMEDOUT, f"socket transfer did not finish in {timeout_ms} ms") from None
-        raise
+    if summed is None:
+        return cast(int, _timed_out(_native.sock_plan, fd, send, timeout_ms, bases, offs, lens, head))
+    moved = cast(int, _timed_out(_native.sock_plan, fd, send, timeout_ms, bases, offs, lens, head, summed.sums,
+                                 summed.pos, summed.tail, summed.tail_start))
+    summed.pos += moved
+    return moved
 
 
 def sock_send(fd: int, plan: Plan, timeout_ms: int, head: _Buffer | None = None,
@@ -235,6 +230,31 @@ def sock_recv(fd: int, plan: Plan, timeout_ms: int, summed: Optional[StreamSums]
     (with ``summed``: summing them as they arrive).  Raises ``ConnectionResetError`` if the
     stream ends first, ``TimeoutError`` at the deadline."""
     return _sock(fd, False, timeout_ms, plan.dst_bases, plan.dst_offs, plan.lens, None, summed)
+
+
+def send_summed(fd: int, plan: Plan, timeout_ms: int, head: _Buffer | None = None) -> int:
+    """:func:`sock_send` of ``head`` and a summed payload of 1 to :data:`FAST_SUMMED_MAX`
+    bytes, then its checksum (8 bytes, little endian), in one C call; returns the checksum."""
+    return cast(int, _timed_out(_native.sock_summed, fd, True, timeout_ms, plan.src_bases, plan.src_offs,
+                                plan.lens, head))
+
+
+def recv_summed(fd: int, plan: Plan, timeout_ms: int) -> tuple[int, int]:
+    """:func:`sock_recv` of a summed payload of 1 to :data:`FAST_SUMMED_MAX` bytes and the
+    checksum behind it, in one C call: ``(checksum of what arrived, the sender's)``."""
+    return cast(tuple[int, int], _timed_out(_native.sock_summed, fd, False, timeout_ms, plan.dst_bases,
+                                            plan.dst_offs, plan.lens))
+
+
+def _timed_out(call: Callable[..., Any], fd: int, send: bool, timeout_ms: int, *args: Any) -> Any:
+    """``call(fd, send, timeout_ms, *args)`` (a socket transfer in C), its ETIMEDOUT raised
+    as ``TimeoutError``."""
+    try:
+        return call(fd, send, int(timeout_ms), *args)
+    except OSError as exc:
+        if exc.errno == errno.ETIMEDOUT:
+            raise TimeoutError(errno.ETIMEDOUT, f"socket transfer did not finish in {timeout_ms} ms") from None
+        raise
 
 
 def wait_readable(fd: int, timeout_ms: int, spin_us: int = SPIN_US) -> None:

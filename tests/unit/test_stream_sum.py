@@ -124,3 +124,51 @@ def test_a_plan_summed_by_threads_sums_as_one_thread_does(runs):
     assert summed(3) == summed(4) == one
     tensors[1][int(offs[-1]) + int(lens[-1]) - 1] ^= 1
     assert summed(4) != one
+
+
+@pytest.mark.parametrize("n", [5, 4096, 4097, 100_003, native.FAST_SUMMED_MAX])
+def test_a_summed_payload_in_one_c_call_carries_the_checksum_of_its_bytes(n):
+    """send_summed / recv_summed (payload and checksum in one call each, the CRC in C) agree
+    with the checksum of the bytes as the pool and StreamSum compute it (zlib's CRC)."""
+    rng = np.random.default_rng(n)
+    data = rng.integers(0, 256, n + 64, dtype=np.uint8)
+    out = np.zeros(n + 64, dtype=np.uint8)
+    # two runs, the second before the first in memory: plan order is stream order
+    half = n // 2
+    one = lambda *v: np.array(v, dtype=np.uint64)  # noqa: E731
+    plan = Plan(one(data.ctypes.data), one(out.ctypes.data), one(64 + half, 0), one(0, n - half + 64),
+                one(n - half, half))
+    stream = np.concatenate([data[64 + half:64 + n], data[:half]])
+    a, b = socket.socketpair()
+    a.settimeout(10)  # non-blocking descriptors, as the C calls need; Python's own calls wait
+    b.settimeout(10)
+    with a, b:
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(native.recv_summed(b.fileno(), plan, 10_000)))
+        t.start()
+        sent = native.send_summed(a.fileno(), plan, 10_000, b"")
+        t.join(30)
+        assert got == [(sent, sent)] and sent == checksum(stream)
+        assert np.array_equal(np.concatenate([out[:n - half], out[n - half + 64:n + 64]]), stream)
+
+        def corrupted() -> None:  # the payload as sent, a checksum one bit off
+            native.sock_send(a.fileno(), plan, 10_000)
+            a.sendall((sent ^ 1).to_bytes(8, "little"))
+
+        t = threading.Thread(target=corrupted)
+        t.start()
+        mine, theirs = native.recv_summed(b.fileno(), plan, 10_000)
+        t.join(30)
+        assert (mine, theirs) == (sent, sent ^ 1)
+
+
+def test_summed_payloads_of_no_bytes_or_past_the_limit_are_refused():
+    one = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731
+    a, b = socket.socketpair()
+    with a, b:
+        for length in (0, native.FAST_SUMMED_MAX + 1):
+            plan = Plan(one(0), one(0), one(0), one(0), one(length))
+            with pytest.raises(ValueError, match="FAST_SUMMED_MAX"):
+                native.send_summed(a.fileno(), plan, 100)
+            with pytest.raises(ValueError, match="FAST_SUMMED_MAX"):
+                native.recv_summed(b.fileno(), plan, 100)

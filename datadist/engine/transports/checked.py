@@ -72,6 +72,9 @@ _NOT_WRITTEN = "the destination blocks of this transfer are not written (their c
 def send_payload(sock: socket.socket, plan: Plan, head: bytes, deadline: float) -> None:
     """Send ``head`` (a frame), the plan's source runs summed as they go, and then their
     checksum; ``OSError`` (``TimeoutError`` at ``deadline``) as the socket calls raise it."""
+    if not isinstance(sock, SSLSocket) and 0 < plan.nbytes <= native.FAST_SUMMED_MAX:
+        native.send_summed(sock.fileno(), plan, native.ms_until(deadline), head)  # all of it in one C call
+        return
     summed = StreamSum(plan.nbytes)
     if isinstance(sock, SSLSocket):
         tls.send_plan(sock, plan, deadline, head, summed)
@@ -84,6 +87,8 @@ def send_payload(sock: socket.socket, plan: Plan, head: bytes, deadline: float) 
 def _receive(sock: socket.socket, plan: Plan, deadline: float) -> tuple[int, int]:
     """Read the plan's destination runs, summing them, and the checksum behind them:
     ``(checksum of what arrived, the sender's)``."""
+    if not isinstance(sock, SSLSocket) and 0 < plan.nbytes <= native.FAST_SUMMED_MAX:
+        return native.recv_summed(sock.fileno(), plan, native.ms_until(deadline))  # all of it in one C call
     summed = StreamSum(plan.nbytes)
     trailer = bytearray(TRAILER_SIZE)
     if isinstance(sock, SSLSocket):
