@@ -127,8 +127,7 @@ class RequestHandler:
             return None
         if status == 3:  # a summed push arrived damaged: refused, and nobody learns of an arrival
             refusal = checked.refusal(self._push_from(link), got.msg.nbytes, *sums)
-            sock.settimeout(self.timeout_ms / 1000.0)
-            sock.sendall(wire.encode(refusal))
+            sock.sendall(wire.encode(refusal))  # a served socket waits up to the engine's timeout
             return None
         return wire.read_frame(sock, SERVED, got=got, keep=_ADMIT_FRAME)
 
