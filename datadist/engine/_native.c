@@ -1117,6 +1117,43 @@ static PyObject *py_cma_plan(PyObject *self, PyObject *const *args, Py_ssize_t n
     return result_or_oserror(r);
 }
 
+/* The arguments (fd, send, timeout_ms, base, off, len[, head]) of sock_plan and
+ * sock_summed: the plan's arrays held in a and head's buffer in head (buf NULL: none; only
+ * for sending). */
+typedef struct {
+    long fd;
+    int send;
+    long long timeout_ms;
+    plan_args a;
+    Py_buffer head;
+} sock_args_t;
+
+/* Parse them into c; -1 with an exception set, nothing held. */
+static int sock_args(PyObject *const *args, Py_ssize_t nargs, sock_args_t *c) {
+    c->fd = PyLong_AsLong(args[0]);
+    c->send = PyObject_IsTrue(args[1]);
+    c->timeout_ms = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return -1;
+    if (get_plan(args + 3, 3, &c->a) < 0) return -1;
+    c->head.buf = NULL;
+    if (nargs >= 7 && args[6] != Py_None) {
+        if (!c->send) { release_plan(&c->a); PyErr_SetString(PyExc_ValueError, "head is for sending"); return -1; }
+        if (PyObject_GetBuffer(args[6], &c->head, PyBUF_SIMPLE) < 0) { release_plan(&c->a); return -1; }
+    }
+    return 0;
+}
+
+/* Bytes the plan of c moves. */
+static uint64_t sock_args_bytes(const sock_args_t *c) {
+    return plan_bytes(&(plan_t){U64P(c->a, 0), U64P(c->a, 0), U64P(c->a, 1), U64P(c->a, 1), U64P(c->a, 2), c->a.nt,
+                                c->a.nu});
+}
+
+static void release_sock_args(sock_args_t *c) {
+    if (c->head.buf) PyBuffer_Release(&c->head);
+    release_plan(&c->a);
+}
+
 static PyObject *py_sock_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 6 && nargs != 7 && nargs != 11) {
@@ -1124,38 +1161,26 @@ static PyObject *py_sock_plan(PyObject *self, PyObject *const *args, Py_ssize_t 
                         "sock_plan(fd, send, timeout_ms, base, off, len[, head[, sums, pos, tail, tail_start]])");
         return NULL;
     }
-    long fd = PyLong_AsLong(args[0]);
-    int send = PyObject_IsTrue(args[1]);
-    long long timeout_ms = PyLong_AsLongLong(args[2]);
-    if (PyErr_Occurred()) return NULL;
-    plan_args a;
-    if (get_plan(args + 3, 3, &a) < 0) return NULL;
-    Py_buffer head = {0};
-    if (nargs >= 7 && args[6] != Py_None) {
-        if (!send) { release_plan(&a); PyErr_SetString(PyExc_ValueError, "head is for sending"); return NULL; }
-        if (PyObject_GetBuffer(args[6], &head, PyBUF_SIMPLE) < 0) { release_plan(&a); return NULL; }
-    }
+    sock_args_t c;
+    if (sock_args(args, nargs, &c) < 0) return NULL;
     summer_t m;
     Py_buffer sviews[2] = {{0}, {0}};
     int summed = nargs == 11;
     if (summed && get_summer(args + 7, &m, sviews) < 0) {
-        if (head.buf) PyBuffer_Release(&head);
-        release_plan(&a);
+        release_sock_args(&c);
         return NULL;
     }
     int64_t r;
-    if (summed && !summer_fits(&m, plan_bytes(&(plan_t){U64P(a, 0), U64P(a, 0), U64P(a, 1), U64P(a, 1),
-                                                         U64P(a, 2), a.nt, a.nu})))
+    if (summed && !summer_fits(&m, sock_args_bytes(&c)))
         r = -ERANGE; /* the stream would leave the sums (or the tail): nothing moved */
     else {
         Py_BEGIN_ALLOW_THREADS
-        r = dd_sock_plan((int)fd, send, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2),
-                         (const char *)head.buf, head.buf ? (size_t)head.len : 0, summed ? &m : NULL);
+        r = dd_sock_plan((int)c.fd, c.send, c.timeout_ms, c.a.nt, U64P(c.a, 0), c.a.nu, U64P(c.a, 1), U64P(c.a, 2),
+                         (const char *)c.head.buf, c.head.buf ? (size_t)c.head.len : 0, summed ? &m : NULL);
         Py_END_ALLOW_THREADS
     }
     if (summed) release_summer(sviews);
-    if (head.buf) PyBuffer_Release(&head);
-    release_plan(&a);
+    release_sock_args(&c);
     return result_or_oserror(r);
 }
 
@@ -1171,50 +1196,39 @@ static PyObject *py_sock_summed(PyObject *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_TypeError, "sock_summed(fd, send, timeout_ms, base, off, len[, head])");
         return NULL;
     }
-    long fd = PyLong_AsLong(args[0]);
-    int send = PyObject_IsTrue(args[1]);
-    long long timeout_ms = PyLong_AsLongLong(args[2]);
-    if (PyErr_Occurred()) return NULL;
-    plan_args a;
-    if (get_plan(args + 3, 3, &a) < 0) return NULL;
-    uint64_t nbytes = plan_bytes(&(plan_t){U64P(a, 0), U64P(a, 0), U64P(a, 1), U64P(a, 1), U64P(a, 2), a.nt, a.nu});
+    sock_args_t c;
+    if (sock_args(args, nargs, &c) < 0) return NULL;
+    uint64_t nbytes = sock_args_bytes(&c);
     if (nbytes == 0 || nbytes > DD_FAST_SUMMED_MAX) {
-        release_plan(&a);
+        release_sock_args(&c);
         PyErr_SetString(PyExc_ValueError, "sock_summed: a summed payload must be 1 .. FAST_SUMMED_MAX bytes");
         return NULL;
     }
-    Py_buffer head = {0};
-    if (nargs == 7 && args[6] != Py_None) {
-        if (!send) { release_plan(&a); PyErr_SetString(PyExc_ValueError, "head is for sending"); return NULL; }
-        if (PyObject_GetBuffer(args[6], &head, PyBUF_SIMPLE) < 0) { release_plan(&a); return NULL; }
-    }
     summer_t m = summer_alloc(nbytes);
     if (m.nblocks == 0) {
-        if (head.buf) PyBuffer_Release(&head);
-        release_plan(&a);
+        release_sock_args(&c);
         return PyErr_NoMemory();
     }
     uint64_t mine = 0, theirs = 0;
     uint8_t trailer[8];
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
-    r = dd_sock_plan((int)fd, send, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2),
-                     (const char *)head.buf, head.buf ? (size_t)head.len : 0, &m);
+    r = dd_sock_plan((int)c.fd, c.send, c.timeout_ms, c.a.nt, U64P(c.a, 0), c.a.nu, U64P(c.a, 1), U64P(c.a, 2),
+                     (const char *)c.head.buf, c.head.buf ? (size_t)c.head.len : 0, &m);
     if (r >= 0) {
         mine = summer_checksum(&m, nbytes);
-        if (send) {
+        if (c.send) {
             for (int i = 0; i < 8; i++) trailer[i] = (uint8_t)(mine >> (8 * i));
-            r = dd_sock_plan((int)fd, 1, timeout_ms, 0, NULL, 0, NULL, NULL, (const char *)trailer, 8, NULL);
-        } else if ((r = dd_recv_exact((int)fd, trailer, 8, timeout_ms)) >= 0) {
+            r = dd_sock_plan((int)c.fd, 1, c.timeout_ms, 0, NULL, 0, NULL, NULL, (const char *)trailer, 8, NULL);
+        } else if ((r = dd_recv_exact((int)c.fd, trailer, 8, c.timeout_ms)) >= 0) {
             for (int i = 7; i >= 0; i--) theirs = theirs << 8 | trailer[i];
         }
     }
     Py_END_ALLOW_THREADS
     summer_free(&m);
-    if (head.buf) PyBuffer_Release(&head);
-    release_plan(&a);
+    release_sock_args(&c);
     if (r < 0) return result_or_oserror(r);
-    return send ? PyLong_FromUnsignedLongLong(mine) : Py_BuildValue("(KK)", (unsigned long long)mine,
+    return c.send ? PyLong_FromUnsignedLongLong(mine) : Py_BuildValue("(KK)", (unsigned long long)mine,
                                                                     (unsigned long long)theirs);
 }
 
