@@ -815,6 +815,26 @@ static int64_t dd_recv_exact(int fd, void *buf, uint64_t len, int64_t timeout_ms
     return len ? dd_sock_plan(fd, 0, timeout_ms, 1, &addr, 1, &zero, &len, NULL, 0, NULL) : 0;
 }
 
+/* Send the stream checksum of the n bytes m summed behind them (8 bytes, little endian)
+ * within timeout_ms; *sum (if given) gets it.  Bytes sent or -errno. */
+static int64_t send_checksum(int fd, const summer_t *m, uint64_t n, int64_t timeout_ms, uint64_t *sum) {
+    uint64_t c = summer_checksum(m, n);
+    uint8_t t[8];
+    for (int i = 0; i < 8; i++) t[i] = (uint8_t)(c >> (8 * i));
+    if (sum) *sum = c;
+    return dd_sock_plan(fd, 1, timeout_ms, 0, NULL, 0, NULL, NULL, (const char *)t, 8, NULL);
+}
+
+/* Read the sender's checksum behind a summed payload into *sent within timeout_ms.
+ * Bytes read or -errno. */
+static int64_t recv_checksum(int fd, int64_t timeout_ms, uint64_t *sent) {
+    uint8_t t[8];
+    int64_t r = dd_recv_exact(fd, t, 8, timeout_ms);
+    *sent = 0;
+    for (int i = 7; i >= 0; i--) *sent = *sent << 8 | t[i];
+    return r;
+}
+
 /* Borrow n uint64 arrays (buffers); fails unless each holds a whole number of uint64. */
 static int get_u64(PyObject *obj, Py_buffer *view, size_t *count) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) < 0) return -1;
@@ -860,6 +880,12 @@ static int get_plan(PyObject *const *objs, int nobj, plan_args *a) {
 }
 
 #define U64P(a, i) ((const uint64_t *)(a).v[i].buf)
+
+/* Bytes a plan half held by get_plan (base, off, len) moves; 0 when none is held. */
+static uint64_t half_bytes(const plan_args *a) {
+    if (a->held < 3) return 0;
+    return plan_bytes(&(plan_t){U64P(*a, 0), U64P(*a, 0), U64P(*a, 1), U64P(*a, 1), U64P(*a, 2), a->nt, a->nu});
+}
 
 static PyObject *result_or_oserror(int64_t r) {
     if (r < 0) {
@@ -1143,12 +1169,6 @@ static int sock_args(PyObject *const *args, Py_ssize_t nargs, sock_args_t *c) {
     return 0;
 }
 
-/* Bytes the plan of c moves. */
-static uint64_t sock_args_bytes(const sock_args_t *c) {
-    return plan_bytes(&(plan_t){U64P(c->a, 0), U64P(c->a, 0), U64P(c->a, 1), U64P(c->a, 1), U64P(c->a, 2), c->a.nt,
-                                c->a.nu});
-}
-
 static void release_sock_args(sock_args_t *c) {
     if (c->head.buf) PyBuffer_Release(&c->head);
     release_plan(&c->a);
@@ -1171,7 +1191,7 @@ static PyObject *py_sock_plan(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     int64_t r;
-    if (summed && !summer_fits(&m, sock_args_bytes(&c)))
+    if (summed && !summer_fits(&m, half_bytes(&c.a)))
         r = -ERANGE; /* the stream would leave the sums (or the tail): nothing moved */
     else {
         Py_BEGIN_ALLOW_THREADS
@@ -1198,7 +1218,7 @@ static PyObject *py_sock_summed(PyObject *self, PyObject *const *args, Py_ssize_
     }
     sock_args_t c;
     if (sock_args(args, nargs, &c) < 0) return NULL;
-    uint64_t nbytes = sock_args_bytes(&c);
+    uint64_t nbytes = half_bytes(&c.a);
     if (nbytes == 0 || nbytes > DD_FAST_SUMMED_MAX) {
         release_sock_args(&c);
         PyErr_SetString(PyExc_ValueError, "sock_summed: a summed payload must be 1 .. FAST_SUMMED_MAX bytes");
@@ -1210,19 +1230,15 @@ static PyObject *py_sock_summed(PyObject *self, PyObject *const *args, Py_ssize_
         return PyErr_NoMemory();
     }
     uint64_t mine = 0, theirs = 0;
-    uint8_t trailer[8];
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
     r = dd_sock_plan((int)c.fd, c.send, c.timeout_ms, c.a.nt, U64P(c.a, 0), c.a.nu, U64P(c.a, 1), U64P(c.a, 2),
                      (const char *)c.head.buf, c.head.buf ? (size_t)c.head.len : 0, &m);
-    if (r >= 0) {
+    if (r >= 0 && c.send) {
+        r = send_checksum((int)c.fd, &m, nbytes, c.timeout_ms, &mine);
+    } else if (r >= 0) {
         mine = summer_checksum(&m, nbytes);
-        if (c.send) {
-            for (int i = 0; i < 8; i++) trailer[i] = (uint8_t)(mine >> (8 * i));
-            r = dd_sock_plan((int)c.fd, 1, c.timeout_ms, 0, NULL, 0, NULL, NULL, (const char *)trailer, 8, NULL);
-        } else if ((r = dd_recv_exact((int)c.fd, trailer, 8, c.timeout_ms)) >= 0) {
-            for (int i = 7; i >= 0; i--) theirs = theirs << 8 | trailer[i];
-        }
+        r = recv_checksum((int)c.fd, c.timeout_ms, &theirs);
     }
     Py_END_ALLOW_THREADS
     summer_free(&m);
@@ -1352,9 +1368,7 @@ static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t na
     summer_t m = {NULL, 0, 0, NULL, UINT64_MAX, 0};
     uint64_t nbytes = 0;
     if (summed) {
-        plan_t p = {a.held ? U64P(a, 0) : NULL, NULL, a.held ? U64P(a, 1) : NULL, NULL, a.held ? U64P(a, 2) : NULL,
-                    a.nt, a.nu};
-        nbytes = a.held ? plan_bytes(&p) : 0;
+        nbytes = half_bytes(&a);
         if (nbytes == 0 || nbytes > DD_FAST_SUMMED_MAX) {
             release_plan(&a);
             PyErr_SetString(PyExc_ValueError, "request: a summed payload must be 1 .. FAST_SUMMED_MAX bytes");
@@ -1372,12 +1386,7 @@ static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t na
     int64_t deadline = now_ms() + timeout_ms;
     r = dd_sock_plan((int)fd, 1, timeout_ms, a.nt, a.held ? U64P(a, 0) : NULL, a.nu, a.held ? U64P(a, 1) : NULL,
                      a.held ? U64P(a, 2) : NULL, (const char *)head.buf, (size_t)head.len, summed ? &m : NULL);
-    if (r >= 0 && summed) {
-        uint64_t c = summer_checksum(&m, nbytes);
-        uint8_t trailer[8];
-        for (int i = 0; i < 8; i++) trailer[i] = (uint8_t)(c >> (8 * i));
-        r = dd_sock_plan((int)fd, 1, deadline - now_ms(), 0, NULL, 0, NULL, NULL, (const char *)trailer, 8, NULL);
-    }
+    if (r >= 0 && summed) r = send_checksum((int)fd, &m, nbytes, deadline - now_ms(), NULL);
     if (r >= 0) r = dd_wait_readable((int)fd, spin_us, deadline - now_ms());
     if (r >= 0) r = dd_recv_exact((int)fd, ans, (uint64_t)answer_len, deadline - now_ms());
     Py_END_ALLOW_THREADS
@@ -1458,9 +1467,7 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
     plan_args a;
     int planned = get_plan(&PyTuple_GET_ITEM(value, 3), 3, &a);
     if (planned < 0 && !PyErr_ExceptionMatches(PyExc_ValueError)) { Py_DECREF(value); Py_DECREF(frame); return NULL; }
-    plan_t p = {planned < 0 ? NULL : U64P(a, 0), NULL, planned < 0 ? NULL : U64P(a, 1), NULL,
-                planned < 0 ? NULL : U64P(a, 2), a.nt, a.nu};
-    uint64_t nbytes = planned < 0 ? 0 : plan_bytes(&p);
+    uint64_t nbytes = half_bytes(&a);
     if (planned < 0 || a.nu == 0 || a.nt == 0 || (summed && (nbytes == 0 || nbytes > DD_FAST_SUMMED_MAX))) {
         PyErr_Clear();  /* not a plan to serve here */
         release_plan(&a);
@@ -1478,22 +1485,14 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
     const char *ans = PyBytes_AS_STRING(args[6]);
     size_t ans_len = (size_t)PyBytes_GET_SIZE(args[6]);
     uint64_t got = 0, sent = 0;
-    uint8_t trailer[8];
     Py_BEGIN_ALLOW_THREADS
     if (push) {
         r = dd_sock_plan((int)fd, 0, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2), NULL, 0, mp);
-        if (r >= 0 && summed && (r = dd_recv_exact((int)fd, trailer, 8, timeout_ms)) >= 0) {
-            got = summer_checksum(&m, nbytes);
-            for (int i = 7; i >= 0; i--) sent = sent << 8 | trailer[i];
-        }
+        if (r >= 0 && summed && (r = recv_checksum((int)fd, timeout_ms, &sent)) >= 0) got = summer_checksum(&m, nbytes);
         if (r >= 0 && got == sent) r = dd_sock_plan((int)fd, 1, timeout_ms, 0, NULL, 0, NULL, NULL, ans, ans_len, NULL);
     } else {
         r = dd_sock_plan((int)fd, 1, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2), ans, ans_len, mp);
-        if (r >= 0 && summed) {
-            uint64_t c = summer_checksum(&m, nbytes);
-            for (int i = 0; i < 8; i++) trailer[i] = (uint8_t)(c >> (8 * i));
-            r = dd_sock_plan((int)fd, 1, timeout_ms, 0, NULL, 0, NULL, NULL, (const char *)trailer, 8, NULL);
-        }
+        if (r >= 0 && summed) r = send_checksum((int)fd, &m, nbytes, timeout_ms, NULL);
     }
     Py_END_ALLOW_THREADS
     if (summed) summer_free(&m);
