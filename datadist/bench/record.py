@@ -33,7 +33,8 @@ processes pulling from one prompt at once) reads ``gbps`` as the aggregate of al
 ``p99_us`` as one pull over all pulls; it adds ``decoders``, ``rounds``, ``calls`` (pulls in
 all), ``call_kib`` (payload of one pull) and ``checked_blocks``.  Rows of ``datadist.bench``
 add ``hog``: the busy processes that ran beside the measured ones (``--hog``, 0 without),
-``nice``: the niceness the measured processes ran at (``--nice``, 0 without), and ``checksum``: whether the transfers carried end-to-end checksums (``--checksum``).
+``nice``: the niceness the measured processes ran at (``--nice``, 0 without), and
+``checksum``: whether the transfers carried end-to-end checksums (``--checksum``).
 Other rows may add fields of their own after these.
 """
 from __future__ import annotations

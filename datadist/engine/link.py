@@ -144,7 +144,8 @@ class Link(PeerLookups, LinkLife):
         checksum behind them in it."""
         sock = self._request_sock()
         if not isinstance(msg, bytes) or isinstance(sock, SSLSocket):
-            assert not summed, "a summed request goes through the C call only"
+            if summed:  # sent without its checksum, the peer would wait for one until its deadline
+                raise ValueError("a summed request needs an encoded frame on a plain socket")
             self.send_request(msg, deadline, send_plan)
             return self.read_reply(deadline)
         try:

@@ -69,10 +69,16 @@ _NOTHING = Plan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
 _NOT_WRITTEN = "the destination blocks of this transfer are not written (their contents are undefined)"
 
 
+def _one_call(sock: socket.socket, plan: Plan) -> bool:
+    """Whether a summed payload of ``plan`` and its checksum move through ``sock`` in one C
+    call (a plain socket, 1 to ``native.FAST_SUMMED_MAX`` bytes), not in Python's steps."""
+    return not isinstance(sock, SSLSocket) and 0 < plan.nbytes <= native.FAST_SUMMED_MAX
+
+
 def send_payload(sock: socket.socket, plan: Plan, head: bytes, deadline: float) -> None:
     """Send ``head`` (a frame), the plan's source runs summed as they go, and then their
     checksum; ``OSError`` (``TimeoutError`` at ``deadline``) as the socket calls raise it."""
-    if not isinstance(sock, SSLSocket) and 0 < plan.nbytes <= native.FAST_SUMMED_MAX:
+    if _one_call(sock, plan):
         native.send_summed(sock.fileno(), plan, native.ms_until(deadline), head)  # all of it in one C call
         return
     summed = StreamSum(plan.nbytes)
@@ -87,7 +93,7 @@ def send_payload(sock: socket.socket, plan: Plan, head: bytes, deadline: float) 
 def _receive(sock: socket.socket, plan: Plan, deadline: float) -> tuple[int, int]:
     """Read the plan's destination runs, summing them, and the checksum behind them:
     ``(checksum of what arrived, the sender's)``."""
-    if not isinstance(sock, SSLSocket) and 0 < plan.nbytes <= native.FAST_SUMMED_MAX:
+    if _one_call(sock, plan):
         return native.recv_summed(sock.fileno(), plan, native.ms_until(deadline))  # all of it in one C call
     summed = StreamSum(plan.nbytes)
     trailer = bytearray(TRAILER_SIZE)
@@ -119,7 +125,7 @@ class CheckedPushStep(PushStep):
             stream_failed(self.link, exc, "push")
 
     def __call__(self, deadline: float) -> bool:
-        if self.plan.nbytes <= native.FAST_SUMMED_MAX and not isinstance(request_sock(self.link), SSLSocket):
+        if _one_call(request_sock(self.link), self.plan):
             # frame, payload summed as it goes, its checksum and the answer: one C call
             check_reply(self.link, self.link.rpc(self.frame, deadline, send_plan=self.plan, summed=True))
             return True
