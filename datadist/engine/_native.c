@@ -727,31 +727,39 @@ static void summer_free(summer_t *m) {
 }
 
 /* Stream the a side of a plan through a socket with writev/readv (send=1 writes the runs,
- * after `head` if given, in the same system calls; send=0 reads into them), for at most
- * timeout_ms.  With a summer `m` the payload's bytes are added to its block sums right
- * after each system call moved them (still in the cache): a checksum of what was sent or
- * received, at no pass of its own over memory.  The descriptor must be non-blocking
- * (Python sockets with a timeout are).  Returns bytes moved, -ETIMEDOUT, -ECONNRESET at
- * end of stream, or -errno. */
-static int64_t dd_sock_plan(int fd, int send, int64_t timeout_ms, size_t nt, const uint64_t *base,
-                     size_t nu, const uint64_t *off, const uint64_t *len, const char *head,
-                     size_t head_len, summer_t *m) {
-    plan_t p = {base, base, off, off, len, nt, nu};
+ * after `head` and before `trail` if given, in the same system calls; send=0 reads into
+ * the runs, then `trail`), for at most timeout_ms.  With a summer `m` the payload's bytes
+ * are added to its block sums right after each system call moved them (still in the
+ * cache): a checksum of what was sent or received, at no pass of its own over memory.
+ * The descriptor must be non-blocking (Python sockets with a timeout are).  Returns the
+ * run bytes moved, -ETIMEDOUT, -ECONNRESET at end of stream, or -errno. */
+static int64_t sock_io(int fd, int send, int64_t timeout_ms, const plan_t *p, const char *head, size_t head_len,
+                       char *trail, size_t trail_len, summer_t *m) {
     int64_t deadline = now_ms() + timeout_ms;
     struct iovec iov[DD_IOV_BATCH];
     cursor_t c = {0, 0, 0};
+    uint64_t left = plan_bytes(p); /* run bytes not moved yet */
     int64_t moved = 0;
-    size_t head_done = 0; /* a frame header sent in the same writev as the first runs */
-    cursor_skip_empty(&p, &c);
-    while (!cursor_end(&p, &c) || head_done < head_len) {
+    size_t head_done = 0, trail_done = 0;
+    cursor_skip_empty(p, &c);
+    while (left || head_done < head_len || trail_done < trail_len) {
         uint64_t want;
         size_t h = head_done < head_len;
         if (h) {
             iov[0].iov_base = (void *)(head + head_done);
             iov[0].iov_len = head_len - head_done;
         }
-        size_t k = h + fill_iov(&p, &c, iov + h, NULL, &want, DD_IOV_BATCH - h);  /* IOV_MAX in all */
-        if (m && k > h) k = h + cap_iov(iov + h, k - h, DD_SUM_WINDOW);
+        /* IOV_MAX in all, one kept for the trailer */
+        size_t k = h + fill_iov(p, &c, iov + h, NULL, &want, DD_IOV_BATCH - h - 1);
+        if (m && want > DD_SUM_WINDOW) {
+            k = h + cap_iov(iov + h, k - h, DD_SUM_WINDOW);
+            want = DD_SUM_WINDOW;
+        }
+        if (want == left && trail_done < trail_len) { /* the runs end in this call: the trailer joins it */
+            iov[k].iov_base = trail + trail_done;
+            iov[k].iov_len = trail_len - trail_done;
+            k++;
+        }
         ssize_t r = send ? writev(fd, iov, k) : readv(fd, iov, k);
         if (r < 0) {
             if (errno == EINTR) continue;
@@ -768,11 +776,22 @@ static int64_t dd_sock_plan(int fd, int send, int64_t timeout_ms, size_t nt, con
             head_done += take;
             r -= (ssize_t)take;
         }
-        if (m) sum_iov(m, iov + h, (uint64_t)r);
-        moved += r;
-        cursor_advance(&p, &c, (uint64_t)r);
+        uint64_t runs = (uint64_t)r < want ? (uint64_t)r : want;
+        if (m) sum_iov(m, iov + h, runs);
+        moved += (int64_t)runs;
+        left -= runs;
+        cursor_advance(p, &c, runs);
+        trail_done += (uint64_t)r - runs;
     }
     return moved;
+}
+
+/* sock_io of the plan (base x off/len) with no trailer. */
+static int64_t dd_sock_plan(int fd, int send, int64_t timeout_ms, size_t nt, const uint64_t *base,
+                     size_t nu, const uint64_t *off, const uint64_t *len, const char *head,
+                     size_t head_len, summer_t *m) {
+    plan_t p = {base, base, off, off, len, nt, nu};
+    return sock_io(fd, send, timeout_ms, &p, head, head_len, NULL, 0, m);
 }
 
 /* dd_spin_readable: poll fd without sleeping for up to spin_us: 1 once readable (or hung
@@ -815,23 +834,48 @@ static int64_t dd_recv_exact(int fd, void *buf, uint64_t len, int64_t timeout_ms
     return len ? dd_sock_plan(fd, 0, timeout_ms, 1, &addr, 1, &zero, &len, NULL, 0, NULL) : 0;
 }
 
-/* Send the stream checksum of the n bytes m summed behind them (8 bytes, little endian)
- * within timeout_ms; *sum (if given) gets it.  Bytes sent or -errno. */
-static int64_t send_checksum(int fd, const summer_t *m, uint64_t n, int64_t timeout_ms, uint64_t *sum) {
-    uint64_t c = summer_checksum(m, n);
-    uint8_t t[8];
-    for (int i = 0; i < 8; i++) t[i] = (uint8_t)(c >> (8 * i));
-    if (sum) *sum = c;
-    return dd_sock_plan(fd, 1, timeout_ms, 0, NULL, 0, NULL, NULL, (const char *)t, 8, NULL);
+static void put_le64(uint8_t *t, uint64_t v) {
+    for (int i = 0; i < 8; i++) t[i] = (uint8_t)(v >> (8 * i));
 }
 
-/* Read the sender's checksum behind a summed payload into *sent within timeout_ms.
- * Bytes read or -errno. */
-static int64_t recv_checksum(int fd, int64_t timeout_ms, uint64_t *sent) {
+static uint64_t get_le64(const uint8_t *t) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = v << 8 | t[i];
+    return v;
+}
+
+/* Send head, the runs of p and their stream checksum behind them (8 bytes, little
+ * endian), summed into m (a fresh summer of the n = plan_bytes(p) bytes); *sum gets the
+ * checksum.  A payload within DD_SUM_WINDOW is summed before the writev (which then
+ * reads it from the cache), so the checksum leaves in the same system call and the
+ * receiver finds it with the payload; a larger one is summed as it goes, its checksum in
+ * a call of its own.  Run bytes sent or -errno, all within timeout_ms. */
+static int64_t send_summed(int fd, int64_t timeout_ms, const plan_t *p, const char *head, size_t head_len,
+                           summer_t *m, uint64_t n, uint64_t *sum) {
     uint8_t t[8];
-    int64_t r = dd_recv_exact(fd, t, 8, timeout_ms);
-    *sent = 0;
-    for (int i = 7; i >= 0; i--) *sent = *sent << 8 | t[i];
+    if (n <= DD_SUM_WINDOW) {
+        dd_sum_plan(m, p, 1);
+        put_le64(t, *sum = summer_checksum(m, n));
+        return sock_io(fd, 1, timeout_ms, p, head, head_len, (char *)t, 8, NULL);
+    }
+    int64_t deadline = now_ms() + timeout_ms;
+    int64_t r = sock_io(fd, 1, timeout_ms, p, head, head_len, NULL, 0, m);
+    if (r < 0) return r;
+    put_le64(t, *sum = summer_checksum(m, n));
+    int64_t w = sock_io(fd, 1, deadline - now_ms(), &(plan_t){0}, (const char *)t, 8, NULL, 0, NULL);
+    return w < 0 ? w : r;
+}
+
+/* Read the runs of p, summed into m (a fresh summer of their n bytes) as they arrive, and
+ * the sender's checksum behind them, in the same system calls; *got gets the checksum of
+ * what arrived, *sent the sender's.  Run bytes read or -errno. */
+static int64_t recv_summed(int fd, int64_t timeout_ms, const plan_t *p, summer_t *m, uint64_t n, uint64_t *got,
+                           uint64_t *sent) {
+    uint8_t t[8];
+    int64_t r = sock_io(fd, 0, timeout_ms, p, NULL, 0, (char *)t, 8, m);
+    if (r < 0) return r;
+    *got = summer_checksum(m, n);
+    *sent = get_le64(t);
     return r;
 }
 
@@ -1206,10 +1250,10 @@ static PyObject *py_sock_plan(PyObject *self, PyObject *const *args, Py_ssize_t 
 
 /* sock_summed(fd, send, timeout_ms, base, off, len[, head]): a summed payload of 1 ..
  * FAST_SUMMED_MAX bytes through a non-blocking socket in one call: send=1 writes head
- * (if given) and the runs, summed as they go, then their stream checksum (8 bytes, little
- * endian), and returns it; send=0 reads the runs, summing them, then the sender's
- * checksum, and returns (checksum of what arrived, the sender's).  timeout_ms for each of
- * the two steps; OSError as sock_plan. */
+ * (if given), the runs and their stream checksum (8 bytes, little endian; send_summed),
+ * and returns the checksum; send=0 reads the runs, summing them, and the sender's
+ * checksum in the same system calls, and returns (checksum of what arrived, the
+ * sender's).  All within timeout_ms; OSError as sock_plan. */
 static PyObject *py_sock_summed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 6 && nargs != 7) {
@@ -1232,14 +1276,12 @@ static PyObject *py_sock_summed(PyObject *self, PyObject *const *args, Py_ssize_
     uint64_t mine = 0, theirs = 0;
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
-    r = dd_sock_plan((int)c.fd, c.send, c.timeout_ms, c.a.nt, U64P(c.a, 0), c.a.nu, U64P(c.a, 1), U64P(c.a, 2),
-                     (const char *)c.head.buf, c.head.buf ? (size_t)c.head.len : 0, &m);
-    if (r >= 0 && c.send) {
-        r = send_checksum((int)c.fd, &m, nbytes, c.timeout_ms, &mine);
-    } else if (r >= 0) {
-        mine = summer_checksum(&m, nbytes);
-        r = recv_checksum((int)c.fd, c.timeout_ms, &theirs);
-    }
+    plan_t p = {U64P(c.a, 0), U64P(c.a, 0), U64P(c.a, 1), U64P(c.a, 1), U64P(c.a, 2), c.a.nt, c.a.nu};
+    if (c.send)
+        r = send_summed((int)c.fd, c.timeout_ms, &p, (const char *)c.head.buf, c.head.buf ? (size_t)c.head.len : 0,
+                        &m, nbytes, &mine);
+    else
+        r = recv_summed((int)c.fd, c.timeout_ms, &p, &m, nbytes, &mine, &theirs);
     Py_END_ALLOW_THREADS
     summer_free(&m);
     release_sock_args(&c);
@@ -1384,9 +1426,11 @@ static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t na
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
     int64_t deadline = now_ms() + timeout_ms;
-    r = dd_sock_plan((int)fd, 1, timeout_ms, a.nt, a.held ? U64P(a, 0) : NULL, a.nu, a.held ? U64P(a, 1) : NULL,
-                     a.held ? U64P(a, 2) : NULL, (const char *)head.buf, (size_t)head.len, summed ? &m : NULL);
-    if (r >= 0 && summed) r = send_checksum((int)fd, &m, nbytes, deadline - now_ms(), NULL);
+    plan_t p = {0};
+    if (a.held) p = (plan_t){U64P(a, 0), U64P(a, 0), U64P(a, 1), U64P(a, 1), U64P(a, 2), a.nt, a.nu};
+    uint64_t sum;
+    r = summed ? send_summed((int)fd, timeout_ms, &p, (const char *)head.buf, (size_t)head.len, &m, nbytes, &sum)
+               : sock_io((int)fd, 1, timeout_ms, &p, (const char *)head.buf, (size_t)head.len, NULL, 0, NULL);
     if (r >= 0) r = dd_wait_readable((int)fd, spin_us, deadline - now_ms());
     if (r >= 0) r = dd_recv_exact((int)fd, ans, (uint64_t)answer_len, deadline - now_ms());
     Py_END_ALLOW_THREADS
@@ -1481,18 +1525,19 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
         Py_DECREF(frame);
         return PyErr_NoMemory();
     }
-    summer_t *mp = summed ? &m : NULL;
     const char *ans = PyBytes_AS_STRING(args[6]);
     size_t ans_len = (size_t)PyBytes_GET_SIZE(args[6]);
     uint64_t got = 0, sent = 0;
     Py_BEGIN_ALLOW_THREADS
+    plan_t p = {U64P(a, 0), U64P(a, 0), U64P(a, 1), U64P(a, 1), U64P(a, 2), a.nt, a.nu};
     if (push) {
-        r = dd_sock_plan((int)fd, 0, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2), NULL, 0, mp);
-        if (r >= 0 && summed && (r = recv_checksum((int)fd, timeout_ms, &sent)) >= 0) got = summer_checksum(&m, nbytes);
-        if (r >= 0 && got == sent) r = dd_sock_plan((int)fd, 1, timeout_ms, 0, NULL, 0, NULL, NULL, ans, ans_len, NULL);
+        r = summed ? recv_summed((int)fd, timeout_ms, &p, &m, nbytes, &got, &sent)
+                   : sock_io((int)fd, 0, timeout_ms, &p, NULL, 0, NULL, 0, NULL);
+        if (r >= 0 && got == sent) r = sock_io((int)fd, 1, timeout_ms, &(plan_t){0}, ans, ans_len, NULL, 0, NULL);
     } else {
-        r = dd_sock_plan((int)fd, 1, timeout_ms, a.nt, U64P(a, 0), a.nu, U64P(a, 1), U64P(a, 2), ans, ans_len, mp);
-        if (r >= 0 && summed) r = send_checksum((int)fd, &m, nbytes, timeout_ms, NULL);
+        r = summed ? send_summed((int)fd, timeout_ms, &p, ans, ans_len, &m, nbytes, &got)
+                   : sock_io((int)fd, 1, timeout_ms, &p, ans, ans_len, NULL, 0, NULL);
+        sent = got;
     }
     Py_END_ALLOW_THREADS
     if (summed) summer_free(&m);

@@ -234,14 +234,17 @@ def sock_recv(fd: int, plan: Plan, timeout_ms: int, summed: Optional[StreamSums]
 
 def send_summed(fd: int, plan: Plan, timeout_ms: int, head: _Buffer | None = None) -> int:
     """:func:`sock_send` of ``head`` and a summed payload of 1 to :data:`FAST_SUMMED_MAX`
-    bytes, then its checksum (8 bytes, little endian), in one C call; returns the checksum."""
+    bytes, then its checksum (8 bytes, little endian), in one C call; returns the checksum.
+    A payload of up to 256 KiB is summed first, and its checksum leaves in the payload's
+    own system call (the receiver's read finds it there)."""
     return cast(int, _timed_out(_native.sock_summed, fd, True, timeout_ms, plan.src_bases, plan.src_offs,
                                 plan.lens, head))
 
 
 def recv_summed(fd: int, plan: Plan, timeout_ms: int) -> tuple[int, int]:
     """:func:`sock_recv` of a summed payload of 1 to :data:`FAST_SUMMED_MAX` bytes and the
-    checksum behind it, in one C call: ``(checksum of what arrived, the sender's)``."""
+    checksum behind it, in one C call (the checksum read by the payload's last system
+    call): ``(checksum of what arrived, the sender's)``."""
     return cast(tuple[int, int], _timed_out(_native.sock_summed, fd, False, timeout_ms, plan.dst_bases,
                                             plan.dst_offs, plan.lens))
 

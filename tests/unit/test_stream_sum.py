@@ -162,6 +162,30 @@ def test_a_summed_payload_in_one_c_call_carries_the_checksum_of_its_bytes(n):
         assert (mine, theirs) == (sent, sent ^ 1)
 
 
+def test_a_small_summed_payload_and_its_checksum_travel_in_one_system_call():
+    """Within the sum window (256 KiB) the checksum leaves in the payload's own writev, and
+    the payload's readv takes the checksum behind it: over a socket that keeps each call's
+    bytes as one record (SOCK_SEQPACKET, whose read takes a record whole or drops the rest
+    of it), head, payload and checksum are one record, and such a record is read whole."""
+    n = 64 << 10
+    data = np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8)
+    out = np.zeros(n, dtype=np.uint8)
+    one = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731
+    plan = Plan(one(data.ctypes.data), one(out.ctypes.data), one(0), one(0), one(n))
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+    a.settimeout(10)
+    b.settimeout(10)
+    with a, b:
+        sent = native.send_summed(a.fileno(), plan, 10_000, b"head")
+        trailer = sent.to_bytes(8, "little")
+        assert b.recv(2 * n) == b"head" + data.tobytes() + trailer
+        assert sent == checksum(data.tobytes())
+        a.send(data.tobytes() + trailer)
+        assert native.recv_summed(b.fileno(), plan, 10_000) == (sent, sent)
+        assert np.array_equal(out, data)
+
+
 def test_summed_payloads_of_no_bytes_or_past_the_limit_are_refused():
     one = lambda v: np.array([v], dtype=np.uint64)  # noqa: E731
     a, b = socket.socketpair()
