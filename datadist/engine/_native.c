@@ -738,8 +738,7 @@ static int64_t sock_io(int fd, int send, int64_t timeout_ms, const plan_t *p, co
     int64_t deadline = now_ms() + timeout_ms;
     struct iovec iov[DD_IOV_BATCH];
     cursor_t c = {0, 0, 0};
-    uint64_t left = plan_bytes(p); /* run bytes not moved yet */
-    int64_t moved = 0;
+    uint64_t total = plan_bytes(p), left = total; /* run bytes not moved yet */
     size_t head_done = 0, trail_done = 0;
     cursor_skip_empty(p, &c);
     while (left || head_done < head_len || trail_done < trail_len) {
@@ -778,20 +777,11 @@ static int64_t sock_io(int fd, int send, int64_t timeout_ms, const plan_t *p, co
         }
         uint64_t runs = (uint64_t)r < want ? (uint64_t)r : want;
         if (m) sum_iov(m, iov + h, runs);
-        moved += (int64_t)runs;
         left -= runs;
         cursor_advance(p, &c, runs);
         trail_done += (uint64_t)r - runs;
     }
-    return moved;
-}
-
-/* sock_io of the plan (base x off/len) with no trailer. */
-static int64_t dd_sock_plan(int fd, int send, int64_t timeout_ms, size_t nt, const uint64_t *base,
-                     size_t nu, const uint64_t *off, const uint64_t *len, const char *head,
-                     size_t head_len, summer_t *m) {
-    plan_t p = {base, base, off, off, len, nt, nu};
-    return sock_io(fd, send, timeout_ms, &p, head, head_len, NULL, 0, m);
+    return (int64_t)total;
 }
 
 /* dd_spin_readable: poll fd without sleeping for up to spin_us: 1 once readable (or hung
@@ -831,7 +821,8 @@ static int64_t dd_wait_readable(int fd, int64_t spin_us, int64_t timeout_ms) {
 /* Fill buf (len bytes) from a non-blocking socket within timeout_ms: bytes read, or -errno. */
 static int64_t dd_recv_exact(int fd, void *buf, uint64_t len, int64_t timeout_ms) {
     uint64_t addr = (uint64_t)(uintptr_t)buf, zero = 0;
-    return len ? dd_sock_plan(fd, 0, timeout_ms, 1, &addr, 1, &zero, &len, NULL, 0, NULL) : 0;
+    plan_t p = {&addr, &addr, &zero, &zero, &len, 1, 1};
+    return len ? sock_io(fd, 0, timeout_ms, &p, NULL, 0, NULL, 0, NULL) : 0;
 }
 
 static void put_le64(uint8_t *t, uint64_t v) {
@@ -925,10 +916,17 @@ static int get_plan(PyObject *const *objs, int nobj, plan_args *a) {
 
 #define U64P(a, i) ((const uint64_t *)(a).v[i].buf)
 
-/* Bytes a plan half held by get_plan (base, off, len) moves; 0 when none is held. */
+/* A plan half held by get_plan (base, off, len) as a plan whose two sides are that half;
+ * an empty plan when none is held. */
+static plan_t half_plan(const plan_args *a) {
+    if (a->held < 3) return (plan_t){0};
+    return (plan_t){U64P(*a, 0), U64P(*a, 0), U64P(*a, 1), U64P(*a, 1), U64P(*a, 2), a->nt, a->nu};
+}
+
+/* Bytes a plan half held by get_plan moves; 0 when none is held. */
 static uint64_t half_bytes(const plan_args *a) {
-    if (a->held < 3) return 0;
-    return plan_bytes(&(plan_t){U64P(*a, 0), U64P(*a, 0), U64P(*a, 1), U64P(*a, 1), U64P(*a, 2), a->nt, a->nu});
+    plan_t p = half_plan(a);
+    return plan_bytes(&p);
 }
 
 static PyObject *result_or_oserror(int64_t r) {
@@ -1126,7 +1124,7 @@ static PyObject *py_sum_plan(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (get_summer(args + 3, &m, sviews) < 0) return NULL;
     plan_args a;
     if (get_plan(args, 3, &a) < 0) { release_summer(sviews); return NULL; }
-    plan_t p = {U64P(a, 0), U64P(a, 0), U64P(a, 1), U64P(a, 1), U64P(a, 2), a.nt, a.nu};
+    plan_t p = half_plan(&a);
     uint64_t total = plan_bytes(&p);
     int64_t r = -ERANGE;
     if (summer_fits(&m, total)) {
@@ -1239,8 +1237,9 @@ static PyObject *py_sock_plan(PyObject *self, PyObject *const *args, Py_ssize_t 
         r = -ERANGE; /* the stream would leave the sums (or the tail): nothing moved */
     else {
         Py_BEGIN_ALLOW_THREADS
-        r = dd_sock_plan((int)c.fd, c.send, c.timeout_ms, c.a.nt, U64P(c.a, 0), c.a.nu, U64P(c.a, 1), U64P(c.a, 2),
-                         (const char *)c.head.buf, c.head.buf ? (size_t)c.head.len : 0, summed ? &m : NULL);
+        plan_t p = half_plan(&c.a);
+        r = sock_io((int)c.fd, c.send, c.timeout_ms, &p, (const char *)c.head.buf, c.head.buf ? (size_t)c.head.len : 0,
+                    NULL, 0, summed ? &m : NULL);
         Py_END_ALLOW_THREADS
     }
     if (summed) release_summer(sviews);
@@ -1276,7 +1275,7 @@ static PyObject *py_sock_summed(PyObject *self, PyObject *const *args, Py_ssize_
     uint64_t mine = 0, theirs = 0;
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
-    plan_t p = {U64P(c.a, 0), U64P(c.a, 0), U64P(c.a, 1), U64P(c.a, 1), U64P(c.a, 2), c.a.nt, c.a.nu};
+    plan_t p = half_plan(&c.a);
     if (c.send)
         r = send_summed((int)c.fd, c.timeout_ms, &p, (const char *)c.head.buf, c.head.buf ? (size_t)c.head.len : 0,
                         &m, nbytes, &mine);
@@ -1426,8 +1425,7 @@ static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t na
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
     int64_t deadline = now_ms() + timeout_ms;
-    plan_t p = {0};
-    if (a.held) p = (plan_t){U64P(a, 0), U64P(a, 0), U64P(a, 1), U64P(a, 1), U64P(a, 2), a.nt, a.nu};
+    plan_t p = half_plan(&a);
     uint64_t sum;
     r = summed ? send_summed((int)fd, timeout_ms, &p, (const char *)head.buf, (size_t)head.len, &m, nbytes, &sum)
                : sock_io((int)fd, 1, timeout_ms, &p, (const char *)head.buf, (size_t)head.len, NULL, 0, NULL);
@@ -1529,7 +1527,7 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
     size_t ans_len = (size_t)PyBytes_GET_SIZE(args[6]);
     uint64_t got = 0, sent = 0;
     Py_BEGIN_ALLOW_THREADS
-    plan_t p = {U64P(a, 0), U64P(a, 0), U64P(a, 1), U64P(a, 1), U64P(a, 2), a.nt, a.nu};
+    plan_t p = half_plan(&a);
     if (push) {
         r = summed ? recv_summed((int)fd, timeout_ms, &p, &m, nbytes, &got, &sent)
                    : sock_io((int)fd, 0, timeout_ms, &p, NULL, 0, NULL, 0, NULL);
