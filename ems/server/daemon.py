@@ -325,11 +325,11 @@ class Session:
     def request_waiting(self) -> Optional[bool]:
         """Whether the next request has arrived whole, so a worker that takes it never
         waits on the peer: the whole frame, or for a frame larger than a socket buffer
-        holds, its header.  True too for an end of stream or a header :meth:`_receive`
-        refuses (it ends the session then).  A TLS session takes its handshake here first,
-        a step at a time (None once it is done with nothing to read yet: an idle
-        connection); then any bytes count (TLS cannot be peeked into, and the peer has
-        shown a certificate of the CA)."""
+        holds, its header; None when nothing has arrived.  True too for an end of stream
+        or a header :meth:`_receive` refuses (it ends the session then).  A TLS session
+        takes its handshake here first, a step at a time (None once it is done with
+        nothing to read yet: an idle connection); then any bytes count (TLS cannot be
+        peeked into, and the peer has shown a certificate of the CA)."""
         if isinstance(self.sock, ssl.SSLSocket):
             return self._tls_waiting(self.sock)
         try:
@@ -340,8 +340,8 @@ class Session:
             if size > _WHOLE_FRAME_MAX:
                 return True
             return len(self.sock.recv(size, socket.MSG_PEEK | socket.MSG_DONTWAIT)) >= size
-        except BlockingIOError:
-            return False
+        except BlockingIOError:  # only the first look can find nothing: an idle connection
+            return None
         except (OSError, ProtocolError):
             return True
 

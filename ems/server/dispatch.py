@@ -1,24 +1,29 @@
 """Serving many connections with a few threads.
 
-Idle client connections (clients keep several open, pooled) cost the daemon a selector
-entry, never a thread: one dispatcher thread waits on every idle socket, and when one
-becomes readable it hands that session's next request to a bounded pool of worker threads.
-A session is watched again only after its request is answered, so each connection's
-requests are served in order.  A request goes to a worker only once it has arrived whole
-(:meth:`Served.request_waiting`): a peer that sends part of a frame and stops is set
-aside, checked every few milliseconds, and closed when ``read_timeout`` passes, so a
-trickling or stalled peer never holds a worker while others wait.  A connection idle
-longer than ``idle_timeout`` is closed (clients notice and reconnect).
+Idle client connections (clients keep several open, pooled) cost the daemon an epoll
+entry, never a thread.  A bounded set of worker threads all wait on one epoll set; each
+connection is in it armed for one event (``EPOLLONESHOT``), so the kernel wakes exactly one
+worker when a request arrives, and that worker answers it and arms the connection again.
+A request wakes one thread, as a thread per connection would, and each connection's
+requests are served in order (it is armed only once its answer is out).
+
+A request is served only once it has arrived whole (:meth:`Served.request_waiting`): a
+peer that sends part of a frame and stops is set aside with a keeper thread, which looks
+at it every few milliseconds and closes it when ``read_timeout`` passes, so a trickling or
+stalled peer never holds a worker while others wait.  The keeper also shuts down
+connections idle longer than ``idle_timeout`` (clients notice and reconnect); it never
+closes an armed connection's descriptor itself, so an event a worker already holds can
+never name a descriptor reused by another connection: the shut-down connection wakes a
+worker, which reads the end of stream and ends the session.
 """
 from __future__ import annotations
 
 import logging
-import selectors
+import select
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Protocol
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 from datadist.engine import tls
 
@@ -28,6 +33,14 @@ log = logging.getLogger("ems.server")
 
 #: How often set-aside partial requests are looked at again.
 _PARTIAL_POLL_S = 0.01
+#: How often idle connections are looked for when no partial request is set aside.
+_IDLE_POLL_S = 1.0
+#: How long :meth:`Dispatcher.close` waits for a worker to return after the cut.
+_JOIN_S = 10.0
+_ARMED = select.EPOLLIN | select.EPOLLONESHOT
+#: Armed to fire at once (a socket is writable): a TLS session holding decrypted bytes a
+#: poll would not show, or a request the keeper saw complete.
+_READY = _ARMED | select.EPOLLOUT
 
 
 class Served(Protocol):
@@ -36,8 +49,9 @@ class Served(Protocol):
     sock: socket.socket
 
     def request_waiting(self) -> Optional[bool]:
-        """Whether the next request has arrived whole (never blocks); None: nothing has
-        arrived (a TLS session that just finished its handshake): watch it as idle."""
+        """Whether the next request has arrived whole (never blocks once the socket is
+        readable); None: nothing has arrived (a TLS session that just finished its
+        handshake): watch it as idle."""
 
     def serve_one(self) -> bool:
         """Answer the request whose bytes are waiting; False ends the session."""
@@ -45,167 +59,165 @@ class Served(Protocol):
     def end(self) -> None:
         """Release the session (idempotent)."""
 
+    def kick(self) -> None:
+        """Shut the connection down (its descriptor stays open until :meth:`end`)."""
+
 
 class Dispatcher:
-    """The dispatcher thread and its worker pool (see the module docstring)."""
+    """The worker threads, their epoll set and the keeper (see the module docstring)."""
 
     def __init__(self, workers: int, idle_timeout: float, read_timeout: float) -> None:
         self.idle_timeout = idle_timeout
         self.read_timeout = read_timeout
-        #: Sessions with part of a request in, by when that was first seen.
-        self._partial: Dict[Any, float] = {}
-        self._sel = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._ep = select.epoll()
+        # Written once, at close, and never drained: level-triggered, it wakes every worker.
+        self._stop_r, self._stop_w = socket.socketpair()
+        self._ep.register(self._stop_r.fileno(), select.EPOLLIN)
         self._lock = threading.Lock()
-        self._incoming: List[Served] = []
-        self._since: Dict[int, float] = {}  # fd -> when the session became idle
+        #: Armed sessions by descriptor, with when each became idle (inf once kicked).
+        self._armed: Dict[int, Tuple[Served, float]] = {}
+        #: Sessions with part of a request in, by when that was first seen (the keeper's).
+        self._partial: Dict[Served, float] = {}
         self._stop = False
         self._busy = 0  # requests being served
         self._idle = threading.Condition(self._lock)  # notified when _busy drops to 0
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ems-worker")
-        self._thread = threading.Thread(target=self._run, name="ems-dispatch", daemon=True)
-        self._thread.start()
+        self._tick = threading.Condition(self._lock)  # wakes the keeper (a partial, stop)
+        self._workers = [threading.Thread(target=self._work, name=f"ems-worker_{i}", daemon=True)
+                         for i in range(workers)]
+        self._keeper = threading.Thread(target=self._keep, name="ems-keeper", daemon=True)
+        for t in self._workers + [self._keeper]:
+            t.start()
 
-    def watch(self, session: Served) -> None:
-        """Wait for the session's next request (any thread)."""
+    def watch(self, session: Served, ready: bool = False) -> None:
+        """Wait for the session's next request (any thread); ``ready``: look at it at once."""
         with self._lock:
             if self._stop:
                 session.end()
                 return
-            self._incoming.append(session)
-        self._wake()
+            self._arm(session, ready or tls.buffered(session.sock))
 
-    def _wake(self) -> None:
+    def _arm(self, session: Served, ready: bool) -> None:
+        """Put the session in the epoll set for one event (the lock held)."""
         try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
+            fd = session.sock.fileno()
+            self._armed[fd] = (session, time.monotonic())
+            try:
+                self._ep.modify(fd, _READY if ready else _ARMED)
+            except FileNotFoundError:  # first time, or a new connection on a reused number
+                self._ep.register(fd, _READY if ready else _ARMED)
+        except (ValueError, OSError):  # closed meanwhile
+            self._armed.pop(fd, None)
+            session.end()
 
     def close(self, drain_s: float = 0.0, cut: Callable[[], None] = lambda: None) -> int:
-        """Stop dispatching (no new request is taken), end every idle session, and let the
-        requests in flight finish (each session ends after its answer) for up to
-        ``drain_s`` seconds; then ``cut`` (which breaks the remaining sessions' sockets,
-        so their workers return) and wait for them.  Returns how many were cut."""
+        """Stop dispatching (no new request is taken), let the requests in flight finish
+        (each session ends after its answer) for up to ``drain_s`` seconds; then ``cut``
+        (which breaks the remaining sessions' sockets, so their workers return) and wait
+        for them; end every idle session.  Returns how many were cut."""
         with self._lock:
             self._stop = True
-        self._wake()
-        self._thread.join(10.0)
+            self._tick.notify_all()
+        try:
+            self._stop_w.send(b"x")
+        except OSError:
+            pass
         with self._idle:
             self._idle.wait_for(lambda: self._busy == 0, timeout=drain_s)
             left = self._busy
         if left:
             cut()
-        self._pool.shutdown(wait=True)
-        self._wake_r.close()
-        self._wake_w.close()
+        deadline = time.monotonic() + _JOIN_S
+        for t in self._workers + [self._keeper]:
+            t.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            rest = [s for s, _ in self._armed.values()] + list(self._partial)
+            self._armed.clear()
+            self._partial.clear()
+        for session in rest:
+            session.end()
+        self._ep.close()
+        self._stop_r.close()
+        self._stop_w.close()
         return left
 
-    def _submit(self, session: Served) -> None:
-        with self._lock:
-            self._busy += 1
-        self._pool.submit(self._serve, session)
-
-    def _run(self) -> None:
-        try:
-            while not self._stop:
-                events = self._sel.select(_PARTIAL_POLL_S if self._partial else 1.0)
-                self._take_incoming()
-                for key, _ in events:
-                    if key.data is None:
-                        self._drain()
-                    else:
-                        self._dispatch(key.data)
-                self._check_partial()
-                self._close_idle()
-        finally:
-            for key in list(self._sel.get_map().values()):
-                if key.data is not None:
-                    key.data.end()
-            with self._lock:
-                leftover, self._incoming = self._incoming, []
-            for session in leftover + list(self._partial):
-                session.end()
-            self._partial.clear()
-            self._sel.close()
-
-    def _drain(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-
-    def _take_incoming(self) -> None:
-        with self._lock:
-            incoming, self._incoming = self._incoming, []
-        now = time.monotonic()
-        for session in incoming:
-            if tls.buffered(session.sock):  # decrypted bytes a poll would not show
-                self._partial[session] = now
-                continue
+    def _work(self) -> None:
+        stop_fd = self._stop_r.fileno()
+        while True:
             try:
-                self._sel.register(session.sock, selectors.EVENT_READ, session)
-                self._since[session.sock.fileno()] = now
-            except (ValueError, OSError, KeyError):  # closed meanwhile
-                session.end()
+                events = self._ep.poll(-1, 1)
+            except OSError:  # the set was closed
+                return
+            for fd, _ in events:
+                with self._lock:
+                    if fd == stop_fd or self._stop:
+                        return
+                    entry = self._armed.pop(fd, None)
+                    if entry is None:
+                        continue
+                    self._busy += 1
+                try:
+                    self._take(entry[0])
+                finally:
+                    with self._idle:
+                        self._busy -= 1
+                        if not self._busy:
+                            self._idle.notify_all()
 
-    def _dispatch(self, session: Any) -> None:
-        self._forget(session)
+    def _take(self, session: Served) -> None:
         waiting = session.request_waiting()
-        if waiting:
-            self._submit(session)
-        elif waiting is None:
+        if waiting is None:
             self.watch(session)
-        else:  # part of a frame: wait for the rest here, not in a worker
-            self._partial[session] = time.monotonic()
-
-    def _check_partial(self) -> None:
-        now = time.monotonic()
-        for session, since in list(self._partial.items()):
-            waiting = session.request_waiting()
-            if waiting or waiting is None:
-                del self._partial[session]
-                if waiting:
-                    self._submit(session)
-                else:
-                    self.watch(session)
-            elif now - since > self.read_timeout:
-                del self._partial[session]
-                log.debug("closed a connection whose request did not arrive whole within %.1f s", self.read_timeout)
-                session.end()
-
-    def _forget(self, session: Any) -> None:
-        try:
-            self._since.pop(session.sock.fileno(), None)
-            self._sel.unregister(session.sock)
-        except (KeyError, ValueError, OSError):
-            pass
+        elif not waiting:  # part of a frame: wait for the rest with the keeper, not here
+            with self._lock:
+                self._partial[session] = time.monotonic()
+                self._tick.notify()
+        else:
+            self._serve(session)
 
     def _serve(self, session: Served) -> None:
         try:
-            try:
-                again = session.serve_one()
-            except Exception:  # a bug must not take the daemon down; it is logged
-                log.exception("a session failed")
-                again = False
-            if again:
-                self.watch(session)  # ends it instead once stopping
-            else:
-                session.end()
-        finally:
-            with self._idle:
-                self._busy -= 1
-                if not self._busy:
-                    self._idle.notify_all()
+            again = session.serve_one()
+        except Exception:  # a bug must not take the daemon down; it is logged
+            log.exception("a session failed")
+            again = False
+        if again:
+            self.watch(session)  # ends it instead once stopping
+        else:
+            session.end()
 
-    def _close_idle(self) -> None:
+    def _keep(self) -> None:
+        while True:
+            with self._lock:
+                if self._stop:
+                    return
+                self._tick.wait(_PARTIAL_POLL_S if self._partial else _IDLE_POLL_S)
+                if self._stop:
+                    return
+                partial = list(self._partial.items())
+            self._check_partial(partial)
+            self._kick_idle()
+
+    def _check_partial(self, partial: List[Tuple[Served, float]]) -> None:
+        now = time.monotonic()
+        for session, since in partial:
+            waiting = session.request_waiting()
+            if waiting is None or waiting:
+                with self._lock:
+                    del self._partial[session]
+                self.watch(session, ready=bool(waiting))
+            elif now - since > self.read_timeout:
+                with self._lock:
+                    del self._partial[session]
+                log.debug("closed a connection whose request did not arrive whole within %.1f s", self.read_timeout)
+                session.end()
+
+    def _kick_idle(self) -> None:
         if self.idle_timeout <= 0:
             return
         limit = time.monotonic() - self.idle_timeout
-        for key in list(self._sel.get_map().values()):
-            session = key.data
-            if session is not None and self._since.get(key.fd, limit) < limit:
-                self._forget(session)
-                session.end()
+        with self._lock:
+            idle = [(fd, s) for fd, (s, since) in self._armed.items() if since < limit]
+            for fd, s in idle:
+                self._armed[fd] = (s, float("inf"))
+        for _, session in idle:
+            session.kick()  # a worker reads the end of stream and ends it
