@@ -1499,16 +1499,36 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
     PyObject *value = PyDict_GetItemWithError(known, frame);  /* borrowed */
     if (value == NULL && PyErr_Occurred()) { Py_DECREF(frame); return NULL; }
     int same = 0;
-    if (value != NULL && PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 7) {
+    if (value != NULL && PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) >= 7) {
         same = PyObject_RichCompareBool(PyTuple_GET_ITEM(value, 0), epoch, Py_EQ);
         if (same < 0) { Py_DECREF(frame); return NULL; }
     }
     if (!same) return Py_BuildValue("(iN)", 2, frame);
     Py_INCREF(value);  /* the dict may change once the GIL is released */
-    int push = PyObject_IsTrue(PyTuple_GET_ITEM(value, 1)), summed = PyObject_IsTrue(PyTuple_GET_ITEM(value, 6));
+    /* kind: 0 a pull, 1 a push, 2 a SUM (item 6 its SUMMED answer, whose checksum goes at
+     * byte offset item 7) */
+    long kind = PyLong_AsLong(PyTuple_GET_ITEM(value, 1));
+    int push = kind == 1, summed = kind == 2 || PyObject_IsTrue(PyTuple_GET_ITEM(value, 6));
+    const char *ans = PyBytes_AS_STRING(args[6]);
+    size_t ans_len = (size_t)PyBytes_GET_SIZE(args[6]);
+    Py_ssize_t at = -1;
+    if (kind == 2 && PyTuple_GET_SIZE(value) == 8 && PyBytes_Check(PyTuple_GET_ITEM(value, 6))) {
+        ans = PyBytes_AS_STRING(PyTuple_GET_ITEM(value, 6));
+        ans_len = (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(value, 6));
+        at = PyLong_AsSsize_t(PyTuple_GET_ITEM(value, 7));
+    }
     plan_args a;
-    int planned = get_plan(&PyTuple_GET_ITEM(value, 3), 3, &a);
-    if (planned < 0 && !PyErr_ExceptionMatches(PyExc_ValueError)) { Py_DECREF(value); Py_DECREF(frame); return NULL; }
+    int planned = kind < 0 || kind > 2 || (kind == 2 && (at < 0 || (size_t)at + 8 > ans_len || ans_len > 64))
+                      ? -1 : get_plan(&PyTuple_GET_ITEM(value, 3), 3, &a);
+    if (planned < 0 && PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_ValueError)) {
+        Py_DECREF(value);
+        Py_DECREF(frame);
+        return NULL;
+    }
+    if (planned < 0 && !PyErr_Occurred()) {  /* not a tuple this path serves */
+        Py_DECREF(value);
+        return Py_BuildValue("(iN)", 2, frame);
+    }
     uint64_t nbytes = half_bytes(&a);
     if (planned < 0 || a.nu == 0 || a.nt == 0 || (summed && (nbytes == 0 || nbytes > DD_FAST_SUMMED_MAX))) {
         PyErr_Clear();  /* not a plan to serve here */
@@ -1523,12 +1543,16 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
         Py_DECREF(frame);
         return PyErr_NoMemory();
     }
-    const char *ans = PyBytes_AS_STRING(args[6]);
-    size_t ans_len = (size_t)PyBytes_GET_SIZE(args[6]);
     uint64_t got = 0, sent = 0;
     Py_BEGIN_ALLOW_THREADS
     plan_t p = half_plan(&a);
-    if (push) {
+    if (kind == 2) {  /* the half read now, its checksum in the answer; no payload either way */
+        uint8_t out[64];
+        dd_sum_plan(&m, &p, 1);
+        memcpy(out, ans, ans_len);
+        put_le64(out + at, got = sent = summer_checksum(&m, nbytes));
+        r = sock_io((int)fd, 1, timeout_ms, &(plan_t){0}, (const char *)out, ans_len, NULL, 0, NULL);
+    } else if (push) {
         r = summed ? recv_summed((int)fd, timeout_ms, &p, &m, nbytes, &got, &sent)
                    : sock_io((int)fd, 0, timeout_ms, &p, NULL, 0, NULL, 0, NULL);
         if (r >= 0 && got == sent) r = sock_io((int)fd, 1, timeout_ms, &(plan_t){0}, ans, ans_len, NULL, 0, NULL);

@@ -107,10 +107,13 @@ def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, 
                 answer: bytes) -> tuple[Any, ...]:
     """The agent's fast path for a request frame admitted before, in one C call (see
     ``_native.c``): reads the next frame from ``fd`` and, if its bytes are a key of
-    ``known`` whose value ``(epoch, is_push, admitted, bases, offs, lens, summed)`` is of
-    the current ``epoch``, serves it (a push's payload in, ``answer`` out; a pull's
-    ``answer`` and payload out; a summed one of at most 4 MiB with the stream checksum of
-    :mod:`.checksum`: behind a pull's payload, checked behind a push's before ``answer``).
+    ``known`` whose value ``(epoch, kind, admitted, bases, offs, lens, summed)`` is of
+    the current ``epoch``, serves it (kind 1, a push: its payload in, ``answer`` out; kind
+    0, a pull: ``answer`` and the payload out; a summed one of at most 4 MiB with the stream
+    checksum of :mod:`.checksum`: behind a pull's payload, checked behind a push's before
+    ``answer``).  Kind 2, a ``SUM`` of at most 4 MiB, is ``(epoch, 2, admitted, bases, offs,
+    lens, summed_answer, at)``: the runs summed as they are now, and ``summed_answer`` (at
+    most 64 bytes) sent with the checksum written at byte ``at``.
     Returns ``(0, admitted)`` when served, ``(1, header)`` for a frame longer than
     ``limit`` (only its header read), ``(2, frame)`` for one read whole but not served,
     ``(3, admitted, got, sent)`` for a summed push whose bytes sum to ``got``, not to the

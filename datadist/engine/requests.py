@@ -68,12 +68,21 @@ class _Admitted(NamedTuple):
         bases, offs = (plan.dst_bases, plan.dst_offs) if push else (plan.src_bases, plan.src_offs)
         if not plan.on_host or not plan.lens.shape[0] or not bases.shape[0]:
             return self
-        return (self.epoch, push, self, bases, offs, plan.lens, self.msg.summed)
+        if isinstance(self.msg, wire.Sum):
+            return (self.epoch, _SUM, self, bases, offs, plan.lens, _SUMMED, _SUMMED_AT)
+        return (self.epoch, int(push), self, bases, offs, plan.lens, self.msg.summed)
 
 
-#: ``(epoch, is_push, admitted, bases, offs, lens, summed)``: an admitted host-memory
-#: transfer as the C fast path serves it.
-_Served = tuple[int, bool, _Admitted, np.ndarray, np.ndarray, np.ndarray, bool]
+#: ``(epoch, kind, admitted, bases, offs, lens, summed)``: an admitted host-memory transfer
+#: as the C fast path serves it (kind 0 a pull, 1 a push); a ``SUM`` is
+#: ``(epoch, 2, admitted, bases, offs, lens, answer, at)``: its ``SUMMED`` answer with the
+#: checksum written at byte ``at``.
+_Served = Union[tuple[int, int, _Admitted, np.ndarray, np.ndarray, np.ndarray, bool],
+                tuple[int, int, _Admitted, np.ndarray, np.ndarray, np.ndarray, bytes, int]]
+_SUM = 2
+_SUMMED = wire.encode(wire.Summed(checksum=0))
+_SUMMED_AT = next(i for i, (a, b) in enumerate(zip(_SUMMED, wire.encode(wire.Summed(checksum=(1 << 64) - 1))))
+                  if a != b)
 _Handler = Callable[[Link, wire.Message, socket.socket], Optional[wire.Message]]
 
 
@@ -122,7 +131,7 @@ class RequestHandler:
                                                 _ADMIT_FRAME, self.timeout_ms, wire.OK_FRAME)
         if status == 0:
             admitted: _Admitted = got
-            if not isinstance(admitted.msg, wire.Pull):
+            if not isinstance(admitted.msg, (wire.Pull, wire.Sum)):
                 self._arrived(link, admitted.rec, admitted.msg)
             return None
         if status == 3:  # a summed push arrived damaged: refused, and nobody learns of an arrival
@@ -204,7 +213,9 @@ class RequestHandler:
         if status:
             return wire.Summed(status=status, message=why)
         bases, offs, lens = msg.arrays
-        return wire.Summed(checksum=checked.sum_half(bases, offs, lens, _device_of(self.registry, rec, bases, offs)))
+        device = _device_of(self.registry, rec, bases, offs)
+        self._admitted = _Admitted(msg.epoch, rec, msg, Plan(bases, bases, offs, offs, lens, device, device))
+        return wire.Summed(checksum=checked.sum_half(bases, offs, lens, device))
 
     def _serve_socket(self, link: Link, admitted: _Admitted, sock: socket.socket) -> wire.Message:
         """Serve a checked transfer whose bytes follow on the stream (push) or the reply

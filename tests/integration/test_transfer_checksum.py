@@ -165,7 +165,8 @@ def test_shm_copies_are_checked_against_the_owners_sum(shm_pair: Any) -> None:
     reading of each request.  Intact copies pass; a pull that read the wrong bytes (its
     source one word off, as a wrong plan or a stale mapping would) and a push whose
     destination changed right after the copy (before the owner summed it) both fail with
-    a checksum mismatch, and the link stays up."""
+    a checksum mismatch, and the link stays up; so does a repeated push whose ``SUM`` the
+    owner serves in C."""
     prompt, decoder, data, base = shm_pair
     decoder.cm("pull_blocks", KEY, Ref("kv"), [0, 1], [0, 1])
     base = expect_blocks(base, data, [0, 1], [0, 1], BLOCKS.row_bytes)
@@ -180,6 +181,14 @@ def test_shm_copies_are_checked_against_the_owners_sum(shm_pair: Any) -> None:
     base = expect_blocks(base, data, [2, 5, 4], [3, 6, 7], BLOCKS.row_bytes)
     np.testing.assert_array_equal(decoder.read("kv"), base)
 
+    decoder.call("tamper_copy", "after")
+    with expect_llm(S.LLM_LINK_FAILED) as caught:
+        decoder.cm("push_blocks", KEY, Ref("kv"), [0, 3], [6, 1])
+    _mismatch(caught)
+    decoder.cm("push_blocks", KEY, Ref("kv"), [0, 3], [6, 1])
+    np.testing.assert_array_equal(prompt.read("kv"), expect_blocks(data, base, [0, 3], [6, 1], BLOCKS.row_bytes))
+    # The same push again: its SUM frame is one the prompt admitted, so the prompt's agent
+    # sums it in its C fast path, which must catch the change as well
     decoder.call("tamper_copy", "after")
     with expect_llm(S.LLM_LINK_FAILED) as caught:
         decoder.cm("push_blocks", KEY, Ref("kv"), [0, 3], [6, 1])
