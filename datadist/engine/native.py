@@ -34,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["ms_until", "peer_closed", "int_key", "ref_key", "request", "serve_known", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "copy_plan_stream", "sum_plan", "sum_blocks", "sum_stream", "StreamSums", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "spin_readable", "COPY_THREADS",
+__all__ = ["ms_until", "peer_closed", "int_key", "ref_key", "request", "serve_known", "half_extent", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "copy_plan_stream", "sum_plan", "sum_blocks", "sum_stream", "StreamSums", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "spin_readable", "COPY_THREADS",
            "SPIN_US", "FAST_SUMMED_MAX", "send_summed", "recv_summed"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
@@ -119,6 +119,14 @@ def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, 
     ``(3, admitted, got, sent)`` for a summed push whose bytes sum to ``got``, not to the
     sender's ``sent`` (nothing answered)."""
     got: tuple[Any, ...] = _native.serve_known(fd, known, epoch, header_size, limit, int(timeout_ms), answer)
+    return got
+
+
+def half_extent(bases: U64Array, offs: U64Array, lens: U64Array) -> Optional[tuple[int, int, int]]:
+    """A peer's plan half in one C pass: ``(sum of lens, largest off + len, largest base)``,
+    or None when ``offs`` and ``lens`` differ in length or any value is 2^62 or more (sums
+    of such values could wrap around 64 bits and pass a bounds check they fail)."""
+    got: Optional[tuple[int, int, int]] = _native.half_extent(bases, offs, lens)
     return got
 
 

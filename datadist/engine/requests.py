@@ -197,8 +197,14 @@ class RequestHandler:
         if msg.via == VIA_COLLECTIVE:
             return self._serve_collective(link, msg, sock, status, why, device)
         if status:
-            if not isinstance(msg, wire.Pull):  # keep the stream in step
-                tcp.drain(sock, msg.nbytes + (checked.TRAILER_SIZE if msg.summed else 0), self.timeout_ms)
+            if not isinstance(msg, wire.Pull):
+                if status == int(Fault.PARAM_INVALID):
+                    # A plan outside what this engine announced comes from a broken or hostile
+                    # peer, whose announced size says nothing: its payload is not read (that
+                    # could hold the agent for the whole timeout); answered, the link closes.
+                    sock.sendall(wire.encode(wire.Reply(status=status, message=why)))
+                    raise wire.WireError(f"refused a push: {why}; its payload was not read")
+                tcp.drain(sock, msg.nbytes + (checked.TRAILER_SIZE if msg.summed else 0), self.timeout_ms)  # in step
             return wire.Reply(status=status, message=why)
         bases, offs, lens = msg.arrays
         self._admitted = _Admitted(msg.epoch, rec, msg, Plan(bases, bases, offs, offs, lens, device, device))
@@ -277,7 +283,11 @@ class RequestHandler:
         if len(msg.arrays) != 3:
             return int(Fault.PARAM_INVALID), "malformed plan"
         bases, offs, lens = msg.arrays
-        sized = int(lens.sum()) * bases.shape[0] == msg.nbytes
+        # Bounded first (one C pass): sums of a peer's values must not wrap around 64 bits
+        # and pass the bounds checks below while pointing anywhere in this process.
+        extent = native.half_extent(bases, offs, lens)
+        total, end = (extent[0], extent[1]) if extent is not None else (-1, -1)
+        sized = extent is not None and total * bases.shape[0] == msg.nbytes
         if msg.cache_id == ANY_CACHE:
             # Raw addresses (TransferConfig.dst_addrs): no lookup that could be stale; the
             # plan must lie inside the caches registered right now.
@@ -288,7 +298,7 @@ class RequestHandler:
             return STALE, "caches changed since the lookup"
         if rec is None:
             return int(Fault.CACHE_NOT_FOUND), f"cache {msg.cache_id} does not exist (freed?)"
-        if not sized or not runs_inside(rec, bases, offs, lens):
+        if not sized or not runs_inside(rec, bases, offs, lens, end):
             return int(Fault.PARAM_INVALID), f"plan reaches outside cache {rec.cache_id}"
         return 0, ""
 
@@ -310,15 +320,18 @@ class RequestHandler:
         return None
 
 
-def runs_inside(rec: CacheRecord, bases: _U64, offs: _U64, lens: _U64) -> bool:
-    """True if every run of the plan half lies inside the cache's tensors (tensors that
-    sit back to back count as one span, since coalesced runs may cross them)."""
+def runs_inside(rec: CacheRecord, bases: _U64, offs: _U64, lens: _U64, end: int) -> bool:
+    """True if every run of the plan half (bounded: :func:`native.half_extent`, whose
+    largest ``off + len`` is ``end``) lies inside the cache's tensors (tensors that sit
+    back to back count as one span, since coalesced runs may cross them)."""
     if lens.shape[0] == 0:
         return True
-    if bases.shape[0] <= 256 and bases.any():
+    if bases.shape[0] <= 256:
         # Factored plan over tensor bases: the common case, checked without numpy setup.
         known = rec.addr_set
-        return all(b in known for b in bases.tolist()) and int((offs + lens).max()) <= rec.tensor_size
+        listed = bases.tolist()
+        if all(b in known for b in listed):
+            return end <= rec.tensor_size
     return _inside_spans([rec], bases, offs, lens)
 
 

@@ -367,3 +367,54 @@ def test_a_summed_request_puts_the_payloads_checksum_behind_it() -> None:
                 native._native.request(a.fileno(), b"x", *((None,) * 3 if bad is None else
                                                           (bad.src_bases, bad.src_offs, bad.lens)), 4, 0, 100, True)
         assert native.spin_readable(b.fileno(), 1000) is False  # nothing was sent for them
+
+
+WRAP = 1 << 64
+
+
+@pytest.mark.parametrize("cls", [wire.Pull, wire.Push, wire.Sum])
+@pytest.mark.parametrize("offs, lens", [
+    ([WRAP - 64], [128]),          # off + len wraps to 64: would reach 64 bytes below the tensor
+    ([64], [WRAP - 32]),           # len wraps off + len to 32
+    ([0, WRAP - 8], [8, 16]),      # one run of two
+    ([1 << 62], [8]),              # no wrap, but past any address a process maps
+])
+def test_plan_halves_whose_sums_wrap_are_refused(served, cls: type, offs: list[int], lens: list[int]) -> None:
+    """A peer's offsets and lengths near 2^64 make ``off + len`` wrap around and look small:
+    without a bound first, a pull would send (a SUM would read) memory below the tensor and
+    a push would write there.  Each is refused before any byte moves.  A pull or SUM is
+    answered and the link goes on; a push is answered and ends the link without its payload
+    being read (its announced size may be anything)."""
+    handler, reg, memory, ours, peer = served
+    memory[:] = 3
+    before = memory.copy()
+    nbytes = sum(lens) % WRAP  # what a wrapping sum gives: the size a forger would announce
+    base = np.array([memory[1].ctypes.data], np.uint64)
+    frame = wire.encode(cls(cache_id=1, epoch=reg.epoch, nbytes=nbytes,
+                            arrays=[base, np.array(offs, np.uint64), np.array(lens, np.uint64)]))
+    peer.sendall(frame)
+    link = Link(remote_cluster_id=9, remote_role=0, peer_pid=0, timeout_ms=5000, is_client=False)
+    got = handler.serve_known(link, ours)
+    assert got is not None
+    with contextlib.ExitStack() as scope:
+        if cls is wire.Push:
+            with pytest.raises(wire.WireError, match="outside cache 1"):
+                handler.handle_frame(link, got, ours, scope)
+            reply = wire.read_answer(peer)
+        else:
+            reply = handler.handle_frame(link, got, ours, scope)
+    assert isinstance(reply, (wire.Reply, wire.Summed)) and reply.status == int(Fault.PARAM_INVALID), reply
+    assert "outside cache 1" in reply.message
+    assert handler.payload is None  # a pull's refusal carries no bytes
+    assert not handler._known
+    np.testing.assert_array_equal(memory, before)
+
+
+def test_half_extent_bounds_a_peers_plan_half() -> None:
+    u = lambda *v: np.array(v, np.uint64)  # noqa: E731
+    assert native.half_extent(u(4096, 8192), u(0, 100), u(50, 20)) == (70, 120, 8192)
+    assert native.half_extent(u(), u(), u()) == (0, 0, 0)
+    assert native.half_extent(u(1), u(0, 1), u(5)) is None          # offs and lens differ in length
+    assert native.half_extent(u(1 << 62), u(0), u(1)) is None       # a base past any mapping
+    assert native.half_extent(u(1), u(WRAP - 1), u(2)) is None      # an offset that would wrap
+    assert native.half_extent(u(1), u(0, 0, 0, 0, 0), u(*[(1 << 62) - 1] * 5)) is None  # a sum that would
