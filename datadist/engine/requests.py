@@ -198,17 +198,23 @@ class RequestHandler:
             return self._serve_collective(link, msg, sock, status, why, device)
         if status:
             if not isinstance(msg, wire.Pull):
-                if status == int(Fault.PARAM_INVALID):
-                    # A plan outside what this engine announced comes from a broken or hostile
-                    # peer, whose announced size says nothing: its payload is not read (that
-                    # could hold the agent for the whole timeout); answered, the link closes.
+                if status == int(Fault.PARAM_INVALID) and msg.nbytes > self._capacity(rec):
+                    # A bad plan announcing more than this engine's caches hold: a broken or
+                    # hostile peer, whose payload is not read (that could hold the agent for
+                    # the whole timeout); answered, the link closes.  (A stale lookup is a
+                    # race of a sound peer: drained, the link goes on.)
                     sock.sendall(wire.encode(wire.Reply(status=status, message=why)))
-                    raise wire.WireError(f"refused a push: {why}; its payload was not read")
+                    raise wire.WireError(f"refused a push of {msg.nbytes} bytes: {why}; its payload was not read")
                 tcp.drain(sock, msg.nbytes + (checked.TRAILER_SIZE if msg.summed else 0), self.timeout_ms)  # in step
             return wire.Reply(status=status, message=why)
         bases, offs, lens = msg.arrays
         self._admitted = _Admitted(msg.epoch, rec, msg, Plan(bases, bases, offs, offs, lens, device, device))
         return self._serve_socket(link, self._admitted, sock)
+
+    def _capacity(self, rec: Optional[CacheRecord]) -> int:
+        """The most bytes a push into ``rec`` (None: any of this engine's caches) can carry."""
+        recs = [rec] if rec is not None else self.registry.all()
+        return sum(r.addrs.shape[0] * r.tensor_size for r in recs)
 
     def _sum(self, link: Link, msg: wire.Message, sock: socket.socket) -> wire.Message:
         """The checksum of a plan half, checked as a transfer's (:mod:`.transports.checked`:

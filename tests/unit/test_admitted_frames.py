@@ -382,9 +382,9 @@ WRAP = 1 << 64
 def test_plan_halves_whose_sums_wrap_are_refused(served, cls: type, offs: list[int], lens: list[int]) -> None:
     """A peer's offsets and lengths near 2^64 make ``off + len`` wrap around and look small:
     without a bound first, a pull would send (a SUM would read) memory below the tensor and
-    a push would write there.  Each is refused before any byte moves.  A pull or SUM is
-    answered and the link goes on; a push is answered and ends the link without its payload
-    being read (its announced size may be anything)."""
+    a push would write there.  Each is refused before any byte moves, and the link goes on
+    (a push's payload drained), except for a push announcing more bytes than the cache
+    holds: answered, it ends the link without its payload being read."""
     handler, reg, memory, ours, peer = served
     memory[:] = 3
     before = memory.copy()
@@ -392,12 +392,13 @@ def test_plan_halves_whose_sums_wrap_are_refused(served, cls: type, offs: list[i
     base = np.array([memory[1].ctypes.data], np.uint64)
     frame = wire.encode(cls(cache_id=1, epoch=reg.epoch, nbytes=nbytes,
                             arrays=[base, np.array(offs, np.uint64), np.array(lens, np.uint64)]))
-    peer.sendall(frame)
+    drained = cls is wire.Push and nbytes <= memory.size  # a size the cache could take: read
+    peer.sendall(frame + (bytes(nbytes) if drained else b""))
     link = Link(remote_cluster_id=9, remote_role=0, peer_pid=0, timeout_ms=5000, is_client=False)
     got = handler.serve_known(link, ours)
     assert got is not None
     with contextlib.ExitStack() as scope:
-        if cls is wire.Push:
+        if cls is wire.Push and not drained:
             with pytest.raises(wire.WireError, match="outside cache 1"):
                 handler.handle_frame(link, got, ours, scope)
             reply = wire.read_answer(peer)
@@ -408,6 +409,8 @@ def test_plan_halves_whose_sums_wrap_are_refused(served, cls: type, offs: list[i
     assert handler.payload is None  # a pull's refusal carries no bytes
     assert not handler._known
     np.testing.assert_array_equal(memory, before)
+    if drained:
+        assert native.spin_readable(ours.fileno(), 1000) is False  # in step: the payload was read
 
 
 def test_half_extent_bounds_a_peers_plan_half() -> None:
