@@ -128,9 +128,11 @@ class Link(PeerLookups, LinkLife):
             self.mark_broken("peer process exited")
         self.check_alive()
 
-    def protocol_error(self, msg: wire.Message) -> NoReturn:
-        self.mark_broken(f"unexpected {type(msg).__name__} frame")
-        fail(Fault.LINK_FAILED, f"protocol error on link to cluster {self.remote_cluster_id}")
+    def protocol_error(self, msg: wire.Message, why: str = "") -> NoReturn:
+        """Break the link over ``msg``, a frame that should not have come (or, with ``why``,
+        one whose content cannot be right)."""
+        self.mark_broken(why or f"unexpected {type(msg).__name__} frame")
+        fail(Fault.LINK_FAILED, f"protocol error on link to cluster {self.remote_cluster_id}" + (f": {why}" if why else ""))
 
     # -- requests ------------------------------------------------------------------------
     def rpc(self, msg: Union[wire.Message, bytes], deadline: float, send_plan: Optional[Plan] = None,

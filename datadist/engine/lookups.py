@@ -33,7 +33,7 @@ class PeerLookups:
         def rpc(self, msg: Union[wire.Message, bytes], deadline: float,
                 send_plan: Optional[Plan] = None) -> wire.Message: ...
 
-        def protocol_error(self, msg: wire.Message) -> NoReturn: ...
+        def protocol_error(self, msg: wire.Message, why: str = "") -> NoReturn: ...
 
     def __init__(self) -> None:
         self._lookups: dict[CacheRef, RemoteCache] = {}
@@ -63,6 +63,9 @@ class PeerLookups:
             self.protocol_error(reply)
         if reply.status:
             fail(Fault.of(reply.status), reply.message)
+        why = _unsound(reply)
+        if why:  # plans are made from these numbers and copied one-sidedly: never trusted blind
+            self.protocol_error(reply, f"the peer described cache {reply.cache_id} impossibly: {why}")
         remote = RemoteCache(cache_id=reply.cache_id, row=reply.row, num_tensors=reply.num_tensors,
                              tensor_size=reply.tensor_size, batch_size=reply.batch_size, is_blocks=reply.is_blocks,
                              dtype=reply.dtype, addrs=reply.arrays[0], epoch=reply.epoch, watched=reply.watched,
@@ -80,3 +83,20 @@ class PeerLookups:
             return True
         return self._epoch_now() == remote.epoch
 
+
+def _unsound(reply: wire.Resolved) -> str:
+    """Why a peer's description of one of its caches cannot be planned against ("" if it
+    can): every block plan indexes rows below ``batch_size`` of ``num_tensors`` tensors of
+    ``tensor_size`` bytes at the given addresses, so each must be what it claims."""
+    if len(reply.arrays) != 1:
+        return "no tensor addresses"
+    addrs = reply.arrays[0]
+    if not 0 < reply.num_tensors == addrs.shape[0]:
+        return f"{reply.num_tensors} tensors with {addrs.shape[0]} addresses"
+    if not 0 < reply.batch_size <= reply.tensor_size:
+        return f"batch_size {reply.batch_size} with tensor_size {reply.tensor_size}"
+    if not 0 <= reply.row < reply.batch_size:
+        return f"row {reply.row} outside [0, {reply.batch_size})"
+    if int(addrs.max()) + reply.tensor_size >= 1 << 62 or not addrs.all():
+        return "tensor addresses outside any mapping"
+    return ""

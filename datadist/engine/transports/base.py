@@ -93,7 +93,7 @@ class Channel(Protocol):
     def check_peer(self) -> None:
         """Raise if the peer's process has ended (one non-blocking poll)."""
 
-    def protocol_error(self, msg: wire.Message) -> NoReturn:
+    def protocol_error(self, msg: wire.Message, why: str = "") -> NoReturn:
         """The peer sent ``msg`` where it may not: break the link and raise."""
 
 #: ``RemoteCache.cache_id`` (and ``PUSH.cache_id``) of raw peer addresses that no lookup
