@@ -63,8 +63,10 @@ static uint64_t *table_of(Py_buffer *b, uint64_t *mask_out) {
     if (b->len < (Py_ssize_t)(KS_HDR * 8)) { PyErr_SetString(PyExc_ValueError, "key set buffer too small"); return NULL; }
     uint64_t *t = (uint64_t *)b->buf;
     uint64_t n = ld(&t[H_NSLOTS]);
+    /* n against the slots the buffer holds, by division: (KS_HDR + n) * 8 wraps for n near
+     * 2^61, and the table may come from another process */
     if (ld(&t[H_MAGIC]) != KS_MAGIC || n == 0 || (n & (n - 1)) != 0 ||
-        (uint64_t)b->len < (KS_HDR + n) * 8) {
+        n > (uint64_t)b->len / 8 - KS_HDR) {
         PyErr_SetString(PyExc_ValueError, "buffer is not an initialised key set");
         return NULL;
     }

@@ -112,6 +112,22 @@ def test_invalidated_and_foreign_tables():
         _keyset.count_keys(bytearray(8), ["x"])
 
 
+@pytest.mark.parametrize("nslots", [1 << 61, 1 << 63, 1 << 10])
+def test_a_table_announcing_more_slots_than_its_buffer_holds_is_refused(nslots):
+    """The daemon writes the table a client maps: a slot count whose byte size wraps
+    around 64 bits (2^61 slots of 8 bytes) or merely exceeds the buffer is not a table
+    (before, 2^61 passed the size check and the probe read far outside the mapping)."""
+    ks = KeySet("test-wrap", 10)
+    view = KeySetView(ks.fd, ks.size)
+    table = bytearray(view._mm[:ks.size])  # a real table's bytes, copied
+    view.close()
+    ks.close()
+    assert _keyset.count_keys(table, ["x"]) == 0
+    table[16:24] = nslots.to_bytes(8, "little")  # the slot count word
+    with pytest.raises(ValueError, match="not an initialised key set"):
+        _keyset.count_keys(table, ["x"])
+
+
 def test_slots_for_keeps_load_under_three_quarters():
     for n in (0, 1, 47, 48, 49, 1000, 1 << 20):
         s = slots_for(n)
