@@ -50,13 +50,21 @@ class ArenaMover:
         self._verify = verify
 
     def save(self, vp: ValuePlan, off: int, deadline: Optional[float]) -> int:
-        return self._move(vp, off, save=True)
+        return self._move(vp, self._inside(vp, off), save=True)
 
     def load(self, vp: ValuePlan, off: int, crc: int, deadline: Optional[float]) -> bool:
         if not self._verify:
-            self._copier.load(vp, self._base + off)
+            self._copier.load(vp, self._base + self._inside(vp, off))
             return True
-        return self._move(vp, off, save=False) == crc
+        return self._move(vp, self._inside(vp, off), save=False) == crc
+
+    def _inside(self, vp: ValuePlan, off: int) -> int:
+        """``off`` if the value's bytes there lie inside the arena: the daemon says where
+        (RESERVE, GET), and no answer of another process moves bytes outside the mapping."""
+        if not 0 <= off <= self._array.shape[0] - vp.size:
+            raise ProtocolError(f"the pool placed a value of {vp.size} bytes at offset {off}, outside its arena "
+                                f"of {self._array.shape[0]} bytes")
+        return off
 
     def _move(self, vp: ValuePlan, off: int, *, save: bool) -> int:
         """Copy one value into (``save``) or out of the arena at ``off``; the checksum of
