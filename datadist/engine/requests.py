@@ -315,6 +315,15 @@ class RequestHandler:
 
     def _notify(self, link: Link, msg: wire.Message, sock: socket.socket) -> None:
         assert isinstance(msg, wire.Notify)
+        rec = self.registry.get(msg.cache_id)
+        if rec is None:  # freed meanwhile: nobody watches it
+            return None
+        if msg.cluster_id != link.remote_cluster_id or not 0 <= msg.t_lo <= msg.t_hi <= rec.num_tensors:
+            # Watchers trust a notice's source and tensors (a wait intersects them): a peer
+            # naming another cluster, or tensors the cache does not have, is broken or lying.
+            raise wire.WireError(f"a NOTIFY from cluster {link.remote_cluster_id} named cluster {msg.cluster_id}, "
+                                 f"tensors [{msg.t_lo}, {msg.t_hi}) of cache {rec.cache_id} "
+                                 f"with {rec.num_tensors}")
         self.registry.record_arrival(Notice(cluster_id=msg.cluster_id, cache_id=msg.cache_id,
                                             tensors=range(msg.t_lo, msg.t_hi), nbytes=msg.nbytes,
                                             status=Fault.of(msg.status), message=msg.message))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
+import time
 from typing import Iterator
 
 import numpy as np
@@ -421,3 +423,58 @@ def test_half_extent_bounds_a_peers_plan_half() -> None:
     assert native.half_extent(u(1 << 62), u(0), u(1)) is None       # a base past any mapping
     assert native.half_extent(u(1), u(WRAP - 1), u(2)) is None      # an offset that would wrap
     assert native.half_extent(u(1), u(0, 0, 0, 0, 0), u(*[(1 << 62) - 1] * 5)) is None  # a sum that would
+
+
+@pytest.mark.parametrize("cluster_id, t_lo, t_hi", [(9, 5, 1 << 62), (9, 1, 0), (9, -1, 1), (7, 0, 1)])
+def test_a_notify_naming_tensors_the_cache_lacks_or_another_cluster_ends_the_link(served, cluster_id: int,
+                                                                                  t_lo: int, t_hi: int) -> None:
+    """Watchers trust a notice's source and tensors (a wait intersects its range with
+    theirs: [5, 2^62) froze the whole process).  A NOTIFY outside the cache's tensors, or
+    from a link naming another cluster, is a protocol error: the agent ends that link."""
+    handler, reg, _, ours, peer = served
+    board = reg.watch(1)
+    assert board is not None
+    link = Link(remote_cluster_id=9, remote_role=0, peer_pid=0, timeout_ms=5000, is_client=False)
+    peer.sendall(wire.encode(wire.Notify(cluster_id=cluster_id, cache_id=1, t_lo=t_lo, t_hi=t_hi)))
+    frame = handler.serve_known(link, ours)
+    assert frame is not None
+    with contextlib.ExitStack() as scope, pytest.raises(wire.WireError, match="a NOTIFY from cluster 9"):
+        handler.handle_frame(link, frame, ours, scope)
+    peer.sendall(wire.encode(wire.Notify(cluster_id=9, cache_id=1, t_lo=0, t_hi=2, nbytes=8)))  # a sound one
+    frame = handler.serve_known(link, ours)
+    assert frame is not None
+    with contextlib.ExitStack() as scope:
+        assert handler.handle_frame(link, frame, ours, scope) is None
+    assert board.wait(range(0, 2), time.monotonic() + 5, None) is not None
+
+
+def test_a_refused_push_is_drained_within_one_timeout_however_it_trickles(served) -> None:
+    """A stale push's payload is read to keep the stream in step, but within the engine's
+    timeout as a whole: a peer sending a little at a time cannot hold the agent longer."""
+    handler, reg, memory, ours, peer = served
+    handler.timeout_ms = 300
+    base = np.array([memory[0].ctypes.data, memory[1].ctypes.data], np.uint64)
+    frame = wire.encode(wire.Push(cache_id=1, epoch=reg.epoch + 1, nbytes=64 << 20,  # stale: drained
+                                  arrays=[base, np.array([0], np.uint64), np.array([BLOCK], np.uint64)]))
+    peer.sendall(frame)
+    link = Link(remote_cluster_id=9, remote_role=0, peer_pid=0, timeout_ms=300, is_client=False)
+    got = handler.serve_known(link, ours)
+    assert got is not None
+    stop = threading.Event()
+
+    def trickle() -> None:  # 1 MiB every 100 ms: each 1 MiB read finishes within its own 300 ms
+        chunk = bytes(1 << 20)
+        while not stop.wait(0.1):
+            try:
+                peer.sendall(chunk)
+            except OSError:
+                return
+    threading.Thread(target=trickle, daemon=True).start()
+    started = time.monotonic()
+    try:
+        with contextlib.ExitStack() as scope, pytest.raises(TimeoutError):
+            handler.handle_frame(link, got, ours, scope)
+    finally:
+        stop.set()
+    assert time.monotonic() - started < 2.0
+    assert not memory.any()

@@ -175,13 +175,16 @@ def pull_payload(plan: Plan, scope: contextlib.ExitStack) -> Plan:
 
 
 def drain(sock: socket.socket, nbytes: int, timeout_ms: int) -> None:
-    """Read and discard a refused push's payload, keeping the stream in step."""
+    """Read and discard a refused push's payload, keeping the stream in step, all of it
+    within ``timeout_ms`` (``TimeoutError`` then: a peer trickling a large payload must
+    not hold the agent, which serves every link, for longer)."""
+    deadline = time.monotonic() + timeout_ms / 1000.0
     if isinstance(sock, SSLSocket):
-        tls.discard(sock, nbytes, time.monotonic() + timeout_ms / 1000.0)
+        tls.discard(sock, nbytes, deadline)
         return
     scratch = memoryview(bytearray(min(nbytes, _DRAIN_CHUNK)))
     left = nbytes
     while left > 0:
         n = min(left, len(scratch))
-        native.recv_exact(sock.fileno(), scratch[:n], timeout_ms)
+        native.recv_exact(sock.fileno(), scratch[:n], native.ms_until(deadline))
         left -= n
