@@ -27,6 +27,7 @@ from .errors import EngineError, Fault
 from .layout import Plan, tensor_span
 from .link import Link
 from .memo import remember
+from .peer_plans import device_holding, runs_inside
 from .registry import CacheRecord, Registry
 from .transports import checked, tcp
 from .transports.base import ANY_CACHE, STALE
@@ -35,7 +36,7 @@ from .transports.collective import VIA_COLLECTIVE, CollectiveTransport
 if TYPE_CHECKING:
     from .notes import NoteBox
 
-__all__ = ["RequestHandler", "SERVED", "OK", "runs_inside", "runs_inside_any"]
+__all__ = ["RequestHandler", "SERVED", "OK"]
 
 #: What a linked peer may send on its request stream.
 SERVED = (wire.MsgType.RESOLVE, wire.MsgType.RELEASE_KEY, wire.MsgType.PUSH, wire.MsgType.PULL,
@@ -193,7 +194,7 @@ class RequestHandler:
         assert isinstance(msg, wire.Push)  # a Pull is a Push
         rec = self.registry.get(msg.cache_id)
         status, why = self._check(rec, msg)
-        device = "cpu" if status else _device_of(self.registry, rec, msg.arrays[0], msg.arrays[1])
+        device = "cpu" if status else _device_of(self.registry, rec, msg.arrays)
         if msg.via == VIA_COLLECTIVE:
             return self._serve_collective(link, msg, sock, status, why, device)
         if status:
@@ -225,7 +226,7 @@ class RequestHandler:
         if status:
             return wire.Summed(status=status, message=why)
         bases, offs, lens = msg.arrays
-        device = _device_of(self.registry, rec, bases, offs)
+        device = _device_of(self.registry, rec, msg.arrays)
         self._admitted = _Admitted(msg.epoch, rec, msg, Plan(bases, bases, offs, offs, lens, device, device))
         return wire.Summed(checksum=checked.sum_half(bases, offs, lens, device))
 
@@ -297,8 +298,9 @@ class RequestHandler:
         if msg.cache_id == ANY_CACHE:
             # Raw addresses (TransferConfig.dst_addrs): no lookup that could be stale; the
             # plan must lie inside the caches registered right now.
-            if not sized or not runs_inside_any(reg.all(), bases, offs, lens):
-                return int(Fault.PARAM_INVALID), f"plan reaches outside every cache of cluster {reg.cluster_id}"
+            if not sized or device_holding(reg.all(), bases, offs, lens) is None:
+                return int(Fault.PARAM_INVALID), (f"plan reaches outside every cache of cluster {reg.cluster_id} "
+                                                  "(or across the memory of two devices)")
             return 0, ""
         if msg.epoch != reg.epoch:  # first: a freed cache id may simply mean a stale lookup
             return STALE, "caches changed since the lookup"
@@ -335,58 +337,10 @@ class RequestHandler:
         return None
 
 
-def runs_inside(rec: CacheRecord, bases: _U64, offs: _U64, lens: _U64, end: int) -> bool:
-    """True if every run of the plan half (bounded: :func:`native.half_extent`, whose
-    largest ``off + len`` is ``end``) lies inside the cache's tensors (tensors that sit
-    back to back count as one span, since coalesced runs may cross them)."""
-    if lens.shape[0] == 0:
-        return True
-    if bases.shape[0] <= 256:
-        # Factored plan over tensor bases: the common case, checked without numpy setup.
-        known = rec.addr_set
-        listed = bases.tolist()
-        if all(b in known for b in listed):
-            return end <= rec.tensor_size
-    return _inside_spans([rec], bases, offs, lens)
-
-
-def runs_inside_any(recs: list[CacheRecord], bases: _U64, offs: _U64, lens: _U64) -> bool:
-    """True if every run of the plan half lies inside the tensors of the caches ``recs``
-    (raw addresses, which no lookup tied to one cache)."""
-    if lens.shape[0] == 0:
-        return True
-    return bool(recs) and _inside_spans(recs, bases, offs, lens)
-
-
-def _inside_spans(recs: list[CacheRecord], bases: _U64, offs: _U64, lens: _U64) -> bool:
-    """Whether every run lies inside one span of memory covered by the tensors of ``recs``;
-    tensors that touch or overlap merge into one span."""
-    starts = np.add.outer(bases, offs).ravel()
-    ends = starts + np.tile(lens, bases.shape[0])
-    lo = np.concatenate([r.addrs for r in recs])
-    hi = np.concatenate([r.addrs + np.uint64(r.tensor_size) for r in recs])
-    order = np.argsort(lo, kind="stable")
-    lo, reach = lo[order], np.maximum.accumulate(hi[order])
-    seg_first = np.ones(lo.shape[0], dtype=bool)
-    seg_first[1:] = lo[1:] > reach[:-1]
-    seg_start = lo[seg_first]
-    seg_end = reach[np.append(np.flatnonzero(seg_first)[1:] - 1, lo.shape[0] - 1)]
-    seg = np.searchsorted(seg_start, starts, side="right") - 1
-    if (seg < 0).any():
-        return False
-    return bool((ends <= seg_end[seg]).all())
-
-
-def _device_of(reg: Registry, rec: Optional[CacheRecord], bases: _U64, offs: _U64) -> str:
+def _device_of(reg: Registry, rec: Optional[CacheRecord], arrays: list[_U64]) -> str:
     """Where the (validated) runs of a request live: the cache's memory, or for raw
-    addresses (``ANY_CACHE``) that of the cache holding the first run (a plan never spans
-    host and device memory: they are different allocations)."""
+    addresses (``ANY_CACHE``) that of the caches holding them all (:func:`_check` refused
+    a plan that mixes devices)."""
     if rec is not None:
         return rec.device
-    if bases.shape[0] == 0 or offs.shape[0] == 0:
-        return "cpu"
-    first = np.uint64(int(bases[0]) + int(offs[0]))
-    for r in reg.all():
-        if ((r.addrs <= first) & (first < r.addrs + np.uint64(r.tensor_size))).any():
-            return r.device
-    return "cpu"
+    return device_holding(reg.all(), *arrays) or "cpu"

@@ -59,7 +59,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
         "datadist.engine", "datadist.engine.core", "datadist.engine.agent", "datadist.engine.link",
         "datadist.engine.registry", "datadist.engine.handshake", "datadist.engine.incoming",
         "datadist.engine.notes", "datadist.engine.arrivals", "datadist.engine.requests", "datadist.engine.linking",
-        "datadist.engine.lookups", "datadist.engine.prepared", "datadist.engine.planning",
+        "datadist.engine.lookups", "datadist.engine.prepared", "datadist.engine.planning", "datadist.engine.peer_plans",
     )),
     ("transports and executors", (
         "datadist.engine.transports", "datadist.engine.transports.*",

@@ -162,12 +162,12 @@ def test_requests_are_served_on_the_memory_of_the_cache_they_reach() -> None:
         dev_rec = reg.add(dict(num_tensors=1, tensor_size=4096, batch_size=1, is_blocks=False, dtype="DT_UINT8",
                                addrs=np.array([0x7000_0000_0000], U64), device="cuda:0"))
         one = lambda x: np.array([x], U64)  # noqa: E731
-        assert _device_of(reg, dev_rec, one(0), one(0)) == "cuda:0"
-        assert _device_of(reg, host_rec, one(0), one(0)) == "cpu"
-        # Raw addresses (no cache id): the cache holding the first run decides.
-        assert _device_of(reg, None, one(0x7000_0000_0000), one(100)) == "cuda:0"
-        assert _device_of(reg, None, one(host[1].ctypes.data), one(8)) == "cpu"
-        assert _device_of(reg, None, np.zeros(0, U64), np.zeros(0, U64)) == "cpu"
+        assert _device_of(reg, dev_rec, [one(0), one(0), one(8)]) == "cuda:0"
+        assert _device_of(reg, host_rec, [one(0), one(0), one(8)]) == "cpu"
+        # Raw addresses (no cache id): the caches holding every run decide.
+        assert _device_of(reg, None, [one(0x7000_0000_0000), one(100), one(8)]) == "cuda:0"
+        assert _device_of(reg, None, [one(host[1].ctypes.data), one(8), one(8)]) == "cpu"
+        assert _device_of(reg, None, [np.zeros(0, U64)] * 3) == "cpu"
     finally:
         reg.close()
 
