@@ -276,10 +276,18 @@ class PeerDeviceRegion(PeerSpan):
         """Map a peer's exported allocation; raises :class:`CudaError` if it cannot."""
         local = ctypes.c_uint64()
         handle = _IpcHandle.of(region.handle)
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
         with _current().entered() as drv:
             drv.check("cuIpcOpenMemHandle",
                       drv.cuIpcOpenMemHandle(ctypes.byref(local), handle, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
-        return cls(region.base, local.value, region.size)
+            code = drv.cuMemGetAddressRange(ctypes.byref(base), ctypes.byref(size), local.value)
+            if code:
+                drv.cuIpcCloseMemHandle(local.value)
+                drv.check("cuMemGetAddressRange", code)
+        # The peer announces its allocation's size; what the driver mapped here bounds every
+        # copy through this region (a larger announcement would reach past the mapping).
+        mapped = base.value + size.value - local.value
+        return cls(region.base, local.value, max(0, min(region.size, mapped)))
 
     def close(self) -> None:
         if self.local_base:

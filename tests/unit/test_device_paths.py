@@ -226,6 +226,16 @@ class _FakeDriver:
         out._obj.value = 0x5000_0000 + 0x100_0000 * len(self.opened)  # a fresh local mapping per open
         return 0
 
+    #: What the stand-in driver says each opened allocation's size is.
+    mapped_size = 1 << 20
+
+    def cuMemGetAddressRange(self, base, size, ptr) -> int:
+        base._obj.value, size._obj.value = ptr, self.mapped_size  # opened mappings start at the allocation
+        return 0
+
+    def cuIpcCloseMemHandle(self, ptr) -> int:
+        return 0
+
     def check(self, call: str, code: int) -> None:
         if code:
             raise cuda.CudaError(call, code, "stand-in")
@@ -288,6 +298,19 @@ def test_host_side_stages_a_device_side_through_one_host_buffer(fake_gpu) -> Non
         LocalTransport.copy(host_plan)
         assert not back.any()  # scattered only when the block ends
     np.testing.assert_array_equal(back[:, 512:612], src[:, 512:612])
+
+
+def test_a_peer_region_is_bounded_by_what_the_driver_mapped_not_by_its_announcement(fake_gpu) -> None:
+    """A same-host peer announces its IPC allocation's size; a larger announcement than the
+    allocation the driver opened must not let a copy reach past the mapping."""
+    fake_gpu.mapped_size = 1 << 16
+    region = cuda.PeerDeviceRegion.open(cuda.IpcRegion(b"\x04" * 64, 0x7000_0000, 1 << 30))
+    assert region.size == 1 << 16
+    assert region.translate(0x7000_0000, 1 << 16) == region.local_base
+    assert region.translate(0x7000_0000, (1 << 16) + 1) is None
+    assert region.translate(0x7000_0000 + (1 << 20), 8) is None
+    small = cuda.PeerDeviceRegion.open(cuda.IpcRegion(b"\x05" * 64, 0x7100_0000, 4096))
+    assert small.size == 4096  # an announcement below the mapping stands
 
 
 def test_shm_prefers_the_regions_a_lookup_names_over_older_mappings(fake_gpu) -> None:
