@@ -157,6 +157,9 @@ class Dispatcher:
                     self._busy += 1
                 try:
                     self._take(entry[0])
+                except Exception:  # a bug must not cost the daemon a worker; it is logged
+                    log.exception("a session failed")
+                    entry[0].end()
                 finally:
                     with self._idle:
                         self._busy -= 1
@@ -175,12 +178,7 @@ class Dispatcher:
             self._serve(session)
 
     def _serve(self, session: Served) -> None:
-        try:
-            again = session.serve_one()
-        except Exception:  # a bug must not take the daemon down; it is logged
-            log.exception("a session failed")
-            again = False
-        if again:
+        if session.serve_one():
             self.watch(session)  # ends it instead once stopping
         else:
             session.end()
