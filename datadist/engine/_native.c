@@ -1577,10 +1577,10 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
  * never wraps around 64 bits (no process maps memory that high). */
 #define DD_HALF_VALUE_MAX (1ull << 62)
 
-/* half_extent(bases, offs, lens) -> (total, end, max_base) or None: in one pass over a
- * plan half from a peer, the sum of its run lengths, the largest offset + length and the
- * largest base; None when offs and lens differ in length or any value is 2^62 or more
- * (nothing computed from them could then be trusted not to wrap). */
+/* half_extent(bases, offs, lens) -> (total, end) or None: in one pass over a plan half
+ * from a peer, the sum of its run lengths and the largest offset + length; None when offs
+ * and lens differ in length or any value (the bases too) is 2^62 or more (nothing computed
+ * from them could then be trusted not to wrap). */
 static PyObject *py_half_extent(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "half_extent(bases, offs, lens)"); return NULL; }
@@ -1591,11 +1591,8 @@ static PyObject *py_half_extent(PyObject *self, PyObject *const *args, Py_ssize_
         Py_RETURN_NONE;
     }
     const uint64_t *base = U64P(a, 0), *off = U64P(a, 1), *len = U64P(a, 2);
-    uint64_t total = 0, end = 0, top = 0, bad = 0;
-    for (size_t i = 0; i < a.nt; i++) {
-        bad |= base[i] >= DD_HALF_VALUE_MAX;
-        if (base[i] > top) top = base[i];
-    }
+    uint64_t total = 0, end = 0, bad = 0;
+    for (size_t i = 0; i < a.nt; i++) bad |= base[i] >= DD_HALF_VALUE_MAX;
     for (size_t i = 0; i < a.nu; i++) {
         bad |= (off[i] >= DD_HALF_VALUE_MAX) | (len[i] >= DD_HALF_VALUE_MAX);
         total += len[i];  /* below 2^62 before and after each step, or bad (which stays set) */
@@ -1604,7 +1601,7 @@ static PyObject *py_half_extent(PyObject *self, PyObject *const *args, Py_ssize_
     }
     release_plan(&a);
     if (bad) Py_RETURN_NONE;
-    return Py_BuildValue("(KKK)", (unsigned long long)total, (unsigned long long)end, (unsigned long long)top);
+    return Py_BuildValue("(KK)", (unsigned long long)total, (unsigned long long)end);
 }
 
 /* coalesce(src, dst, lens) -> (src, dst, lens) as three bytearrays of uint64: the runs in
@@ -1991,7 +1988,7 @@ static PyMethodDef methods[] = {
      "serve_known(fd, known, epoch, header_size, limit, timeout_ms, answer) -> (0, admitted) served | "
      "(1, header) | (2, frame) read, not served"},
     {"half_extent", (PyCFunction)(void (*)(void))py_half_extent, METH_FASTCALL,
-     "half_extent(bases, offs, lens) -> (total, end, max_base) of a peer's plan half, or None if out of bounds"},
+     "half_extent(bases, offs, lens) -> (total, end) of a peer's plan half, or None if out of bounds"},
     {"coalesce", (PyCFunction)(void (*)(void))py_coalesce, METH_FASTCALL,
      "coalesce(src, dst, lens) -> the runs with neighbours that continue each other merged (uint64 bytearrays)"},
     {"ref_key", (PyCFunction)(void (*)(void))py_ref_key, METH_FASTCALL,

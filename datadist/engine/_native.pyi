@@ -131,8 +131,8 @@ class RefKey:
 def ref_key(a: object, b: object, limit: int, /) -> RefKey | None:
     """A probe key of two lists or tuples (at most ``limit`` entries together); None otherwise."""
 
-def half_extent(bases: _U64Array, offs: _U64Array, lens: _U64Array, /) -> Optional[tuple[int, int, int]]:
-    """A peer's plan half: (sum of lens, largest off + len, largest base); None if out of bounds."""
+def half_extent(bases: _U64Array, offs: _U64Array, lens: _U64Array, /) -> Optional[tuple[int, int]]:
+    """A peer's plan half: (sum of lens, largest off + len); None if out of bounds."""
 
 def coalesce(src: _U64Array, dst: _U64Array, lens: _U64Array, /) -> tuple[bytearray, bytearray, bytearray]:
     """The runs with empty ones dropped and neighbours that continue each other merged."""

@@ -122,11 +122,11 @@ def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, 
     return got
 
 
-def half_extent(bases: U64Array, offs: U64Array, lens: U64Array) -> Optional[tuple[int, int, int]]:
-    """A peer's plan half in one C pass: ``(sum of lens, largest off + len, largest base)``,
-    or None when ``offs`` and ``lens`` differ in length or any value is 2^62 or more (sums
-    of such values could wrap around 64 bits and pass a bounds check they fail)."""
-    got: Optional[tuple[int, int, int]] = _native.half_extent(bases, offs, lens)
+def half_extent(bases: U64Array, offs: U64Array, lens: U64Array) -> Optional[tuple[int, int]]:
+    """A peer's plan half in one C pass: ``(sum of lens, largest off + len)``, or None when
+    ``offs`` and ``lens`` differ in length or any value (the bases too) is 2^62 or more
+    (sums of such values could wrap around 64 bits and pass a bounds check they fail)."""
+    got: Optional[tuple[int, int]] = _native.half_extent(bases, offs, lens)
     return got
 
 

@@ -19,7 +19,6 @@ from ssl import SSLSocket
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Union
 
 import numpy as np
-import numpy.typing as npt
 
 from . import native, wire
 from .arrivals import Notice
@@ -42,7 +41,6 @@ __all__ = ["RequestHandler", "SERVED", "OK"]
 SERVED = (wire.MsgType.RESOLVE, wire.MsgType.RELEASE_KEY, wire.MsgType.PUSH, wire.MsgType.PULL,
           wire.MsgType.SUM, wire.MsgType.UNLINK, wire.MsgType.NOTIFY, wire.MsgType.NOTE)
 
-_U64 = npt.NDArray[np.uint64]
 
 #: The answer to a request that went through (sent as ``wire.OK_FRAME``).
 OK = wire.OK
@@ -193,8 +191,7 @@ class RequestHandler:
     def _transfer(self, link: Link, msg: wire.Message, sock: socket.socket) -> Optional[wire.Message]:
         assert isinstance(msg, wire.Push)  # a Pull is a Push
         rec = self.registry.get(msg.cache_id)
-        status, why = self._check(rec, msg)
-        device = "cpu" if status else _device_of(self.registry, rec, msg.arrays)
+        status, why, device = self._check(rec, msg)
         if msg.via == VIA_COLLECTIVE:
             return self._serve_collective(link, msg, sock, status, why, device)
         if status:
@@ -222,11 +219,10 @@ class RequestHandler:
         a one-sided copy's check), summed as this engine reads its memory now."""
         assert isinstance(msg, wire.Sum)
         rec = self.registry.get(msg.cache_id)
-        status, why = self._check(rec, msg)
+        status, why, device = self._check(rec, msg)
         if status:
             return wire.Summed(status=status, message=why)
         bases, offs, lens = msg.arrays
-        device = _device_of(self.registry, rec, msg.arrays)
         self._admitted = _Admitted(msg.epoch, rec, msg, Plan(bases, bases, offs, offs, lens, device, device))
         return wire.Summed(checksum=checked.sum_half(bases, offs, lens, device))
 
@@ -283,32 +279,34 @@ class RequestHandler:
         self.registry.record_arrival(Notice(cluster_id=link.remote_cluster_id, cache_id=rec.cache_id,
                                             tensors=range(lo, hi), nbytes=msg.nbytes, status=Fault.OK))
 
-    def _check(self, rec: Optional[CacheRecord], msg: wire.Push) -> tuple[int, str]:
-        """``(0, "")`` for a plan half that lies inside the cache it names (or, for raw
-        addresses, inside some cache), else the status and reason of the refusal."""
+    def _check(self, rec: Optional[CacheRecord], msg: wire.Push) -> tuple[int, str, str]:
+        """``(0, "", device)`` for a plan half that lies inside the cache it names (or, for
+        raw addresses, inside the caches of one device), the device being where its runs
+        live; else the status and reason of the refusal (and ``"cpu"``)."""
         reg = self.registry
         if len(msg.arrays) != 3:
-            return int(Fault.PARAM_INVALID), "malformed plan"
+            return int(Fault.PARAM_INVALID), "malformed plan", "cpu"
         bases, offs, lens = msg.arrays
         # Bounded first (one C pass): sums of a peer's values must not wrap around 64 bits
         # and pass the bounds checks below while pointing anywhere in this process.
         extent = native.half_extent(bases, offs, lens)
-        total, end = (extent[0], extent[1]) if extent is not None else (-1, -1)
+        total, end = extent if extent is not None else (-1, -1)
         sized = extent is not None and total * bases.shape[0] == msg.nbytes
         if msg.cache_id == ANY_CACHE:
             # Raw addresses (TransferConfig.dst_addrs): no lookup that could be stale; the
             # plan must lie inside the caches registered right now.
-            if not sized or device_holding(reg.all(), bases, offs, lens) is None:
+            device = device_holding(reg.all(), bases, offs, lens) if sized else None
+            if device is None:
                 return int(Fault.PARAM_INVALID), (f"plan reaches outside every cache of cluster {reg.cluster_id} "
-                                                  "(or across the memory of two devices)")
-            return 0, ""
+                                                  "(or across the memory of two devices)"), "cpu"
+            return 0, "", device
         if msg.epoch != reg.epoch:  # first: a freed cache id may simply mean a stale lookup
-            return STALE, "caches changed since the lookup"
+            return STALE, "caches changed since the lookup", "cpu"
         if rec is None:
-            return int(Fault.CACHE_NOT_FOUND), f"cache {msg.cache_id} does not exist (freed?)"
+            return int(Fault.CACHE_NOT_FOUND), f"cache {msg.cache_id} does not exist (freed?)", "cpu"
         if not sized or not runs_inside(rec, bases, offs, lens, end):
-            return int(Fault.PARAM_INVALID), f"plan reaches outside cache {rec.cache_id}"
-        return 0, ""
+            return int(Fault.PARAM_INVALID), f"plan reaches outside cache {rec.cache_id}", "cpu"
+        return 0, "", rec.device
 
     # -- one-way and closing -------------------------------------------------------------
     def _unlink(self, link: Link, msg: wire.Message, sock: socket.socket) -> wire.Message:
@@ -336,11 +334,3 @@ class RequestHandler:
         self.notes.record(link.remote_cluster_id, msg.text)
         return None
 
-
-def _device_of(reg: Registry, rec: Optional[CacheRecord], arrays: list[_U64]) -> str:
-    """Where the (validated) runs of a request live: the cache's memory, or for raw
-    addresses (``ANY_CACHE``) that of the caches holding them all (:func:`_check` refused
-    a plan that mixes devices)."""
-    if rec is not None:
-        return rec.device
-    return device_holding(reg.all(), *arrays) or "cpu"

@@ -14,7 +14,9 @@ import pytest
 
 from datadist import LLMException, LLMStatusCode, create_tensors
 from datadist.engine import _native, cuda, wire
-from datadist.engine.requests import _device_of
+from datadist.engine.notes import NoteBox
+from datadist.engine.requests import RequestHandler
+from datadist.engine.transports.base import ANY_CACHE
 from datadist.engine.core import resolve_device
 from datadist.engine.errors import EngineError, Fault
 from datadist.engine.layout import Plan, plan_units
@@ -162,12 +164,20 @@ def test_requests_are_served_on_the_memory_of_the_cache_they_reach() -> None:
         dev_rec = reg.add(dict(num_tensors=1, tensor_size=4096, batch_size=1, is_blocks=False, dtype="DT_UINT8",
                                addrs=np.array([0x7000_0000_0000], U64), device="cuda:0"))
         one = lambda x: np.array([x], U64)  # noqa: E731
-        assert _device_of(reg, dev_rec, [one(0), one(0), one(8)]) == "cuda:0"
-        assert _device_of(reg, host_rec, [one(0), one(0), one(8)]) == "cpu"
+        handler = RequestHandler(reg, NoteBox(), 5000)
+
+        def device_of(rec, arrays) -> str:  # where the checked request's runs live
+            msg = wire.Pull(cache_id=rec.cache_id if rec else ANY_CACHE, epoch=reg.epoch,
+                            nbytes=int(arrays[2].sum()) * arrays[0].shape[0], arrays=arrays)
+            status, why, device = handler._check(rec, msg)
+            assert status == 0, why
+            return device
+        assert device_of(dev_rec, [dev_rec.addrs, one(0), one(8)]) == "cuda:0"
+        assert device_of(host_rec, [host_rec.addrs, one(0), one(8)]) == "cpu"
         # Raw addresses (no cache id): the caches holding every run decide.
-        assert _device_of(reg, None, [one(0x7000_0000_0000), one(100), one(8)]) == "cuda:0"
-        assert _device_of(reg, None, [one(host[1].ctypes.data), one(8), one(8)]) == "cpu"
-        assert _device_of(reg, None, [np.zeros(0, U64)] * 3) == "cpu"
+        assert device_of(None, [one(0x7000_0000_0000), one(100), one(8)]) == "cuda:0"
+        assert device_of(None, [one(host[1].ctypes.data), one(8), one(8)]) == "cpu"
+        assert device_of(None, [np.zeros(0, U64)] * 3) == "cpu"
     finally:
         reg.close()
 
