@@ -15,6 +15,7 @@ from ._cluster import LLMClusterInfo
 from ._status import LLMStatusCode, api_class, raise_error, status_code_of_fault, status_of, to_status_code
 from ._types import LLMRole, RegisterMemStatus
 from .engine.core import MAX_LINK_CLUSTERS, Engine
+from .engine.errors import Fault
 from .engine.notes import MAX_NOTE_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -159,13 +160,14 @@ class LLMDataDist:
         clusters, deadline = self._check_clusters(clusters, timeout)
         if len(clusters) > MAX_LINK_CLUSTERS:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, [LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT] * len(clusters)
-        results = []
-        for c in clusters:
+        for c in clusters:  # all checked before any is linked: bad input changes nothing
             if c.remote_cluster_id is None or not c.remote_ip_info_list:
                 raise_error(LLMStatusCode.LLM_PARAM_INVALID,
                             f"cluster info {c!r} needs remote_cluster_id and a remote ip (append_remote_ip_info)")
-            ip, port = c.remote_ip_info_list[0]
-            results.append(status_code_of_fault(engine.link(c.remote_cluster_id, ip, port, deadline)))
+        # Each cluster within the whole timeout, all at once, as CANN links a list.
+        faults = engine.at_once(lambda c: _link_one(engine, c, deadline), [c.remote_cluster_id for c in clusters],
+                                clusters)
+        results = [status_code_of_fault(f) for f in faults]
         return _overall(results), results
 
     def unlink_clusters(self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
@@ -175,7 +177,9 @@ class LLMDataDist:
         clusters, deadline = self._check_clusters(clusters, timeout)
         if len(clusters) > MAX_LINK_CLUSTERS:
             return LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT, [LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT] * len(clusters)
-        results = [_unlink_one(engine, c.remote_cluster_id, deadline, bool(force)) for c in clusters]
+        faults = engine.at_once(lambda c: _unlink_one(engine, c.remote_cluster_id, deadline, bool(force)),
+                                [c.remote_cluster_id for c in clusters], clusters)
+        results = [status_code_of_fault(f) for f in faults]
         return _overall(results), results
 
     # -- comm domains (collective linking) ----------------------------------------------
@@ -328,10 +332,16 @@ def _listen_on(agent: "Agent", listen: Tuple[str, int]) -> Tuple[str, int]:
         raise_error(LLMStatusCode.LLM_FAILED, f"switch_role cannot listen on {listen[0]}:{listen[1]}: {exc}")
 
 
-def _unlink_one(engine: Engine, cluster_id: Optional[int], deadline: float, force: bool) -> LLMStatusCode:
+def _link_one(engine: Engine, cluster: LLMClusterInfo, deadline: float) -> Fault:
+    ip, port = cluster.remote_ip_info_list[0]
+    assert cluster.remote_cluster_id is not None  # checked by link_clusters
+    return engine.link(cluster.remote_cluster_id, ip, port, deadline)
+
+
+def _unlink_one(engine: Engine, cluster_id: Optional[int], deadline: float, force: bool) -> Fault:
     if cluster_id is None:  # a cluster info without remote_cluster_id names no link
-        return LLMStatusCode.LLM_NOT_YET_LINK
-    return status_code_of_fault(engine.unlink(cluster_id, deadline, force))
+        return Fault.NOT_LINKED
+    return engine.unlink(cluster_id, deadline, force)
 
 
 def _overall(results: List[LLMStatusCode]) -> LLMStatusCode:

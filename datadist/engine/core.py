@@ -16,7 +16,8 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Optional, Union
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Hashable, Optional, Sequence, TypeVar, Union
 
 from . import cuda, exporter, npu, wire
 from .agent import Agent
@@ -35,6 +36,9 @@ __all__ = ["Engine", "host_identity", "resolve_device", "npu_visible", "npu_prob
 log = logging.getLogger("datadist")
 
 MAX_LINK_CLUSTERS = 16
+#: Threads that link or unlink the clusters of one list at once (CANN's pool for it has 16).
+MAX_AT_ONCE = 16
+_T = TypeVar("_T")
 
 
 def npu_probe() -> tuple[bool, Optional[str]]:
@@ -220,11 +224,52 @@ class Engine:
             old.close()
         agent.watch(link)
 
+    def watch(self, link: Link, watched: bool) -> None:
+        """Have the agent serve ``link``'s requests from now on, or stop serving them (they
+        wait unread); any thread."""
+        agent = self.live_agent()
+        if watched:
+            agent.watch(link)
+        else:
+            agent.unwatch(link)
+
     def link(self, remote_cluster_id: int, ip: str, port: int, deadline: float) -> Fault:
         """Link to the engine listening at ``ip:port`` (:meth:`.linking.Linker.link`)."""
         fault = self.linker.link(remote_cluster_id, ip, port, deadline)
         self.metrics.link_attempt(int(fault))
         return fault
+
+    def at_once(self, work: Callable[[_T], Fault], keys: Sequence[Hashable], items: Sequence[_T]) -> list[Fault]:
+        """``work(item)`` for every item, the faults in the items' order.  Items of distinct
+        ``keys`` run at once, each on a thread of its own with this engine's device current
+        (at most :data:`MAX_AT_ONCE` at a time), as CANN's ``link_clusters`` and
+        ``unlink_clusters`` treat a list: a process group that takes seconds to form (HCCL)
+        does not spend the next cluster's time.  An item whose key came before runs after
+        all of those, in order, so it sees what the first did (a second link to one
+        cluster is ``ALREADY_LINKED``, as when the list ran one by one).  One item runs on
+        the caller's thread."""
+        first: dict[Hashable, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        faults: list[Optional[Fault]] = [None] * len(items)
+        at_once = sorted(first.values())
+        if len(at_once) == 1:
+            faults[at_once[0]] = work(items[at_once[0]])
+        elif at_once:
+            with ThreadPoolExecutor(min(len(at_once), MAX_AT_ONCE), thread_name_prefix="datadist-link",
+                                    initializer=self._bind_thread) as pool:
+                for i, fault in zip(at_once, pool.map(lambda i: work(items[i]), at_once)):
+                    faults[i] = fault
+        for i, item in enumerate(items):
+            if faults[i] is None:
+                faults[i] = work(item)
+        return [f for f in faults if f is not None]
+
+    def _bind_thread(self) -> None:
+        """Make this engine's device current on a thread of the engine's own (an NPU's is
+        per thread, and HCCL forms a communicator on the current one)."""
+        if self.device.startswith("npu"):
+            npu.set_device(self.device)
 
     def wait_link(self, cluster_id: int, deadline: float, cancel: threading.Event) -> bool:
         """Wait until ``cluster_id`` has linked to this engine and its link is ready;

@@ -39,12 +39,13 @@ import logging
 import secrets
 import socket
 import ssl
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
-from . import cuda, native, wire
+from . import cuda, native, npu, wire
 from .errors import EngineError, Fault, fail
 from .handshake import REFUSAL, ClientAuth
 from .layout import Plan
@@ -74,7 +75,8 @@ def _seconds(s: float) -> datetime.timedelta:
 class LinkerHost(Protocol):
     """What the linker uses of its engine (:class:`~.core.Engine`): who it is (what a
     HELLO says), the memory same-host peers map, and the engine's links: the one held
-    for a peer, and where a new one goes (``install``, which also has the agent watch it)."""
+    for a peer, and where a new one goes (``install``, which also has the agent watch it;
+    ``watch`` starts or stops that)."""
 
     @property
     def cluster_id(self) -> int: ...
@@ -116,6 +118,8 @@ class LinkerHost(Protocol):
     def link_broken(self, cluster_id: int, reason: str) -> None: ...
 
     def install(self, link: Link) -> None: ...
+
+    def watch(self, link: Link, watched: bool) -> None: ...
 
 
 class _Opening:
@@ -281,18 +285,32 @@ class Linker:
         return wire.Reply()
 
     def after_attach(self, cluster_id: int) -> None:
-        """Server side, after the ATTACH reply went out to ``cluster_id``: join the process
-        group of the link it attached to (the client joins as soon as it reads that reply)."""
+        """Server side (the agent thread), after the ATTACH reply went out to ``cluster_id``:
+        join the process group of the link it attached to (the client joins as soon as it
+        reads that reply) on a thread of its own.  A communicator can take seconds to form
+        (HCCL's does); the agent serves every other link meanwhile.  The joining link's own
+        requests wait unread until it is ready: the agent stops watching it until then."""
         link = self.engine.held(cluster_id, initiated=False)
         if link is not None and link.store is not None and link.transport is None:
-            try:
-                self._join_group(link, link.store, 0, link.collective,
-                                 time.monotonic() + self.engine.options.link_total_time_s)
-            except Exception as exc:  # the client sees the failure as a link failure
-                log.warning("process group with cluster %d failed: %s", link.remote_cluster_id, exc)
-                link.close(f"process group setup failed: {exc}", wait=False)
-                return
-            link.opened()
+            self.engine.watch(link, False)
+            threading.Thread(target=self._join_served, args=(link,), daemon=True,
+                             name=f"datadist-join-{link.remote_cluster_id}").start()
+
+    def _join_served(self, link: Link) -> None:
+        """Join ``link``'s process group as the server (rank 0) and open the link, or close
+        it with the reason (the client sees a link failure)."""
+        if self.engine.device.startswith("npu"):
+            npu.set_device(self.engine.device)  # this thread's current device, as the agent's
+        assert link.store is not None and link.collective is not None  # after_attach checked
+        try:
+            self._join_group(link, link.store, 0, link.collective,
+                             time.monotonic() + self.engine.options.link_total_time_s)
+        except Exception as exc:
+            log.warning("process group with cluster %d failed: %s", link.remote_cluster_id, exc)
+            link.close(f"process group setup failed: {exc}", wait=False)
+            return
+        link.opened()
+        self.engine.watch(link, True)  # its requests are served from now on
 
     def _join_group(self, link: Link, store: Store, rank: int, backend: str, deadline: float) -> None:
         """Join the link's process group of ``backend`` as ``rank`` and warm it before

@@ -7,6 +7,7 @@ their own.
 """
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any, Dict, List, Tuple
 
@@ -294,6 +295,32 @@ def test_link_unreachable(pair: Pair) -> None:
     pair.decoder.alloc("dst", BLOCKS, blocks=True)
     with expect_llm(S.LLM_NOT_YET_LINK):
         pair.decoder.cm("pull_blocks", blocks_key(50), Ref("dst"), [0], [0])
+
+
+def test_a_list_links_its_clusters_at_once(peer_factory: Any) -> None:
+    """link_clusters links the clusters of a list at once, each within the whole timeout,
+    as CANN does: one that never answers does not spend the next one's time.  The statuses
+    follow the list; a cluster named twice links once (its second entry LLM_ALREADY_LINK),
+    and unlink_clusters treats a list the same way."""
+    port = free_port()
+    prompt = peer_factory("peer", "p", "PROMPT", PROMPT_ID, base_config("tcp", listen_port=port))
+    decoder = peer_factory("peer", "d", "DECODER", DECODER_ID, base_config("tcp"))
+    prompt.wait_ready()
+    live = (PROMPT_ID, "127.0.0.1", port)
+    with socket.socket() as silent:  # takes connections into its backlog and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        ret, rets, elapsed = decoder.call("timed_link", [(50, "127.0.0.1", silent.getsockname()[1]), live, live], 1500)
+    assert rets == [S.LLM_LINK_FAILED, S.LLM_SUCCESS, S.LLM_ALREADY_LINK], (ret, rets)
+    assert 1.3 < elapsed < 1.5 + 2.0, f"link_clusters took {elapsed:.2f} s with timeout=1500 ms"
+    prompt.alloc("src", BLOCKS, blocks=True, bkey=blocks_key(PROMPT_ID))
+    data = prompt.fill("src", BLOCKS, 5)
+    decoder.alloc("dst", BLOCKS, blocks=True)
+    dst0 = decoder.read("dst")
+    decoder.cm("pull_blocks", blocks_key(PROMPT_ID), Ref("dst"), [1, 2], [1, 2])
+    np.testing.assert_array_equal(decoder.read("dst"), expect_blocks(dst0, data, [1, 2], [1, 2], BLOCKS.row_bytes))
+    ret, rets = decoder.call("unlink", [live, live], 3000)
+    assert rets == [S.LLM_SUCCESS, S.LLM_NOT_YET_LINK], (ret, rets)
 
 
 def test_double_link(pair: Pair) -> None:

@@ -233,6 +233,7 @@ def test_create_tensors_over_an_npu_address(npu_env: dict) -> None:
     ("async_whole_cache", 2, 2),        # transfer_cache_async_sample.py
     ("switch_roles", 2, 1),             # switch_role_sample.py
     ("link_both_ways", 2, 2),           # hixl_transfer_backend_sample.py
+    ("two_prompts_two_decoders", 4, 4),  # pull_blocks_xpyd_sample.py
 ])
 def test_cann_sample_on_npus(npu_env: dict, name: str, world: int, ports: int) -> None:
     run_scenario(name, world, ports, {**npu_env, "VENDOR_DEVICE": "npu"})

@@ -40,7 +40,7 @@ def run_scenario(name: str, world: int, ports: int, env: Optional[dict] = None) 
     ("push_from_decoder", 2, 1),
     ("link_both_ways", 2, 2),
     ("switch_roles", 2, 1),
-    ("two_prompts_one_decoder", 3, 3),
+    ("two_prompts_two_decoders", 4, 4),
     ("async_whole_cache", 2, 2),
     ("rank_table_pull_and_swap", 2, 1),
     ("adapter_pair_domains", 3, 1),

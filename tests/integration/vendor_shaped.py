@@ -191,18 +191,21 @@ def _ip_port_id(port: int) -> int:
     return (0x7F000001 << 16) | port
 
 
-def two_prompts_one_decoder(rank: int, ports: list) -> None:
-    """The xpyd sample: one-tensor caches, a decoder (not listening) links to two prompts
-    and pulls the same blocks from each; tensor_num_per_layer keeps its default of 2."""
+def two_prompts_two_decoders(rank: int, ports: list) -> None:
+    """The xpyd sample: one-tensor caches; two decoders (not listening) link to both
+    prompts at once, each with one ``link_clusters`` of both and the sample's 5 s, and pull
+    the same blocks from each; tensor_num_per_layer keeps its default of 2.  Over HCCL a
+    communicator takes seconds to form (the fake's 2 s), so the list links in parallel
+    and a prompt forms one decoder's while it serves the other's requests."""
     if rank < 2:
         me = _ip_port_id(ports[rank])
         engine = make_engine(LLMRole.PROMPT, me, f"{IP}:{ports[rank]}")
         tensor = dev(torch.full((BLOCKS_NUM, KV_SHAPE), float(rank + 1)))
         cache = register(engine, [tensor], BlocksCacheKey(me, 0))
         barrier()  # registered
-        barrier()  # the decoder is done
+        barrier()  # the decoders are done
     else:
-        me = _ip_port_id(ports[2])
+        me = _ip_port_id(ports[rank])
         engine = make_engine(LLMRole.DECODER, me)
         tensor = dev(torch.zeros(BLOCKS_NUM, KV_SHAPE))
         cache = register(engine, [tensor], BlocksCacheKey(me, 0))
@@ -212,7 +215,7 @@ def two_prompts_one_decoder(rank: int, ports: list) -> None:
         for i, p in enumerate(ports[:2]):
             engine.cache_manager.pull_blocks(BlocksCacheKey(_ip_port_id(p), 0), cache, src_blocks=[0, 1],
                                              dst_blocks=[0, 2])
-            expect(tensor, {0: i + 1, 1: 0, 2: i + 1}, f"decoder after pulling from prompt {i}")
+            expect(tensor, {0: i + 1, 1: 0, 2: i + 1}, f"decoder {rank} after pulling from prompt {i}")
         ok(engine.unlink_clusters(clusters, 5000))
         barrier()
     engine.cache_manager.unregister_cache(cache.cache_id)
@@ -461,7 +464,7 @@ def push_cache_by_index(rank: int, ports: list) -> None:
     engine.finalize()
 
 
-SCENARIOS = {f.__name__: f for f in (push_from_decoder, link_both_ways, switch_roles, two_prompts_one_decoder,
+SCENARIOS = {f.__name__: f for f in (push_from_decoder, link_both_ways, switch_roles, two_prompts_two_decoders,
                                      async_whole_cache, rank_table_pull_and_swap, adapter_pair_domains,
                                      pull_cache_by_keys, cache_rows_to_blocks, push_cache_by_index)}
 
