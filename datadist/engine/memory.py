@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import fcntl
 import mmap
 import os
 import threading
@@ -29,6 +30,9 @@ _libc.munmap.restype = ctypes.c_int
 _PROT_RW = 0x1 | 0x2
 _MAP_SHARED = 0x01
 _MAP_FAILED = ctypes.c_void_p(-1).value
+#: ``F_SEAL_FUTURE_WRITE`` of <linux/fcntl.h> (Linux 5.1), which Python's fcntl does not name.
+_SEAL_FUTURE_WRITE = 0x0010
+_SEALS_OTHERS_READ_ONLY = _SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def _map(fd: int, size: int) -> int:
@@ -99,11 +103,14 @@ class Arena(SharedMapping):
     device = "cpu"
     regions: tuple["IpcRegion", ...] = ()
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, name: str, size: int, *, others_read_only: bool = False) -> None:
+        """``others_read_only``: only this mapping may write; every mapping or write made
+        through ``fd`` later (a process it is passed to) is refused by the kernel
+        (``F_SEAL_FUTURE_WRITE``), its size is fixed, and the seals are final."""
         if size <= 0:
             raise ValueError(f"arena size must be > 0, got {size}")
         self.name = name
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if others_read_only else 0))
         try:
             os.ftruncate(self.fd, int(size))
             super().__init__(self.fd, size)
@@ -111,6 +118,12 @@ class Arena(SharedMapping):
             os.close(self.fd)
             raise
         self._closed = False
+        if others_read_only:
+            try:  # after this process's own writable mapping, which the seal leaves writable
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS_OTHERS_READ_ONLY)
+            except BaseException:
+                self.close()
+                raise
 
     def close(self) -> None:
         if self._closed:

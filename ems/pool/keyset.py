@@ -37,7 +37,9 @@ class KeySet:
     def __init__(self, name: str, max_keys: int) -> None:
         self.nslots = slots_for(max_keys)
         self.size = (_HEADER_WORDS + self.nslots) * 8
-        self._arena = Arena(name, self.size)
+        # Clients map it read-only; the kernel refuses them any write (a scribbled table would
+        # fail the store's key-set calls for the tenant).
+        self._arena = Arena(name, self.size, others_read_only=True)
         self._table: Optional[memoryview] = self._arena.view()
         _keyset.init(self._table)
         self.overflowed = False  # more keys than fit: readers ask the daemon until they do

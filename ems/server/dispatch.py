@@ -48,6 +48,10 @@ class Served(Protocol):
 
     sock: socket.socket
 
+    @property
+    def greeted(self) -> bool:
+        """Whether the client has said HELLO (authenticated, where a secret is set)."""
+
     def request_waiting(self) -> Optional[bool]:
         """Whether the next request has arrived whole (never blocks once the socket is
         readable); None: nothing has arrived (a TLS session that just finished its
@@ -198,7 +202,11 @@ class Dispatcher:
     def _check_partial(self, partial: List[Tuple[Served, float]]) -> None:
         now = time.monotonic()
         for session, since in partial:
-            waiting = session.request_waiting()
+            try:
+                waiting = session.request_waiting()
+            except Exception:  # a bug must not cost the daemon its keeper; it is logged
+                log.exception("a session failed")
+                waiting, since = False, -float("inf")  # ended below
             if waiting is None or waiting:
                 with self._lock:
                     del self._partial[session]
@@ -210,11 +218,13 @@ class Dispatcher:
                 session.end()
 
     def _kick_idle(self) -> None:
-        if self.idle_timeout <= 0:
-            return
-        limit = time.monotonic() - self.idle_timeout
+        """Shut down connections idle past ``idle_timeout``, and those that have not said
+        HELLO within ``read_timeout`` (a stranger must not keep a connection slot)."""
+        now = time.monotonic()
+        limit = now - self.idle_timeout if self.idle_timeout > 0 else -float("inf")
         with self._lock:
-            idle = [(fd, s) for fd, (s, since) in self._armed.items() if since < limit]
+            idle = [(fd, s) for fd, (s, since) in self._armed.items()
+                    if since < limit or (since < now - self.read_timeout and not s.greeted)]
             for fd, s in idle:
                 self._armed[fd] = (s, float("inf"))
         for _, session in idle:

@@ -126,7 +126,7 @@ class Store:
         self._next_lease = 0
         self.counters = {k: 0 for k in (
             "reserved", "no_space", "committed", "skipped", "gets", "hits", "misses",
-            "disk_fills", "remote_fills", "evictions", "spills", "corrupt", "exists_calls")}
+            "disk_fills", "remote_fills", "evictions", "spills", "corrupt", "unwritten", "exists_calls")}
         # Gets by tier: values found there (and their bytes), and lookups that reached the
         # tier and did not find the value there.
         self.tiers = ["memory"] + [t.name for t in (disk, remote) if t is not None]
@@ -176,10 +176,10 @@ class Store:
         """Take ``e`` out of the index (it stays allocated while pinned)."""
         if e.live:
             e.live = False
+            self._lru.pop((e.space.name, e.key), None)  # first: nothing below may leave it a victim
             if e.space.index.get(e.key) is e:
                 del e.space.index[e.key]
                 self._published(e.space, e.key)
-            self._lru.pop((e.space.name, e.key), None)
         self._maybe_free(e)
 
     def _published(self, ts: TenantSpace, key: str) -> None:
@@ -273,6 +273,7 @@ class Store:
                 skip_existing: bool) -> List[int]:
         """Phase one: an arena offset per key, ``SKIPPED`` or ``NO_SPACE``."""
         out: List[int] = []
+        refused = None  # the smallest size refused: larger ones need not search again
         with self._lock:
             for key, size in zip(keys, sizes):
                 if skip_existing:
@@ -284,8 +285,10 @@ class Store:
                         out.append(SKIPPED)
                         continue
                 n = round_to_pages(size, PAGE)
-                off = self._allocate(ts, n)
+                # Each search may scan every value (all pinned) under the lock: one per size.
+                off = None if refused is not None and n >= refused else self._allocate(ts, n)
                 if off is None:
+                    refused = n if refused is None else min(refused, n)
                     self.counters["no_space"] += 1
                     out.append(NO_SPACE)
                     continue
@@ -306,23 +309,29 @@ class Store:
             if res is not None:
                 res.received = crc
 
-    def _vouched(self, ts: TenantSpace, res: Reservation, off: int, crc: Optional[int]) -> Optional[int]:
+    def _vouched(self, ts: TenantSpace, res: Reservation, off: int, crc: Optional[int],
+                 mapped: bool) -> Optional[int]:
         """The checksum a committed reservation is stored under, or None when its bytes
         cannot be trusted (freed here): the client's ``crc`` must match what the daemon
-        received (over TCP); without a WRITE, the client's (it wrote the arena itself);
-        without ``crc``, what was received; with neither, nothing vouches for them."""
+        received (over TCP); without a WRITE, the client's if it wrote the arena itself
+        (``mapped``: it maps the arena; a client that does not wrote nothing, and the pages
+        hold whatever they held before); without ``crc``, what was received; with neither,
+        nothing vouches for them."""
         if res.received is not None and crc is not None and crc != res.received:
             self.counters["corrupt"] += 1
             log.error("value of %r arrived corrupted (checksum %#x, the client sent %#x); not stored",
                       res.key, res.received, crc)
+        elif res.received is None and not mapped:
+            self.counters["unwritten"] += 1
         elif crc is not None or res.received is not None:
             return crc if crc is not None else res.received
         self._free(ts, off, res.alloc)
         return None
 
     def commit(self, owner: Owner, ts: TenantSpace, keys: Sequence[str], offsets: Sequence[int],
-               checksums: Sequence[Optional[int]], keep_local: bool = True) -> List[bool]:
-        """Phase two: publish written reservations whose checksums agree (:meth:`_vouched`);
+               checksums: Sequence[Optional[int]], keep_local: bool = True, mapped: bool = True) -> List[bool]:
+        """Phase two: publish written reservations whose checksums agree (:meth:`_vouched`;
+        ``mapped``: the client maps the arena, so it may have written without a WRITE);
         returns which keys are stored.  Sums nothing: only compares under the lock."""
         stored: List[bool] = []
         pushed: List[Entry] = []
@@ -333,7 +342,7 @@ class Store:
                     stored.append(False)
                     continue
                 del owner.reservations[(ts.name, off)]
-                crc = self._vouched(ts, res, off, given)
+                crc = self._vouched(ts, res, off, given, mapped)
                 if crc is None:
                     stored.append(False)
                     continue

@@ -7,7 +7,7 @@ one hash) hashes to the same Cluster slot, hence the same node.  A value is stor
 small header (magic, size, checksum) followed by its bytes.
 
 Faults (connection refused, timeouts, cluster moves that fail) read as misses and failed
-stores; they are counted, logged once per kind, and never reach a client as an error.
+stores (a value larger than Redis stores is not sent: :data:`MAX_STORED`); they are counted, logged once per kind, and never reach a client as an error.
 After a fault the tier is **down** for :data:`DOWN_S`: reads miss and stores fail at once,
 without asking Redis, so a node that went silent (a dead host: every request waits for the
 socket timeout, and a Cluster client retries) costs one timeout per window, not one per
@@ -33,6 +33,9 @@ log = logging.getLogger("ems.server.remote")
 DOWN_S = 5.0
 
 _HEAD = struct.Struct("!8sQQ")
+#: Largest stored string Redis accepts by default (``proto-max-bulk-len``): a larger value is
+#: not written through (counted ``too_large``) and says nothing about the tier's health.
+MAX_STORED = 512 << 20
 _MAGIC = b"EMSRED01"
 
 
@@ -54,7 +57,7 @@ class RedisTier(Tier):
         self.url = url
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
-        self.counters = {"stored": 0, "loaded": 0, "corrupt": 0, "errors": 0, "skipped": 0}
+        self.counters = {"stored": 0, "loaded": 0, "corrupt": 0, "errors": 0, "skipped": 0, "too_large": 0}
         self._warned: set[str] = set()
         self._down_until = 0.0
 
@@ -105,6 +108,10 @@ class RedisTier(Tier):
                 log.warning("remote tier %s: %s failed: %s", self.url, what, exc)
 
     def store(self, ns: str, key: str, data: memoryview, checksum: int) -> bool:
+        if _HEAD.size + len(data) > MAX_STORED:
+            with self._lock:
+                self.counters["too_large"] += 1
+            return False
         if self._down():
             return False
         buf = bytearray(_HEAD.size + len(data))
