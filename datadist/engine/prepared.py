@@ -164,22 +164,22 @@ class PreparedTransfer:
 
     def run(self, src_blocks: BlockList, dst_blocks: BlockList) -> None:
         """Move ``src_blocks[i]`` -> ``dst_blocks[i]``."""
+        link = self._live()  # first: a link that went down takes its plans with it
         prepared, keys = self._plans.find(src_blocks, dst_blocks)
         if prepared is None:
             self.check_blocks(src_blocks, dst_blocks)
-        link = self._live()
         done = link.transfer(self.ref, self._planner(src_blocks, dst_blocks), self.push, prepared)
         if done is not prepared:
             self._plans.keep(keys, done, src_blocks, dst_blocks)
 
     def run_given(self) -> None:
         """Move the block lists :meth:`prepare` was given."""
+        link = self._live()  # first: a link that went down takes the prepared plan with it
         given = self._given
         if given is None:
             fail(Fault.PARAM_INVALID,
                  "run() without block lists needs a handle prepared with src_blocks and dst_blocks")
         src_blocks, dst_blocks, prepared = given
-        link = self._live()
         done = link.transfer(self.ref, self._planner(src_blocks, dst_blocks), self.push, prepared)
         if done is not prepared:
             self._given = (src_blocks, dst_blocks, done)
@@ -190,6 +190,7 @@ class PreparedTransfer:
         moving is raised after the batch (pairs before it have moved)."""
         if not 0 < len(block_lists) <= MAX_BATCH:
             fail(Fault.PARAM_INVALID, f"block_lists has {len(block_lists)} pairs; give 1 to {MAX_BATCH}")
+        link = self._live()  # first: a link that went down takes its plans with it
         keys: list[object] = []
         known: list[Optional[Prepared]] = []
         for i, pair in enumerate(block_lists):
@@ -200,7 +201,6 @@ class PreparedTransfer:
                 self.check_blocks(*pair)
             keys.append(key)
             known.append(prepared)
-        link = self._live()
         done = link.transfer_batch(self.ref, [self._planner(sb, db) for sb, db in block_lists], self.push, known)
         for key, prepared, now, (sb, db) in zip(keys, known, done, block_lists):
             if now is not prepared:

@@ -157,6 +157,27 @@ def test_a_handle_follows_the_link_down_and_up_again(pair: Pair) -> None:
     np.testing.assert_array_equal(pair.decoder.read("dst"), want)
 
 
+def test_the_same_call_right_after_relinking_moves_over_the_new_link(pair: Pair) -> None:
+    """The decoder unlinks and links again at once (what it does after its link broke),
+    then repeats the very calls it made before: the plans kept for them belong to the old
+    link and must not run (they once wrote to its closed socket, or copied through its
+    unmapped arena)."""
+    src, dst, _ = _caches(pair, 17, 18)
+    key = blocks_key(PROMPT_ID, 3)
+    pair.decoder.call("prepare", "h", "prepare_pull_blocks", [key, Ref("dst")], {})
+    pair.decoder.cm("pull_blocks", key, Ref("dst"), [1, 2], [3, 4])
+    pair.decoder.call("run", "h", [5], [6])
+    for _ in range(2):
+        ret, _ = pair.decoder.call("unlink", [(PROMPT_ID, "127.0.0.1", pair.prompt.listen_port)], 3000)
+        assert ret == 0
+        pair.decoder.link(pair.prompt)
+        pair.decoder.cm("pull_blocks", key, Ref("dst"), [1, 2], [3, 4])
+        pair.decoder.call("run", "h", [5], [6])
+        pair.decoder.call("run_batch", "h", [([7], [0])])
+    want = expect_blocks(dst, src, [1, 2, 5, 7], [3, 4, 6, 0], BLOCKS.row_bytes)
+    np.testing.assert_array_equal(pair.decoder.read("dst"), want)
+
+
 @pytest.mark.parametrize("direction", ["push", "pull"])
 def test_a_batch_moves_every_pair(pair: Pair, direction: str) -> None:
     src, dst, _ = _caches(pair, 17, 18)
