@@ -1579,8 +1579,10 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
 
 /* half_extent(bases, offs, lens) -> (total, end) or None: in one pass over a plan half
  * from a peer, the sum of its run lengths and the largest offset + length; None when offs
- * and lens differ in length or any value (the bases too) is 2^62 or more (nothing computed
- * from them could then be trusted not to wrap). */
+ * and lens differ in length, any value (the bases too) is 2^62 or more (nothing computed
+ * from them could then be trusted not to wrap), or the half has bases and no run (the
+ * copy and send loops take at least one), runs and no base, or an empty run (plans are
+ * coalesced: empty runs are dropped).  A half of nothing at all is (0, 0). */
 static PyObject *py_half_extent(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "half_extent(bases, offs, lens)"); return NULL; }
@@ -1591,10 +1593,10 @@ static PyObject *py_half_extent(PyObject *self, PyObject *const *args, Py_ssize_
         Py_RETURN_NONE;
     }
     const uint64_t *base = U64P(a, 0), *off = U64P(a, 1), *len = U64P(a, 2);
-    uint64_t total = 0, end = 0, bad = 0;
+    uint64_t total = 0, end = 0, bad = (a.nt == 0) != (a.nu == 0);
     for (size_t i = 0; i < a.nt; i++) bad |= base[i] >= DD_HALF_VALUE_MAX;
     for (size_t i = 0; i < a.nu; i++) {
-        bad |= (off[i] >= DD_HALF_VALUE_MAX) | (len[i] >= DD_HALF_VALUE_MAX);
+        bad |= (off[i] >= DD_HALF_VALUE_MAX) | (len[i] >= DD_HALF_VALUE_MAX) | (len[i] == 0);
         total += len[i];  /* below 2^62 before and after each step, or bad (which stays set) */
         bad |= total >= DD_HALF_VALUE_MAX;
         if (off[i] + len[i] > end) end = off[i] + len[i];

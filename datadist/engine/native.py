@@ -124,8 +124,10 @@ def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, 
 
 def half_extent(bases: U64Array, offs: U64Array, lens: U64Array) -> Optional[tuple[int, int]]:
     """A peer's plan half in one C pass: ``(sum of lens, largest off + len)``, or None when
-    ``offs`` and ``lens`` differ in length or any value (the bases too) is 2^62 or more
-    (sums of such values could wrap around 64 bits and pass a bounds check they fail)."""
+    ``offs`` and ``lens`` differ in length, any value (the bases too) is 2^62 or more (sums
+    of such values could wrap around 64 bits and pass a bounds check they fail), or it has
+    bases and no run (the C loops need one), runs and no base, or an empty run (a plan
+    drops those); a half of nothing at all is ``(0, 0)``."""
     got: Optional[tuple[int, int]] = _native.half_extent(bases, offs, lens)
     return got
 

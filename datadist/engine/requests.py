@@ -291,7 +291,9 @@ class RequestHandler:
         # and pass the bounds checks below while pointing anywhere in this process.
         extent = native.half_extent(bases, offs, lens)
         total, end = extent if extent is not None else (-1, -1)
-        sized = extent is not None and total * bases.shape[0] == msg.nbytes
+        # One base per tensor, each once: a base named again and again multiplies what a
+        # small frame makes this engine move, sum or stage.
+        sized = extent is not None and total * bases.shape[0] == msg.nbytes and _distinct(bases)
         if msg.cache_id == ANY_CACHE:
             # Raw addresses (TransferConfig.dst_addrs): no lookup that could be stale; the
             # plan must lie inside the caches registered right now.
@@ -304,7 +306,7 @@ class RequestHandler:
             return STALE, "caches changed since the lookup", "cpu"
         if rec is None:
             return int(Fault.CACHE_NOT_FOUND), f"cache {msg.cache_id} does not exist (freed?)", "cpu"
-        if not sized or not runs_inside(rec, bases, offs, lens, end):
+        if not sized or bases.shape[0] > rec.num_tensors or not runs_inside(rec, bases, offs, lens, end):
             return int(Fault.PARAM_INVALID), f"plan reaches outside cache {rec.cache_id}", "cpu"
         return 0, "", rec.device
 
@@ -334,3 +336,7 @@ class RequestHandler:
         self.notes.record(link.remote_cluster_id, msg.text)
         return None
 
+
+def _distinct(bases: np.ndarray) -> bool:
+    """Whether no base of a plan half repeats."""
+    return bases.shape[0] < 2 or np.unique(bases).shape[0] == bases.shape[0]

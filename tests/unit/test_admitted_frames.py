@@ -418,7 +418,10 @@ def test_plan_halves_whose_sums_wrap_are_refused(served, cls: type, offs: list[i
 def test_half_extent_bounds_a_peers_plan_half() -> None:
     u = lambda *v: np.array(v, np.uint64)  # noqa: E731
     assert native.half_extent(u(4096, 8192), u(0, 100), u(50, 20)) == (70, 120)
-    assert native.half_extent(u(), u(), u()) == (0, 0)
+    assert native.half_extent(u(), u(), u()) == (0, 0)              # nothing to move
+    assert native.half_extent(u(4096), u(), u()) is None            # a base and no run (crashed the send loop)
+    assert native.half_extent(u(), u(0), u(8)) is None              # runs and no base
+    assert native.half_extent(u(4096), u(0, 8), u(8, 0)) is None    # an empty run (plans drop them)
     assert native.half_extent(u(1), u(0, 1), u(5)) is None          # offs and lens differ in length
     assert native.half_extent(u(1 << 62), u(0), u(1)) is None       # a base past any mapping
     assert native.half_extent(u(1), u(WRAP - 1), u(2)) is None      # an offset that would wrap
