@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union
 import numpy as np
 
 from . import cuda, native, npu, wire
+from .conn_owner import holds_other_end
 from .errors import EngineError, Fault, fail
 from .handshake import REFUSAL, ClientAuth
 from .layout import Plan
@@ -178,10 +179,13 @@ class Linker:
                  f"({peer.device}): collective links need the same backend on both ends")
         return mine
 
-    def _transport_to(self, peer: wire.Hello) -> tuple[Optional[Transport], Optional[int]]:
-        """The transport towards ``peer`` (see the module docstring) and, for a same-host
-        peer, the local address of its mapped epoch page.  Collective links get theirs once
-        the process group exists (:meth:`_join_group`): None here."""
+    def _transport_to(self, peer: wire.Hello, sock: socket.socket) -> tuple[Optional[Transport], Optional[int]]:
+        """The transport towards ``peer`` (see the module docstring), which spoke through
+        ``sock``, and, for a same-host peer, the local address of its mapped epoch page.
+        A same-host peer must be the process holding the other end of ``sock``
+        (:mod:`.conn_owner`): what it says of itself could be another process's words.
+        Collective links get theirs once the process group exists (:meth:`_join_group`):
+        None here."""
         checked = self.engine.options.transfer_checksum
         tcp = CheckedTcpTransport() if checked else TcpTransport()
         if self._collective(peer) is not None:
@@ -196,6 +200,8 @@ class Linker:
         try:
             if peer.host != self.engine.host:
                 raise OSError(f"peer is on another host ({peer.host})")
+            if not holds_other_end(peer.pid, sock):
+                raise OSError(f"process {peer.pid}, which the peer says it is, does not hold its end of the connection")
             ctrl = PeerArena.open(peer.pid, peer.ctrl["fd"], EPOCH_PAGE_SIZE, peer.ctrl["base"])
             mapped.append(ctrl)
             if Registry.read_epoch(Registry.nonce_address(ctrl.local_base)) != peer.ctrl["nonce"]:
@@ -250,7 +256,7 @@ class Linker:
             old.mark_broken("the peer linked again; its end of this link is gone")
         fields = self._hello_fields()
         try:
-            transport, epoch_addr = self._transport_to(msg)
+            transport, epoch_addr = self._transport_to(msg, sock)
         except Exception as exc:  # reported to the peer, which raises it there
             return wire.HelloAck(status=int(exc.fault if isinstance(exc, EngineError) else Fault.LINK_FAILED),
                                  message=str(exc) if isinstance(exc, EngineError) else
@@ -370,7 +376,7 @@ class Linker:
         if ack.status:
             log.warning("link to cluster %d at %s:%d refused: %s", remote_cluster_id, ip, port, ack.message)
             return Fault.of(ack.status)
-        transport, epoch_addr = self._transport_to(ack)
+        transport, epoch_addr = self._transport_to(ack, hello_sock)
         opening.transport = transport
         attach_sock = opening.keep(self._connect(ip, port, deadline))
         attach_sock.sendall(wire.encode(wire.Attach(cluster_id=self.engine.cluster_id, token=ack.attach_token)))

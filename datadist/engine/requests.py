@@ -339,4 +339,4 @@ class RequestHandler:
 
 def _distinct(bases: np.ndarray) -> bool:
     """Whether no base of a plan half repeats."""
-    return bases.shape[0] < 2 or np.unique(bases).shape[0] == bases.shape[0]
+    return bases.shape[0] < 2 or bool(np.unique(bases).shape[0] == bases.shape[0])
