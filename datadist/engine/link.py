@@ -92,7 +92,7 @@ class Link(PeerLookups, LinkLife):
         self.peer_epoch_addr = peer_epoch_addr   # mapped epoch page of a same-host peer
         self.store: Optional[TCPStore] = None    # collective links: the server's TCPStore
         self.collective: str = ""                # collective links: their process group's backend
-        self.attach_token = attach_token         # server side: what the peer's ATTACH must carry
+        self.attach_token = attach_token         # what the client's ATTACH carried (the server's HELLO_ACK gave it)
         self.turns: Turns[_Job] = Turns(self._serve_jobs)
         PeerLookups.__init__(self)
         self._release_when_idle = False  # closed while a transfer held the link: it releases

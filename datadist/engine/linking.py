@@ -245,14 +245,17 @@ class Linker:
             return wire.HelloAck(status=int(Fault.LINK_FAILED),
                                  message=f"no cluster {msg.remote_cluster_id} at this address")
         old = self.engine.held(msg.cluster_id, initiated=False)
-        if old is not None and old.broken is None and old.peer_pid != msg.pid:
-            return wire.HelloAck(status=int(Fault.ALREADY_LINKED),
-                                 message=f"cluster {msg.cluster_id} is already linked here")
         if old is not None and old.broken is None:
-            # The same process links again, which a client does only once its own end is
-            # broken (a deadline passed mid-transfer): the end of stream never reached this
-            # end (a partition swallowed it), so the old link is dead, and install() below
-            # replaces it.  Refusing would keep the client out until TCP gave up.
+            # The process holding that link links again, which a client does only once its
+            # own end is broken (a deadline passed mid-transfer): the end of stream never
+            # reached this end (a partition swallowed it), so the old link is dead, and
+            # install() below replaces it (refusing would keep the client out until TCP gave
+            # up).  It proves it is that process with the link's attach token, which only
+            # it was given: a pid can be guessed, and anyone could take the link over.
+            if old.peer_pid != msg.pid or not hmac.compare_digest(old.attach_token.encode(),
+                                                                  str(msg.relink).encode()):
+                return wire.HelloAck(status=int(Fault.ALREADY_LINKED),
+                                     message=f"cluster {msg.cluster_id} is already linked here")
             old.mark_broken("the peer linked again; its end of this link is gone")
         fields = self._hello_fields()
         try:
@@ -340,9 +343,13 @@ class Linker:
             return Fault.ALREADY_LINKED
         opening = _Opening()
         try:
-            result = self._dial(remote_cluster_id, ip, port, deadline, opening)
-        except (OSError, RuntimeError, wire.WireError) as exc:  # RuntimeError: torch.distributed
-            log.warning("link to cluster %d at %s:%d failed: %s", remote_cluster_id, ip, port, exc)
+            result = self._dial(remote_cluster_id, ip, port, deadline, opening,
+                                old.attach_token if old is not None else "")
+        except (OSError, RuntimeError, wire.WireError, KeyError, ValueError, TypeError) as exc:
+            # RuntimeError: torch.distributed; KeyError, ValueError, TypeError: an answer
+            # whose fields are missing or malformed (a broken or hostile peer)
+            log.warning("link to cluster %d at %s:%d failed: %s: %s", remote_cluster_id, ip, port,
+                        type(exc).__name__, exc)
             opening.abandon()
             return Fault.LINK_FAILED
         except BaseException:
@@ -357,13 +364,14 @@ class Linker:
         return Fault.OK
 
     def _dial(self, remote_cluster_id: int, ip: str, port: int, deadline: float,
-              opening: "_Opening") -> Union[Link, Fault]:
+              opening: "_Opening", relink: str) -> Union[Link, Fault]:
         """The client's half of the handshake: HELLO (authenticated first where a secret
-        is set), HELLO_ACK, the transport towards the server, ATTACH on a second
-        connection, and for collective links the process group.  Returns the complete
-        link, or the server's refusal."""
+        is set; ``relink``: the attach token of the broken link this one replaces),
+        HELLO_ACK, the transport towards the server, ATTACH on a second connection, and
+        for collective links the process group.  Returns the complete link, or the
+        server's refusal."""
         hello_sock = opening.keep(self._connect_retrying(ip, port, deadline))
-        hello = wire.Hello(remote_cluster_id=remote_cluster_id, **self._hello_fields())
+        hello = wire.Hello(remote_cluster_id=remote_cluster_id, relink=relink, **self._hello_fields())
         refused = self._authenticate(hello_sock, hello, remote_cluster_id) \
             if self.engine.options.link_secret is not None else None
         if refused is not None:
@@ -387,7 +395,7 @@ class Linker:
             remote_cluster_id=remote_cluster_id, remote_role=ack.role, peer_pid=ack.pid,
             timeout_ms=self.engine.timeout_ms, is_client=True, local_cluster_id=self.engine.cluster_id,
             on_broken=self.engine.link_broken, transport=transport, peer_epoch_addr=epoch_addr, metrics=self.engine.metrics,
-            req_sock=hello_sock, serve_sock=attach_sock)
+            req_sock=hello_sock, serve_sock=attach_sock, attach_token=ack.attach_token)
         backend = self._collective(ack)
         if ack.store_port and backend is not None:
             from torch._C._distributed_c10d import TCPStore  # torch.distributed's own, as its stubs export it

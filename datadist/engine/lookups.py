@@ -66,10 +66,15 @@ class PeerLookups:
         why = _unsound(reply)
         if why:  # plans are made from these numbers and copied one-sidedly: never trusted blind
             self.protocol_error(reply, f"the peer described cache {reply.cache_id} impossibly: {why}")
+        try:
+            ipc = tuple(IpcRegion.from_wire(r) for r in reply.ipc)
+        except (KeyError, ValueError, TypeError) as exc:
+            self.protocol_error(reply, f"the peer described cache {reply.cache_id}'s device memory impossibly: "
+                                       f"{type(exc).__name__}: {exc}")
         remote = RemoteCache(cache_id=reply.cache_id, row=reply.row, num_tensors=reply.num_tensors,
                              tensor_size=reply.tensor_size, batch_size=reply.batch_size, is_blocks=reply.is_blocks,
                              dtype=reply.dtype, addrs=reply.arrays[0], epoch=reply.epoch, watched=reply.watched,
-                             device=reply.device, ipc=tuple(IpcRegion.from_wire(r) for r in reply.ipc))
+                             device=reply.device, ipc=ipc)
         if key.kind != RefKind.KEY:
             # CacheKey lookups are consumed by pulls; caching them buys little.
             self._lookups[key] = remote

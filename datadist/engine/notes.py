@@ -6,8 +6,8 @@ travels one way, from the end that made a link to the end that accepted it, in o
 that link's transfers, so a note sent after a pull returns is received after the pull was
 served.  The receiver files each note under the link's authenticated peer.
 
-The box is bounded: notes nobody collects do not grow the process.  When it is full the
-oldest note is dropped and counted.
+The box is bounded in count and in characters: notes nobody collects do not grow the
+process.  When it is full the oldest notes are dropped and counted.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import collections
 import logging
 import threading
 
-__all__ = ["NoteBox", "MAX_NOTE_BYTES", "MAX_PENDING_NOTES"]
+__all__ = ["NoteBox", "MAX_NOTE_BYTES", "MAX_PENDING_NOTES", "MAX_PENDING_NOTE_CHARS"]
 
 log = logging.getLogger("datadist")
 
@@ -23,27 +23,34 @@ log = logging.getLogger("datadist")
 MAX_NOTE_BYTES = 60 << 10
 #: Notes kept until collected; older ones are dropped first.
 MAX_PENDING_NOTES = 65536
+#: Characters of notes kept until collected (a peer sending the largest notes as fast as
+#: it can fills this long before the count above); older ones are dropped first.
+MAX_PENDING_NOTE_CHARS = 16 << 20
 
 
 class NoteBox:
     """Received notes, oldest first (thread-safe)."""
 
-    def __init__(self, capacity: int = MAX_PENDING_NOTES) -> None:
+    def __init__(self, capacity: int = MAX_PENDING_NOTES, chars: int = MAX_PENDING_NOTE_CHARS) -> None:
         self._notes: collections.deque[tuple[int, str]] = collections.deque()
         self._capacity = capacity
+        self._chars_max = chars
+        self._chars = 0
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self.dropped = 0
 
     def record(self, cluster_id: int, text: str) -> None:
         with self._lock:
-            if len(self._notes) >= self._capacity:
-                self._notes.popleft()
+            while self._notes and (len(self._notes) >= self._capacity
+                                   or self._chars + len(text) > self._chars_max):
+                self._chars -= len(self._notes.popleft()[1])
                 self.dropped += 1
                 if self.dropped & (self.dropped - 1) == 0:  # 1, 2, 4, ...: a flood logs a few lines
                     log.warning("%d notification(s) dropped: nobody collected them (get_notifications)",
                                 self.dropped)
             self._notes.append((cluster_id, text))
+            self._chars += len(text)
             self._arrived.notify_all()
 
     def take(self, timeout_s: float = 0.0) -> list[tuple[int, str]]:
@@ -54,4 +61,5 @@ class NoteBox:
                 self._arrived.wait(timeout_s)
             notes = list(self._notes)
             self._notes.clear()
+            self._chars = 0
         return notes

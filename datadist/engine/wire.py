@@ -17,6 +17,7 @@ The peer's version is checked before anything else is decoded.
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 from ssl import SSLSocket
@@ -83,6 +84,9 @@ class Hello(Message):
     # hex.  The first HELLO then carries identity only, none of the memory fields above.
     nonce: str = ""
     proof: str = ""
+    # The attach token of the link this process holds with the server (hex), when it
+    # links again: only with it may a link the server still holds for it be replaced.
+    relink: str = ""
 
 
 @dataclass
@@ -254,22 +258,42 @@ FORMAT.compile()
 encode = FORMAT.encode
 
 
+#: The frames that answer a request (anything else in their place breaks the link).
+_ANSWERS = frozenset({MsgType.REPLY, MsgType.RESOLVED, MsgType.SUMMED})
+
 #: The answer that says "done", and its frame: the most common frame by far, so it is
 #: encoded once and recognized whole (:func:`read_answer`).
 OK = Reply()
 OK_FRAME = encode(OK)
 
 
+#: Frames larger than this are read a piece of this size at a time, so memory grows with
+#: the bytes that arrived, never with what a header announced.
+_PIECE = 1 << 20
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    """``n`` bytes from ``sock`` within its timeout.  The C loop polls only when no data is
-    waiting; Python's timeout mode would poll before every read (one system call more per
-    read, on the path of every small transfer).  A TLS socket is read through TLS."""
-    buf = bytearray(n)
+    """``n`` bytes from ``sock`` within its timeout (one timeout for all of them).  The C
+    loop polls only when no data is waiting; Python's timeout mode would poll before every
+    read (one system call more per read, on the path of every small transfer).  A TLS
+    socket is read through TLS."""
     timeout = sock.gettimeout()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if n <= _PIECE:
+        return _recv_piece(sock, n, deadline)
+    buf = bytearray()
+    while len(buf) < n:
+        buf += _recv_piece(sock, min(_PIECE, n - len(buf)), deadline)
+    return buf
+
+
+def _recv_piece(sock: socket.socket, n: int, deadline: Optional[float]) -> bytearray:
+    buf = bytearray(n)
+    left = None if deadline is None else max(0.001, deadline - time.monotonic())
     if isinstance(sock, SSLSocket):
-        tls.recv_exact(sock, buf, timeout)
+        tls.recv_exact(sock, buf, left)
         return buf
-    native.recv_exact(sock.fileno(), buf, 1 << 40 if timeout is None else max(1, int(timeout * 1000)))
+    native.recv_exact(sock.fileno(), buf, 1 << 40 if left is None else max(1, int(left * 1000)))
     return buf
 
 
@@ -312,7 +336,7 @@ def finish_answer(sock: socket.socket, head: bytes | bytearray) -> Message:
     from ``sock`` within its timeout); errors as :func:`read_answer`."""
     if head == OK_FRAME:
         return OK
-    cls, blen, alen = FORMAT.parse_header(head[:HEADER_SIZE])
+    cls, blen, alen = FORMAT.parse_header(head[:HEADER_SIZE], _ANSWERS)
     rest = HEADER_SIZE + blen + alen - len(head)
     if rest < 0:
         raise WireError(f"a {cls.__name__} of {HEADER_SIZE + blen + alen} bytes is no answer")
