@@ -51,6 +51,11 @@ _EMPTY = np.zeros(0, dtype=np.uint64)
 _NO_PAYLOAD = Plan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
 #: More than a frame that opens a link may hold (taken from a refused plaintext peer).
 _OPENING_BYTES = 1 << 17
+#: Largest request frame the agent waits to see whole before it reads it, while it serves
+#: other links too (a socket buffer holds it); a larger one is read as it arrives.
+_WHOLE_MAX = 64 << 10
+#: How often links whose next request has only partly arrived are looked at again.
+_PARTIAL_POLL_S = 0.01
 
 
 _warned_open = False
@@ -139,6 +144,7 @@ class Agent:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._partial: dict[Link, float] = {}  # links set aside with part of a request, since when
         self._calls: list[Callable[[], None]] = []
         self._calls_lock = threading.Lock()
         self._stop = False
@@ -278,8 +284,11 @@ class Agent:
         if self.engine.device.startswith("npu"):
             npu.set_device(self.engine.device)  # this thread's current device, never the caller's
         while not self._stop:
+            timeout = self._incoming.next_timeout()
+            if self._partial:
+                timeout = _PARTIAL_POLL_S if timeout is None else min(timeout, _PARTIAL_POLL_S)
             try:
-                events = self._sel.select(self._incoming.next_timeout())
+                events = self._sel.select(timeout)
             except (OSError, ValueError):
                 if self._stop:
                     return
@@ -290,6 +299,8 @@ class Agent:
                 self._guarded(self._dispatch, key)
             if self._incoming.pending:  # most turns of the loop serve links, with nobody opening one
                 self._guarded(self._expire_pending)
+            if self._partial:
+                self._guarded(self._look_again)
 
     def _dispatch(self, key: selectors.SelectorKey) -> None:
         if key.data == "wake":
@@ -443,7 +454,8 @@ class Agent:
         watches them all (the selector's own descriptor): a request of another link ends
         it, and the loop serves that one, so no link waits for a spin on another.  A spin
         polls without the GIL."""
-        self._serve(link)
+        if not self._serve(link):
+            return
         sock = link.serve_sock
         while not self._stop and link.broken is None and sock is not None and sock.fileno() >= 0:
             if tls.buffered(sock):
@@ -457,17 +469,24 @@ class Agent:
                 # turn: serving this link again first would let one fast peer starve the rest.
                 policy.spun(native.spin_readable(self._sel.fileno(), spin))
                 return
-            if not policy.spun(native.spin_readable(sock.fileno(), spin)):
+            if not policy.spun(native.spin_readable(sock.fileno(), spin)) or not self._serve(link):
                 return
-            self._serve(link)
 
-    def _serve(self, link: Link) -> None:
+    def _serve(self, link: Link) -> bool:
+        """Serve ``link``'s next request; False when it has not arrived whole and the link
+        is set aside until it has (:meth:`_look_again`): with other links to serve, a peer
+        that sends part of a frame and stops must not hold this thread."""
         sock = link.serve_sock
+        if self._watched > 1 and sock is not None and not isinstance(sock, ssl.SSLSocket) \
+                and _whole_request(sock) is False:
+            self._unregister(link)
+            self._partial[link] = time.monotonic()
+            return False
         try:
             assert sock is not None  # only a link with a serve_sock is registered (_register)
             frame = self._requests.serve_known(link, sock)
             if frame is None:  # a transfer admitted before: served already
-                return
+                return True
             with contextlib.ExitStack() as scope:  # staging buffers of this request
                 reply = self._requests.handle_frame(link, frame, sock, scope)
                 if frame.cls is wire.Unlink:
@@ -486,6 +505,23 @@ class Agent:
             link.close("peer closed the connection" if isinstance(exc, ConnectionError) else str(exc), wait=False)
         finally:
             self._requests.payload = None
+        return True
+
+    def _look_again(self) -> None:
+        """Links set aside with part of a request: served again once it is whole (or the
+        stream ended), closed when it has not become whole within ``sync_kv_timeout``."""
+        now = time.monotonic()
+        for link, since in list(self._partial.items()):
+            sock = link.serve_sock
+            whole = _whole_request(sock) if sock is not None and sock.fileno() >= 0 else True
+            if whole is False and now - since < self.engine.timeout_ms / 1000.0:
+                continue
+            del self._partial[link]
+            if whole is False:
+                link.close(f"a request of cluster {link.remote_cluster_id} did not arrive whole within "
+                           f"sync_kv_timeout ({self.engine.timeout_ms} ms)", wait=False)
+            else:
+                self._register(link)  # the selector reports it next
 
     def _answer(self, sock: socket.socket, reply: wire.Message) -> None:
         """Send ``reply`` and the payload of a pull right behind it (then, for a summed
@@ -498,3 +534,21 @@ class Agent:
             tls.send_plan(sock, payload, time.monotonic() + self.engine.timeout_ms / 1000.0, frame)
         else:
             native.sock_send(sock.fileno(), payload, self.engine.timeout_ms, frame)
+
+
+def _whole_request(sock: socket.socket) -> Optional[bool]:
+    """Whether the next frame on ``sock`` has arrived whole (True too for the end of the
+    stream, a header the reader refuses, and frames over :data:`_WHOLE_MAX`, which are
+    read as they come); None when nothing has arrived.  Peeks, never reads."""
+    try:
+        head = sock.recv(wire.HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        if len(head) < wire.HEADER_SIZE:
+            return not head
+        _, blen, alen = wire.parse_header(head)
+        size = wire.HEADER_SIZE + blen + alen
+        return size > _WHOLE_MAX or size == wire.HEADER_SIZE or \
+            len(sock.recv(size, socket.MSG_PEEK | socket.MSG_DONTWAIT)) >= size
+    except BlockingIOError:
+        return None
+    except (OSError, wire.WireError):
+        return True  # the read that follows meets it

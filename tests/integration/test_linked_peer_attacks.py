@@ -625,6 +625,20 @@ def test_notes_are_bounded_in_bytes(target: Target) -> None:
     target.serves()
 
 
+def test_partial_frames_do_not_starve_an_honest_decoder(target: Target) -> None:
+    """Three linked peers each send one byte of a request and stop.  The one agent thread
+    once waited sync_kv_timeout for each in turn (every read of a started frame blocked
+    it), so an honest pull behind them timed out and its link broke; now a request is read
+    only once whole, the stalled links are set aside and closed at their deadline."""
+    stallers = [target.raw() for _ in range(3)]
+    for peer in stallers:
+        peer.send(wire.encode(wire.Resolve())[:1])
+    honest = target.honest_pull()
+    for peer in stallers:
+        assert peer.ended(10)
+    assert honest is None, f"an honest pull behind three stalled frames failed: {honest}"
+
+
 def test_hello_claiming_a_linked_cluster_does_not_take_its_link(target: Target) -> None:
     """A peer with the secret HELLOs as the honest decoder's cluster with its pid (visible
     on the host, or guessed).  Only the process that holds a link may replace it, proving

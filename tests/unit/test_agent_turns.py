@@ -38,10 +38,11 @@ def two_links(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Agent, Link, Li
         links.append(link)
     served: list[Link] = []
 
-    def serve(link: Link) -> None:
+    def serve(link: Link) -> bool:
         served.append(link)
         assert link.serve_sock is not None
         link.serve_sock.recv(1)
+        return True  # served (the agent's _serve: False when the request is set aside)
 
     monkeypatch.setattr(agent, "_serve", serve)
     monkeypatch.setattr(polling.LOAD, "busy", lambda: False)  # an idle machine: the agent may spin
@@ -70,3 +71,28 @@ def test_a_lone_link_keeps_its_burst(two_links) -> None:
     a_peer.sendall(b"123")  # requests that arrive back to back are served without the loop
     agent._serve_burst(a, SpinPolicy(SERVE_SPIN_US))
     assert served == [a, a, a]
+
+
+def test_a_request_is_whole_only_once_every_byte_of_its_frame_is_there() -> None:
+    """What the agent peeks before it reads a request while other links wait: a link whose
+    request has only partly arrived is set aside instead of holding the agent."""
+    from datadist.engine import wire
+    from datadist.engine.agent import _whole_request
+
+    frame = wire.encode(wire.Resolve(kind="blocks", cluster_id=1, model_id=2))
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        ours.setblocking(False)
+        assert _whole_request(ours) is None                 # nothing has arrived
+        peer.sendall(frame[:5])
+        assert _whole_request(ours) is False                # part of the header
+        peer.sendall(frame[5:-1])
+        assert _whole_request(ours) is False                # all but its last byte
+        peer.sendall(frame[-1:])
+        assert _whole_request(ours) is True
+        assert ours.recv(len(frame)) == frame               # peeked, never read
+        peer.sendall(b"\xff" * wire.HEADER_SIZE)
+        assert _whole_request(ours) is True                 # a header the reader refuses: it meets it
+        ours.recv(64)
+        peer.close()
+        assert _whole_request(ours) is True                 # the end of the stream
