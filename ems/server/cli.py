@@ -93,6 +93,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=_positive(float, zero=True), default=10.0,
                    help="seconds a stopping daemon (SIGTERM, SIGINT, stop) lets requests in flight finish "
                         "before it cuts them")
+    p.add_argument("--reserve-timeout", type=_positive(float), default=120.0,
+                   help="seconds after which a value reserved but not committed is taken back when "
+                        "memory is short (default 120)")
     p.add_argument("--no-spill-on-exit", action="store_true",
                    help="do not spill memory to the disk tier at shutdown")
     p.add_argument("--detach", action="store_true", help="fork into the background (new session)")
@@ -240,7 +243,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         credentials=args.credentials, tcp=args.tcp, idle_exit=args.idle_exit,
         spill_on_exit=not args.no_spill_on_exit, socket_mode=args.socket_mode,
         max_connections=args.max_connections, idle_timeout=args.idle_timeout, read_timeout=args.read_timeout,
-        drain_timeout=args.drain_timeout,
+        drain_timeout=args.drain_timeout, reserve_timeout=args.reserve_timeout,
         secret_file=args.secret_file,
         tls_files=(args.tls_cert_file, args.tls_key_file, args.tls_ca_file), metrics=args.metrics_port)
 

@@ -37,6 +37,8 @@ class ServerConfig:
     workers: int = 16
     #: Seconds a stopping daemon lets requests in flight finish before it cuts them.
     drain_timeout: float = 10.0
+    #: Seconds after which a reservation not yet committed is taken back when memory is short.
+    reserve_timeout: float = 120.0
     #: File holding the pool secret: clients must prove they hold it (and the daemon that
     #: it does) before anything else, credentials included (None: no secret).
     secret_file: Optional[str] = None

@@ -85,7 +85,7 @@ class Daemon:
             remote = make_tier(self.cfg.remote) if self.cfg.remote else None
         except (ValueError, ImportError) as exc:
             raise ValueError(f"--remote {self.cfg.remote}: {exc}") from None
-        self.store = Store(self.cfg.capacity, disk=disk, remote=remote)
+        self.store = Store(self.cfg.capacity, disk=disk, remote=remote, reserve_timeout=self.cfg.reserve_timeout)
         self.dispatcher = Dispatcher(self.cfg.workers, self.cfg.idle_timeout, self.cfg.read_timeout)
         self._listeners.append(self._listen_unix())
         if self.cfg.tcp:

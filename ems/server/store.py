@@ -79,6 +79,8 @@ class Reservation:
     alloc: int
     #: The checksum of the bytes the daemon received for it (a WRITE over TCP), if any.
     received: Optional[int] = None
+    #: When it was made (``time.monotonic``): old ones are taken back when memory is short.
+    made: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -111,8 +113,12 @@ class Store:
     """Values of every tenant, within ``capacity`` bytes of shared memory."""
 
     def __init__(self, capacity: int, arena_size: Optional[int] = None,
-                 disk: Optional[Tier] = None, remote: Optional[Tier] = None) -> None:
+                 disk: Optional[Tier] = None, remote: Optional[Tier] = None,
+                 reserve_timeout: float = 120.0) -> None:
         self.capacity = int(capacity)
+        #: Seconds after which an uncommitted reservation is taken back when memory is short.
+        self.reserve_timeout = float(reserve_timeout)
+        self._swept = -float("inf")  # when stale reservations were last looked for
         # Arenas are sparse; extra address space absorbs fragmentation.
         self.arena_size = round_to_pages(arena_size or self.capacity + self.capacity // 4 + (16 << 20), PAGE)
         self.disk = disk
@@ -126,7 +132,7 @@ class Store:
         self._next_lease = 0
         self.counters = {k: 0 for k in (
             "reserved", "no_space", "committed", "skipped", "gets", "hits", "misses",
-            "disk_fills", "remote_fills", "evictions", "spills", "corrupt", "unwritten", "exists_calls")}
+            "disk_fills", "remote_fills", "evictions", "spills", "corrupt", "unwritten", "expired", "exists_calls")}
         # Gets by tier: values found there (and their bytes), and lookups that reached the
         # tier and did not find the value there.
         self.tiers = ["memory"] + [t.name for t in (disk, remote) if t is not None]
@@ -287,6 +293,8 @@ class Store:
                 n = round_to_pages(size, PAGE)
                 # Each search may scan every value (all pinned) under the lock: one per size.
                 off = None if refused is not None and n >= refused else self._allocate(ts, n)
+                if off is None and refused is None and self._take_back_stale():
+                    off = self._allocate(ts, n)
                 if off is None:
                     refused = n if refused is None else min(refused, n)
                     self.counters["no_space"] += 1
@@ -296,6 +304,28 @@ class Store:
                 self.counters["reserved"] += 1
                 out.append(off)
         return out
+
+    def _take_back_stale(self) -> bool:
+        """Free every reservation older than :attr:`reserve_timeout` (their commits then
+        store nothing), looking at most once a second; whether any was freed.  Memory is
+        short: a connection that reserves and never commits must not keep the others out."""
+        now = time.monotonic()
+        if now - self._swept < 1.0:
+            return False
+        self._swept = now
+        freed = 0
+        for owner in self._owners.values():
+            stale = [(name, off) for (name, off), res in owner.reservations.items()
+                     if now - res.made > self.reserve_timeout]
+            for name, off in stale:
+                res = owner.reservations.pop((name, off))
+                self._free(self._spaces[name], off, res.alloc)
+            freed += len(stale)
+        self.counters["expired"] += freed
+        if freed:
+            log.warning("took back %d reservation(s) not committed within %.0f s (--reserve-timeout)",
+                        freed, self.reserve_timeout)
+        return freed > 0
 
     def reservation(self, owner: Owner, ts: TenantSpace, off: int) -> Optional[Reservation]:
         with self._lock:

@@ -261,6 +261,32 @@ def test_tenant_cannot_hold_workers_with_a_big_frame_header_or_a_stalled_write(d
     serves(daemon, access_id="alice", access_key=KEY_A)
 
 
+def test_reservations_never_committed_do_not_lock_other_tenants_out(daemon_factory, creds, closing) -> None:
+    """Mallory reserves the whole capacity and never commits, keeping its connection alive.
+    Reservations older than --reserve-timeout are taken back when memory is short: alice
+    stores, and mallory's late commit stores nothing."""
+    daemon = daemon_factory(capacity="16M", credentials=creds, extra=["--reserve-timeout", "1"])
+    m = Raw(daemon)
+    m.hello("mallory", KEY_M)
+    closing.append(m)
+    keys = [f"m{i}" for i in range(4096)]
+    reply = m.call(wire.Reserve(keys, [4096] * 4096))
+    assert isinstance(reply, wire.ReserveReply) and all(o >= 0 for o in reply.offsets)
+
+    def alice_stores() -> bool:
+        assert isinstance(m.call(wire.Ping()), wire.Pong)  # mallory is alive and not idle
+        try:
+            honest(daemon, access_id="alice", access_key=KEY_A)
+            return True
+        except AssertionError as exc:
+            if "no room" not in str(exc):
+                raise
+            return False
+    until(alice_stores, 6, "alice stores while mallory holds uncommitted reservations", every=0.2)
+    late = m.call(wire.Commit(keys[:1], reply.offsets[:1], [0]))
+    assert isinstance(late, wire.CommitReply) and late.stored == [False], late
+
+
 def test_scribbling_on_the_published_key_set_cannot_hang_the_daemon(daemon_factory, creds, closing) -> None:
     """The key set's memfd comes with HELLO; a client meant to map it read-only.  If it can
     map it writable and zero its magic, the daemon's key-set calls for that tenant fail
