@@ -308,18 +308,17 @@ class Linker:
     def _join_served(self, link: Link) -> None:
         """Join ``link``'s process group as the server (rank 0) and open the link, or close
         it with the reason (the client sees a link failure)."""
-        if self.engine.device.startswith("npu"):
-            npu.set_device(self.engine.device)  # this thread's current device, as the agent's
         assert link.store is not None and link.collective is not None  # after_attach checked
         try:
+            if self.engine.device.startswith("npu"):
+                npu.set_device(self.engine.device)  # this thread's current device, as the agent's
             self._join_group(link, link.store, 0, link.collective,
                              time.monotonic() + self.engine.options.link_total_time_s)
-        except Exception as exc:
+            link.opened()
+            self.engine.watch(link, True)  # its requests are served from now on
+        except Exception as exc:  # nothing above this thread to raise to; the engine may be closed
             log.warning("process group with cluster %d failed: %s", link.remote_cluster_id, exc)
             link.close(f"process group setup failed: {exc}", wait=False)
-            return
-        link.opened()
-        self.engine.watch(link, True)  # its requests are served from now on
 
     def _join_group(self, link: Link, store: Store, rank: int, backend: str, deadline: float) -> None:
         """Join the link's process group of ``backend`` as ``rank`` and warm it before
