@@ -87,8 +87,15 @@ def agreement(proxy_url: str, plain_url: str, model: str, batch: Sequence[List[i
     return {"prompts": [len(p) for p in batch],
             "match": [w["tokens"] == ref for w, ref in zip(whole, reference)],
             "stream_match": [s["tokens"] == ref for s, ref in zip(streamed, reference)],
+            "agreed": [_agreed(w["tokens"], ref) for w, ref in zip(whole, reference)],
+            "stream_agreed": [_agreed(s["tokens"], ref) for s, ref in zip(streamed, reference)],
             "stream_chunks": [s["chunks"] for s in streamed],
             "errors": [r.get("error") for r in whole + streamed if r["status"] != 200]}
+
+
+def _agreed(tokens: List[int], reference: List[int]) -> int:
+    """How many leading tokens agree with the reference's."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
 
 
 def metric_values(text: str, name: str) -> Dict[str, float]:
