@@ -281,8 +281,7 @@ class Agent:
 
     # -- the loop -------------------------------------------------------------------------
     def _run(self) -> None:
-        if self.engine.device.startswith("npu"):
-            npu.set_device(self.engine.device)  # this thread's current device, never the caller's
+        npu.set_device(self.engine.device)  # this thread's current device, never the caller's
         while not self._stop:
             timeout = self._incoming.next_timeout()
             if self._partial:

@@ -251,25 +251,15 @@ class Engine:
         first: dict[Hashable, int] = {}
         for i, key in enumerate(keys):
             first.setdefault(key, i)
-        faults: list[Optional[Fault]] = [None] * len(items)
-        at_once = sorted(first.values())
-        if len(at_once) == 1:
-            faults[at_once[0]] = work(items[at_once[0]])
-        elif at_once:
-            with ThreadPoolExecutor(min(len(at_once), MAX_AT_ONCE), thread_name_prefix="datadist-link",
-                                    initializer=self._bind_thread) as pool:
-                for i, fault in zip(at_once, pool.map(lambda i: work(items[i]), at_once)):
-                    faults[i] = fault
-        for i, item in enumerate(items):
-            if faults[i] is None:
-                faults[i] = work(item)
-        return [f for f in faults if f is not None]
-
-    def _bind_thread(self) -> None:
-        """Make this engine's device current on a thread of the engine's own (an NPU's is
-        per thread, and HCCL forms a communicator on the current one)."""
-        if self.device.startswith("npu"):
-            npu.set_device(self.device)
+        lead = list(first.values())  # ascending: each key's first item
+        done: dict[int, Fault] = {}
+        if len(lead) == 1:
+            done[lead[0]] = work(items[lead[0]])
+        elif lead:
+            with ThreadPoolExecutor(min(len(lead), MAX_AT_ONCE), thread_name_prefix="datadist-link",
+                                    initializer=npu.set_device, initargs=(self.device,)) as pool:
+                done.update(zip(lead, pool.map(lambda i: work(items[i]), lead)))
+        return [done[i] if i in done else work(item) for i, item in enumerate(items)]
 
     def wait_link(self, cluster_id: int, deadline: float, cancel: threading.Event) -> bool:
         """Wait until ``cluster_id`` has linked to this engine and its link is ready;

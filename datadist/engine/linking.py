@@ -310,8 +310,7 @@ class Linker:
         it with the reason (the client sees a link failure)."""
         assert link.store is not None and link.collective is not None  # after_attach checked
         try:
-            if self.engine.device.startswith("npu"):
-                npu.set_device(self.engine.device)  # this thread's current device, as the agent's
+            npu.set_device(self.engine.device)  # this thread's current device, as the agent's
             self._join_group(link, link.store, 0, link.collective,
                              time.monotonic() + self.engine.options.link_total_time_s)
             link.opened()

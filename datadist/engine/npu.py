@@ -138,8 +138,11 @@ def _npu() -> Any:
 
 
 def set_device(device: str) -> None:
-    """Make ``device`` (``"npu:N"``) current on the calling thread."""
-    _npu().set_device(int(device.partition(":")[2] or 0))
+    """Make ``device`` (``"npu:N"``) current on the calling thread, one of the engine's own
+    (an NPU's current device is per thread; HCCL forms a communicator on it); a no-op for
+    any other device, which has no current one here."""
+    if device.startswith("npu"):
+        _npu().set_device(int(device.partition(":")[2] or 0))
 
 
 def synchronize(device: str) -> None:

@@ -20,7 +20,6 @@ whoever waits for a link socket to become readable asks :func:`buffered` first.
 from __future__ import annotations
 
 import os
-import select
 import selectors
 import socket
 import ssl
@@ -179,17 +178,6 @@ def buffered(sock: Optional[socket.socket]) -> bool:
     """Whether ``sock`` is a TLS socket holding decrypted bytes not read yet (a poll on
     its descriptor does not show them)."""
     return isinstance(sock, ssl.SSLSocket) and sock.pending() > 0
-
-
-def readable(sock: ssl.SSLSocket) -> bool:
-    """Whether a read of ``sock`` would find something now: decrypted bytes it holds, or
-    bytes (or the end of stream) on its descriptor; any descriptor number (``select``
-    refuses those from 1024 on)."""
-    if sock.pending():
-        return True
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
 
 
 # -- the payload path ----------------------------------------------------------------------

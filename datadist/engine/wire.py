@@ -278,18 +278,19 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     read (one system call more per read, on the path of every small transfer).  A TLS
     socket is read through TLS."""
     timeout = sock.gettimeout()
+    if n <= _PIECE:  # every small frame: no clock read on this path
+        return _recv_piece(sock, n, timeout)
     deadline = None if timeout is None else time.monotonic() + timeout
-    if n <= _PIECE:
-        return _recv_piece(sock, n, deadline)
     buf = bytearray()
     while len(buf) < n:
-        buf += _recv_piece(sock, min(_PIECE, n - len(buf)), deadline)
+        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        buf += _recv_piece(sock, min(_PIECE, n - len(buf)), left)
     return buf
 
 
-def _recv_piece(sock: socket.socket, n: int, deadline: Optional[float]) -> bytearray:
+def _recv_piece(sock: socket.socket, n: int, left: Optional[float]) -> bytearray:
+    """``n`` bytes from ``sock`` within ``left`` seconds (None: no limit)."""
     buf = bytearray(n)
-    left = None if deadline is None else max(0.001, deadline - time.monotonic())
     if isinstance(sock, SSLSocket):
         tls.recv_exact(sock, buf, left)
         return buf

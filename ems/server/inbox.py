@@ -46,7 +46,7 @@ class Inbox:
         :attr:`broken`), False while part of it is in, None when nothing has arrived."""
         if self.broken is not None:
             return True
-        sock.settimeout(0)  # a TLS socket needs it; a plain one reads with MSG_DONTWAIT alike
+        sock.settimeout(0)  # non-blocking: an empty socket raises instead of waiting
         try:
             while True:
                 want = (self._size or HEADER_SIZE) - self._got

@@ -7,7 +7,8 @@ one hash) hashes to the same Cluster slot, hence the same node.  A value is stor
 small header (magic, size, checksum) followed by its bytes.
 
 Faults (connection refused, timeouts, cluster moves that fail) read as misses and failed
-stores (a value larger than Redis stores is not sent: :data:`MAX_STORED`); they are counted, logged once per kind, and never reach a client as an error.
+stores (a value larger than Redis stores is not sent: :data:`MAX_STORED`); they are
+counted, logged once per kind, and never reach a client as an error.
 After a fault the tier is **down** for :data:`DOWN_S`: reads miss and stores fail at once,
 without asking Redis, so a node that went silent (a dead host: every request waits for the
 socket timeout, and a Cluster client retries) costs one timeout per window, not one per
