@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -1908,6 +1909,37 @@ static PyObject *py_peer_closed(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_FALSE;
 }
 
+/* Whether the next frame on a socket has arrived whole, without reading it, in two
+ * non-blocking system calls (a peek at the header, the count of bytes queued) and without
+ * giving up the GIL: this runs before every request a busy agent serves.  None when
+ * nothing has arrived, False while part of a frame of at most whole_max bytes has, True
+ * once it is whole, at the end of the stream, on an error, and for a frame larger than
+ * whole_max (read as it comes).  A frame's size is the codec's 16-byte header plus the
+ * body and array lengths it holds (little-endian u32 at bytes 8 and 12). */
+static PyObject *py_frame_arrived(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "frame_arrived(fd, whole_max)"); return NULL; }
+    long fd = PyLong_AsLong(args[0]);
+    long long whole_max = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    uint8_t head[16];
+    ssize_t n = recv((int)fd, head, sizeof head, MSG_PEEK | MSG_DONTWAIT);
+    if (n < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) Py_RETURN_NONE;
+        Py_RETURN_TRUE; /* the read that follows meets the error */
+    }
+    if (n == 0) Py_RETURN_TRUE;
+    if (n < (ssize_t)sizeof head) Py_RETURN_FALSE;
+    uint64_t size = sizeof head;
+    for (int f = 8; f < 16; f += 4)
+        size += (uint64_t)head[f] | (uint64_t)head[f + 1] << 8 | (uint64_t)head[f + 2] << 16
+              | (uint64_t)head[f + 3] << 24;
+    if (size == sizeof head || size > (uint64_t)whole_max) Py_RETURN_TRUE;
+    int queued = 0;
+    if (ioctl((int)fd, FIONREAD, &queued) < 0) Py_RETURN_TRUE;
+    return PyBool_FromLong((uint64_t)queued >= size);
+}
+
 /* ---------------------------------------------------------------- transfer counts */
 
 /* The latency histogram's upper bounds in nanoseconds, set once by meter_bounds. */
@@ -1982,6 +2014,8 @@ static PyMethodDef methods[] = {
      "meter_moved(cells, nbytes, start) -> None: count one transfer into int64 cells [bytes, ns, buckets]"},
     {"peer_closed", (PyCFunction)(void (*)(void))py_peer_closed, METH_FASTCALL,
      "peer_closed(fd) -> whether the stream has ended (no wait)"},
+    {"frame_arrived", (PyCFunction)(void (*)(void))py_frame_arrived, METH_FASTCALL,
+     "frame_arrived(fd, whole_max) -> None, or whether the next frame has arrived whole (peeked)"},
     {"spin_readable", (PyCFunction)(void (*)(void))py_spin_readable, METH_FASTCALL,
      "spin_readable(fd, spin_us) -> whether fd became readable within spin_us (polled without sleeping)"},
     {"request", (PyCFunction)(void (*)(void))py_request, METH_FASTCALL,

@@ -537,17 +537,8 @@ class Agent:
 
 def _whole_request(sock: socket.socket) -> Optional[bool]:
     """Whether the next frame on ``sock`` has arrived whole (True too for the end of the
-    stream, a header the reader refuses, and frames over :data:`_WHOLE_MAX`, which are
-    read as they come); None when nothing has arrived.  Peeks, never reads."""
-    try:
-        head = sock.recv(wire.HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        if len(head) < wire.HEADER_SIZE:
-            return not head
-        _, blen, alen = wire.parse_header(head)
-        size = wire.HEADER_SIZE + blen + alen
-        return size > _WHOLE_MAX or size == wire.HEADER_SIZE or \
-            len(sock.recv(size, socket.MSG_PEEK | socket.MSG_DONTWAIT)) >= size
-    except BlockingIOError:
-        return None
-    except (OSError, wire.WireError):
-        return True  # the read that follows meets it
+    stream, an error, and frames over :data:`_WHOLE_MAX`, which are read as they come);
+    None when nothing has arrived.  Peeks, never reads; in C, because it runs before every
+    request while several links are watched (two Python socket calls there, each with its
+    poll and GIL hand-off, cost a fan-in beside a CPU hog about 13 % of its throughput)."""
+    return native.frame_arrived(sock.fileno(), _WHOLE_MAX)

@@ -8,6 +8,7 @@ import socket
 from typing import Iterator
 
 import pytest
+from waiting import until
 
 from datadist.engine import polling
 from datadist.engine.polling import SpinPolicy
@@ -73,26 +74,46 @@ def test_a_lone_link_keeps_its_burst(two_links) -> None:
     assert served == [a, a, a]
 
 
-def test_a_request_is_whole_only_once_every_byte_of_its_frame_is_there() -> None:
+def _peek(sock: socket.socket, n: int) -> bytes:
+    try:
+        return sock.recv(n, socket.MSG_PEEK)
+    except BlockingIOError:
+        return b""
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        peer = socket.create_connection(listener.getsockname())
+        ours, _ = listener.accept()
+    return ours, peer
+
+
+@pytest.mark.parametrize("pair", [socket.socketpair, _tcp_pair], ids=["unix", "tcp"])
+def test_a_request_is_whole_only_once_every_byte_of_its_frame_is_there(pair) -> None:
     """What the agent peeks before it reads a request while other links wait: a link whose
     request has only partly arrived is set aside instead of holding the agent."""
     from datadist.engine import wire
     from datadist.engine.agent import _whole_request
 
     frame = wire.encode(wire.Resolve(kind="blocks", cluster_id=1, model_id=2))
-    ours, peer = socket.socketpair()
+    ours, peer = pair()
     with ours, peer:
         ours.setblocking(False)
+        if peer.family != socket.AF_UNIX:
+            peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         assert _whole_request(ours) is None                 # nothing has arrived
         peer.sendall(frame[:5])
+        assert until(lambda: _peek(ours, 64) == frame[:5])
         assert _whole_request(ours) is False                # part of the header
         peer.sendall(frame[5:-1])
+        assert until(lambda: _peek(ours, len(frame)) == frame[:-1])
         assert _whole_request(ours) is False                # all but its last byte
-        peer.sendall(frame[-1:])
-        assert _whole_request(ours) is True
+        peer.sendall(frame[-1:] + frame)
+        assert until(lambda: _whole_request(ours) is True)  # whole, with the next frame behind it
         assert ours.recv(len(frame)) == frame               # peeked, never read
+        assert until(lambda: _whole_request(ours) is True) and ours.recv(len(frame)) == frame
         peer.sendall(b"\xff" * wire.HEADER_SIZE)
-        assert _whole_request(ours) is True                 # a header the reader refuses: it meets it
-        ours.recv(64)
+        assert until(lambda: _whole_request(ours) is True)  # a header announcing more than 64 KiB: read as it comes
+        assert until(lambda: len(_peek(ours, 64)) == wire.HEADER_SIZE) and ours.recv(64)
         peer.close()
         assert _whole_request(ours) is True                 # the end of the stream
