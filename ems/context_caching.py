@@ -194,11 +194,13 @@ class ContextCaching:
             mover = self._mover(req, conn)
             # Reservations cannot be evicted until committed, so a call larger than the pool
             # goes in batches of at most half its capacity: each batch's commits make room.
+            # A batch also holds at most the keys one frame may list.
             budget = max(1, conn.info.capacity // 2)
             start = 0
             while start < req.total:
                 end, size = start, 0
-                while end < req.total and (end == start or size + req.values[end].size <= budget):
+                while end < min(req.total, start + wire.MAX_KEYS) and \
+                        (end == start or size + req.values[end].size <= budget):
                     size += req.values[end].size
                     end += 1
                 ok.extend(self._save_batch(req, start, end, conn, mover, deadline, moved))
@@ -237,28 +239,40 @@ class ContextCaching:
         return [off == wire.SKIPPED or bool(stored.get(off)) for off in offsets]
 
     def _load(self, req: Request, deadline: Optional[float], moved: List[int]) -> int:
+        """How many leading values were loaded: in batches of the keys one frame may list,
+        up to the first miss."""
+        n = 0
         with self._pool.connection(deadline) as conn:
             mover = self._mover(req, conn)
-            reply = conn.call(wire.Get(req.keys, req.option.read_local_only), deadline, wire.GetReply)
-            n = 0
-            bad = None
-            try:
-                for i, (off, size, crc) in enumerate(zip(reply.offsets, reply.sizes, reply.checksums)):
-                    vp = req.values[i]
-                    if size != vp.size:
-                        break  # stored under another layout: a miss, never a partial fill
-                    if not mover.load(vp, off, crc, deadline):
-                        log.error("the value of %r failed its checksum when loaded from the pool at %s: "
-                                  "a miss, dropped from the pool", req.keys[i], self._pool.address)
-                        bad = (req.keys[i], off)
-                        break
-                    moved[0] += size
-                    n += 1
-            finally:
-                if not conn.broken:
-                    if bad is not None:
-                        conn.call(wire.Drop([bad[0]], [bad[1]]), deadline)
-                    conn.send(wire.Release(reply.lease), deadline)
+            for start in range(0, req.total, wire.MAX_KEYS):
+                end = min(req.total, start + wire.MAX_KEYS)
+                n += self._load_batch(req, start, end, conn, mover, deadline, moved)
+                if n < end:
+                    break
+        return n
+
+    def _load_batch(self, req: Request, start: int, end: int, conn: Connection, mover: Mover,
+                    deadline: Optional[float], moved: List[int]) -> int:
+        reply = conn.call(wire.Get(req.keys[start:end], req.option.read_local_only), deadline, wire.GetReply)
+        n = 0
+        bad = None
+        try:
+            for i, (off, size, crc) in enumerate(zip(reply.offsets, reply.sizes, reply.checksums), start):
+                vp = req.values[i]
+                if size != vp.size:
+                    break  # stored under another layout: a miss, never a partial fill
+                if not mover.load(vp, off, crc, deadline):
+                    log.error("the value of %r failed its checksum when loaded from the pool at %s: "
+                              "a miss, dropped from the pool", req.keys[i], self._pool.address)
+                    bad = (req.keys[i], off)
+                    break
+                moved[0] += size
+                n += 1
+        finally:
+            if not conn.broken:
+                if bad is not None:
+                    conn.call(wire.Drop([bad[0]], [bad[1]]), deadline)
+                conn.send(wire.Release(reply.lease), deadline)
         return n
 
     def _close(self) -> None:

@@ -166,8 +166,15 @@ class PoolClient:
                     return hits
             else:
                 hits = 0
-            reply = conn.call(wire.Exists(keys.strings()[hits:], local_only), deadline, wire.ExistsReply)
-            return hits + min(int(reply.hits), len(keys) - hits)
+            rest = keys.strings()[hits:]
+            for start in range(0, len(rest), wire.MAX_KEYS):  # as many keys as one frame may list
+                batch = rest[start:start + wire.MAX_KEYS]
+                found = min(int(conn.call(wire.Exists(batch, local_only), deadline, wire.ExistsReply).hits),
+                            len(batch))
+                hits += found
+                if found < len(batch):
+                    break
+            return hits
 
     def ping(self, timeout_s: float) -> bool:
         """Whether the daemon answers within ``timeout_s``."""

@@ -35,15 +35,19 @@ __all__ = [
     "recv_exact", "Hello", "HelloReply", "Ping", "Pong", "Stats", "StatsReply", "Reserve",
     "ReserveReply", "Commit", "CommitReply", "Abort", "Get", "GetReply", "Release", "Drop",
     "Exists", "ExistsReply", "Write", "Read", "ReadReply", "Error", "ErrorKind", "Shutdown", "Ack", "Challenge",
-    "SKIPPED", "NO_SPACE", "MAX_FRAME", "SMALL_FRAME", "FORMAT",
+    "SKIPPED", "NO_SPACE", "MAX_FRAME", "SMALL_FRAME", "MAX_KEYS", "FORMAT",
 ]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAGIC = b"EMSP"
 #: Largest control frame either side accepts (header excluded).
 MAX_FRAME = 64 << 20
 #: Largest frame of a request that carries no list (HELLO, PING, READ, ...).
 SMALL_FRAME = 64 << 10
+#: Most entries of one list in a frame (keys, offsets, ...): a decoded key costs a string
+#: object (~50 bytes for a key of one character), so without this bound a 64 MiB frame of
+#: short keys would cost the daemon gigabytes.  Clients send longer lists in batches.
+MAX_KEYS = 1 << 16
 #: Reserve reply offsets: the key already holds a value (nothing to write) / no room.
 SKIPPED = -2
 NO_SPACE = -1
@@ -90,7 +94,8 @@ class ErrorKind(IntEnum):
 
 
 #: The pool protocol on the frame codec; every :class:`Message` subclass registers itself.
-FORMAT: FrameFormat["Message"] = FrameFormat("ems pool", MAGIC, PROTOCOL_VERSION, Op, error=ProtocolError)
+FORMAT: FrameFormat["Message"] = FrameFormat("ems pool", MAGIC, PROTOCOL_VERSION, Op, error=ProtocolError,
+                                              max_items=MAX_KEYS)
 
 
 class Message:

@@ -418,3 +418,38 @@ def test_cuda_kvcache_round_trip(ems_daemon):
         assert all(torch.equal(kv[i][k][2:4], ref[i][k][0:2]) for i in range(2) for k in range(2))
     finally:
         Ems._shutdown()
+
+
+@pytest.mark.parametrize("tcp", [False, True])
+def test_key_lists_longer_than_a_frame_holds_go_in_batches(daemon_factory, monkeypatch, tcp):
+    """A frame lists at most wire.MAX_KEYS keys (the daemon refuses more); calls with more
+    go in batches, each answered by the daemon, and still count leading hits across them.
+    The bound is made 3 here, in this client only, so 8 keys take three frames; every
+    frame the client sends is recorded on its way to the daemon."""
+    from ems.client.conn import Connection
+
+    monkeypatch.setattr(wire, "MAX_KEYS", 3)
+    sent: list = []
+    call = Connection.call
+    monkeypatch.setattr(Connection, "call", lambda self, msg, *a: sent.append(msg) or call(self, msg, *a))
+    d = daemon_factory(tcp=tcp)
+    cc = init_cc(d.tcp if tcp else d.dir)
+    try:
+        src = torch.arange(8 * 256, dtype=torch.float32)
+        keys = [f"k{i}" for i in range(8)]
+        wrap = lambda t, i: [KvBufferWrapper(t.data_ptr() + i * 1024, 1024)]  # noqa: E731
+        assert cc.save(CcKvOption(), keys, [wrap(src, i) for i in range(8)]).success == 8
+        assert cc.exists(key_list=keys).success == 8
+        assert cc.exists(key_list=keys[:4] + ["absent"] + keys[4:]).success == 4
+        out = torch.zeros_like(src)
+        assert cc.load(CcKvOption(), keys, [wrap(out, i) for i in range(8)]).success == 8
+        assert torch.equal(out, src)
+        out.zero_()
+        gap = keys[:4] + ["absent"] + keys[5:]
+        assert cc.load(CcKvOption(), gap, [wrap(out, i) for i in range(8)]).success == 4
+        assert torch.equal(out[:4 * 256], src[:4 * 256]) and not out[4 * 256:].any()
+        listed = [len(m.keys) for m in sent if hasattr(m, "keys")]
+        assert max(listed) == 3 and [type(m) for m in sent].count(wire.Reserve) == 3, listed
+        assert [type(m) for m in sent].count(wire.Get) == 3 + 2  # 8 keys; 4 then the miss in the second
+    finally:
+        Ems._shutdown()

@@ -138,7 +138,7 @@ def test_link_frames_keep_their_byte_format() -> None:
     hello = dw.Hello(ctrl={"fd": 3}, arenas=[{"a": "é"}])
     raw = dw.encode(hello)
     assert b'\x08\x00\x00\x00{"fd":3}' in raw and b'[{"a":"\\u00e9"}]' in raw
-    assert dw.VERSION == 5 and ew.PROTOCOL_VERSION == 6
+    assert dw.VERSION == 5 and ew.PROTOCOL_VERSION == 7
 
 
 # ----------------------------------------------------------------------------- key lists and text
@@ -405,3 +405,13 @@ def test_a_protocol_of_its_own() -> None:
     with pytest.raises(ValueError):
         FrameFormat("bad", b"TOOLONG", 1, Kind)
     assert codec.join_keys(["a", "b"]) == (0x1E, b"a\x1eb")
+
+
+@pytest.mark.parametrize("cls", [ew.Exists, ew.Get, ew.Reserve, ew.Commit, ew.Drop])
+def test_a_pool_frame_lists_at_most_max_keys(cls) -> None:
+    """A list of wire.MAX_KEYS keys round-trips; one key more is refused while decoding,
+    before the text is split into strings."""
+    keys = [str(i % 10) for i in range(ew.MAX_KEYS)]
+    assert ew.decode(ew.encode(cls(keys=keys))).keys == keys
+    with pytest.raises(ProtocolError, match="keys"):
+        ew.decode(ew.encode(cls(keys=keys + ["x"])))
