@@ -10,8 +10,11 @@ deadline, :class:`PoolDisconnected` for a connection that broke (the caller clos
 """
 from __future__ import annotations
 
+import fcntl
+import select
 import socket
 import ssl
+import termios
 import time
 from typing import Optional
 
@@ -23,7 +26,7 @@ from datadist.engine.layout import Plan
 
 from .._errors import PoolDisconnected, PoolTimeout
 
-__all__ = ["send_plan", "recv_plan", "recv_into"]
+__all__ = ["send_plan", "recv_plan", "recv_into", "Arriving"]
 
 #: The deadline of a transfer given none (seconds).
 _NO_DEADLINE_S = 60.0
@@ -81,3 +84,92 @@ def recv_into(sock: socket.socket, buf: memoryview, deadline: Optional[float], s
     addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
     run = np.array([n], dtype=np.uint64)
     recv_plan(sock, Plan(_ZERO, np.array([addr], dtype=np.uint64), _ZERO, _ZERO, run), deadline, summed)
+
+
+#: How long a worker waits for more of a value that is flowing, and the grace before the
+#: flow's rate is judged (seconds).
+_STALL_S = 0.005
+#: Below this rate (bytes a second since the value started) a worker no longer waits for
+#: the rest: the value is set aside until more of it has arrived.
+_MIN_RATE = 16 << 20
+
+
+class Arriving:
+    """A value's raw bytes arriving on a server's connection, received as they come
+    without holding a thread while they do not: :meth:`take` moves what has arrived into
+    ``buf``, summed, and waits for more only while the value flows (the last wait shorter
+    than a few milliseconds and its rate since the start above 16 MiB/s); otherwise it
+    returns False and the caller looks again once more bytes are there (:meth:`waiting`).
+    A sender that trickles or stops costs a worker a system call per look, not
+    ``read_timeout``; the whole value must still arrive before ``deadline``."""
+
+    def __init__(self, sock: socket.socket, buf: memoryview, deadline: float) -> None:
+        self.sock, self.buf, self.deadline = sock, buf, deadline
+        self.summed = StreamSum(len(buf))
+        self.got = 0
+        self._start = time.monotonic()
+
+    def take(self) -> bool:
+        """Receive what has arrived; True once every byte has.  :class:`PoolTimeout` past
+        the deadline, :class:`PoolDisconnected` if the stream ends first."""
+        n = len(self.buf)
+        while self.got < n:
+            now = time.monotonic()
+            if now >= self.deadline:
+                raise PoolTimeout(f"a value's bytes did not arrive in time ({self.got} of {n})")
+            k = self._take_queued(n - self.got)
+            if k:
+                self.got += k
+                continue
+            flowing = now - self._start < _STALL_S or self.got / (now - self._start) >= _MIN_RATE
+            if not flowing or not _readable(self.sock, min(_STALL_S, self.deadline - now)):
+                return False
+        return True
+
+    def waiting(self) -> bool:
+        """Whether more bytes (or the stream's end) are there for :meth:`take`, or the
+        deadline has passed (take then raises); never waits."""
+        return time.monotonic() >= self.deadline or tls.buffered(self.sock) or _readable(self.sock, 0)
+
+    def _take_queued(self, most: int) -> int:
+        """Receive up to ``most`` bytes of those that have arrived, without waiting."""
+        view = self.buf[self.got:self.got + most]
+        if isinstance(self.sock, ssl.SSLSocket):
+            self.sock.settimeout(0)
+            try:
+                k = self.sock.recv_into(view, most)
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return 0
+            except OSError as exc:
+                raise PoolDisconnected(f"connection to the pool broke during a transfer: {exc}") from None
+            if not k:
+                raise PoolDisconnected("the peer closed the connection during a transfer")
+            self.summed.add(view[:k])
+            return k
+        queued = _queued(self.sock)
+        if queued < 0:
+            raise PoolDisconnected("the peer closed the connection during a transfer")
+        k = min(queued, most)
+        if k:
+            recv_into(self.sock, view[:k], self.deadline, self.summed)  # there already: never waits
+        return k
+
+
+def _queued(sock: socket.socket) -> int:
+    """Bytes that have arrived on ``sock`` and not been read; -1 for the end of the stream
+    (readable with nothing queued)."""
+    queued = _fionread(sock)
+    if queued or not _readable(sock, 0):
+        return queued
+    # Readable: bytes that came after the first count (they stay until read), or the end.
+    return _fionread(sock) or -1
+
+
+def _fionread(sock: socket.socket) -> int:
+    return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"), "little")
+
+
+def _readable(sock: socket.socket, timeout_s: float) -> bool:
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout_s * 1000))))

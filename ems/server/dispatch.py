@@ -10,7 +10,9 @@ requests are served in order (it is armed only once its answer is out).
 A request is served only once it has arrived whole (:meth:`Served.request_waiting`): a
 peer that sends part of a frame and stops is set aside with a keeper thread, which looks
 at it every few milliseconds and closes it when ``read_timeout`` passes, so a trickling or
-stalled peer never holds a worker while others wait.  The keeper also shuts down
+stalled peer never holds a worker while others wait.  A value's bytes behind a WRITE are
+taken as they flow; once they stop (:attr:`Served.receiving`) the session waits with the
+keeper the same way.  The keeper also shuts down
 connections idle longer than ``idle_timeout`` (clients notice and reconnect); it never
 closes an armed connection's descriptor itself, so an event a worker already holds can
 never name a descriptor reused by another connection: the shut-down connection wakes a
@@ -57,8 +59,14 @@ class Served(Protocol):
         readable); None: nothing has arrived (a TLS session that just finished its
         handshake): watch it as idle."""
 
+    @property
+    def receiving(self) -> bool:
+        """Whether a request's payload has stopped arriving mid-way (the session waits
+        with the keeper, as a partial frame does, until :meth:`request_waiting`)."""
+
     def serve_one(self) -> bool:
-        """Answer the request whose bytes are waiting; False ends the session."""
+        """Answer the request whose bytes are waiting (or take more of its payload);
+        False ends the session."""
 
     def end(self) -> None:
         """Release the session (idempotent)."""
@@ -182,10 +190,14 @@ class Dispatcher:
             self._serve(session)
 
     def _serve(self, session: Served) -> None:
-        if session.serve_one():
-            self.watch(session)  # ends it instead once stopping
-        else:
+        if not session.serve_one():
             session.end()
+        elif session.receiving:  # a value's bytes stopped arriving: wait with the keeper
+            with self._lock:
+                self._partial[session] = time.monotonic()
+                self._tick.notify()
+        else:
+            self.watch(session)  # ends it instead once stopping
 
     def _keep(self) -> None:
         while True:

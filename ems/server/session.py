@@ -26,7 +26,6 @@ from ..pool.wire import (Abort, Ack, Challenge, Commit, CommitReply, Drop, Error
                          GetReply, Hello, HelloReply, Ping, Pong, Read, ReadReply, Release, Reserve,
                          ReserveReply, Shutdown, Stats, StatsReply, Write)
 from datadist.engine.auth import Secret
-from datadist.engine.checksum import StreamSum
 from datadist.engine.codec import HEADER_SIZE
 from datadist.engine import tls
 from datadist.engine.handshake import REFUSAL, ServerAuth
@@ -110,6 +109,8 @@ class Session:
         #: A TLS session whose handshake is not done yet.
         self.handshaking = isinstance(sock, ssl.SSLSocket)
         self._inbox = Inbox()
+        #: A WRITE whose bytes are still arriving, and what publishes them once they have.
+        self._arriving: Optional[Tuple[payload.Arriving, Callable[[], None]]] = None
 
     @property
     def greeted(self) -> bool:
@@ -121,8 +122,21 @@ class Session:
         except OSError:
             pass
 
+    @property
+    def receiving(self) -> bool:
+        """Whether a WRITE's bytes have stopped arriving for now (set aside until more do:
+        :meth:`request_waiting` says when)."""
+        return self._arriving is not None
+
     def serve_one(self) -> bool:
-        """Read and answer one request; False when the session is over."""
+        """Read and answer one request, or take more of a WRITE's bytes; False when the
+        session is over."""
+        if self._arriving is not None:
+            try:
+                self._take_payload()
+            except (OSError, PoolDisconnected, PoolTimeout):
+                return False
+            return True
         msg = self._receive()
         if msg is None:
             return False
@@ -146,6 +160,8 @@ class Session:
         then).  A frame the socket's buffer shows whole stays there for :meth:`_receive`;
         a larger one, and every frame of a TLS session (after its handshake, taken here a
         step at a time), is gathered by the session's :class:`~.inbox.Inbox` as it arrives."""
+        if self._arriving is not None:
+            return self._arriving[0].waiting()
         max_frame = wire.MAX_FRAME if self.greeted else PRE_HELLO_FRAME
         if isinstance(self.sock, ssl.SSLSocket):
             if self.handshaking and not self._handshake_done():
@@ -332,11 +348,19 @@ class Session:
         res = store.reservation(owner, ts, off)
         if res is None or size != res.size:
             return Error(wire.ErrorKind.INVALID, "WRITE outside this connection's reservations")
-        # Summed as it arrives, on this session's thread: COMMIT then only compares.
-        summed = StreamSum(size)
-        payload.recv_into(self.sock, ts.arena.view(off, size), time.monotonic() + self.d.cfg.read_timeout, summed)
-        store.received(owner, ts, off, summed.checksum())
+        # Summed as it arrives: COMMIT then only compares.  Bytes that stop arriving set
+        # the session aside (no worker waits for them) until more do.
+        arriving = payload.Arriving(self.sock, ts.arena.view(off, size), time.monotonic() + self.d.cfg.read_timeout)
+        self._arriving = arriving, lambda: store.received(owner, ts, off, arriving.summed.checksum())
+        self._take_payload()
         return None
+
+    def _take_payload(self) -> None:
+        assert self._arriving is not None
+        arriving, publish = self._arriving
+        if arriving.take():
+            self._arriving = None
+            publish()
 
     def _read(self, store: Store, owner: Owner, ts: TenantSpace, msg: Read) -> Reply:
         off, size = int(msg.offset), int(msg.size)

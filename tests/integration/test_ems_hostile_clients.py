@@ -243,13 +243,13 @@ def test_strangers_that_never_say_hello_do_not_keep_every_connection_slot(daemon
 
 def test_tenant_cannot_hold_workers_with_a_big_frame_header_or_a_stalled_write(daemon_factory, creds,
                                                                               closing) -> None:
-    """Authenticated: 8 connections announce a 1 MiB RESERVE and send no body (frames over
-    64 KiB are dispatched on their header); 8 WRITE to a one-page reservation and send one
-    byte of it.  Together they take all 16 workers for --read-timeout unless the daemon
+    """Authenticated: 16 connections announce a 1 MiB RESERVE and send no body (frames over
+    64 KiB are dispatched on their header); 16 WRITE to a one-page reservation and send one
+    byte of it.  Either kind takes all 16 workers for --read-timeout unless the daemon
     reads them without a worker."""
     daemon = daemon_factory(credentials=creds, extra=["--read-timeout", "10", "--drain-timeout", "1"])
-    for i in range(16):
-        m = Raw(daemon)
+    for i in range(32):  # each is answered within HONEST_S: no worker may be held by those before
+        m = Raw(daemon, timeout=HONEST_S)
         m.hello("mallory", KEY_M)
         closing.append(m)
         if i % 2:

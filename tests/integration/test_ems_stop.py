@@ -102,16 +102,39 @@ def test_sigterm_finishes_the_read_in_flight_and_exits_0(daemon_factory, tmp_pat
     conn.close()
 
 
+def _daemon_sending(sock: socket.socket) -> bool:
+    """Whether the daemon's end of ``sock`` has bytes it could not send yet (its send
+    queue in ``/proc/net/tcp``, seen from the daemon's side)."""
+    local = "%04X" % sock.getsockname()[1]
+    remote = "%04X" % sock.getpeername()[1]
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[1].endswith(":" + remote) and fields[2].endswith(":" + local):
+                return int(fields[4].split(":")[0], 16) > 0
+    return False
+
+
 def test_a_stalled_request_is_cut_at_the_drain_bound(daemon_factory):  # noqa: F811
-    d = daemon_factory(tcp=True, extra=["--drain-timeout", "1", "--read-timeout", "60"])
+    """A READ of 32 MiB whose client stops reading holds its worker in the send; SIGTERM
+    cuts it at --drain-timeout.  A WRITE whose bytes stopped holds no worker (the session
+    waits aside): it is not one of the requests cut, and does not delay the stop."""
+    d = daemon_factory(tcp=True, capacity="128M", extra=["--drain-timeout", "1", "--read-timeout", "60"])
     conn = _connect(d.tcp)
-    off = conn.call(wire.Reserve(["k"], [1 << 20]), None, wire.ReserveReply).offsets[0]
-    conn.send(wire.Write(off, 1 << 20), None)
-    conn.sock.sendall(b"\0" * 4096)  # and then nothing: the WRITE stays in flight
-    until(lambda: _daemon_read_all(conn.sock))  # a worker took the WRITE and reads its payload
+    size = 32 << 20
+    _put(conn, "big", np.zeros(size, dtype=np.uint8))
+    got = conn.call(wire.Get(["big"]), None, wire.GetReply)
+    conn.send(wire.Read(got.offsets[0], size), None)  # and then read nothing: the READ stays in flight
+    until(lambda: _daemon_sending(conn.sock), every=0.01)
+    stalled = _connect(d.tcp)
+    off = stalled.call(wire.Reserve(["k"], [1 << 20]), None, wire.ReserveReply).offsets[0]
+    stalled.send(wire.Write(off, 1 << 20), None)
+    stalled.sock.sendall(b"\0" * 4096)  # and then nothing
+    until(lambda: _daemon_read_all(stalled.sock), every=0.01)
     started = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(30) == 0
     assert time.monotonic() - started < 15
     assert "cut 1 requests still in flight" in d.log.read_text()
+    stalled.close()
     conn.close()
