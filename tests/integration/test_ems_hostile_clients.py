@@ -45,12 +45,13 @@ def _head(op: int, blen: int, alen: int = 0) -> bytes:
     return struct.pack("<4sBBHII", wire.MAGIC, wire.PROTOCOL_VERSION, int(op), 0, blen, alen)
 
 
-def _rss(pid: int) -> int:
+def _rss(pid: int, field: str = "VmRSS") -> int:
+    """The process's resident memory now (``VmHWM``: its peak so far), in bytes."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) << 10
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
 
 
 def _fds(pid: int) -> int:
@@ -379,14 +380,6 @@ def test_long_keys_do_not_grow_the_daemon_past_its_capacity(daemon_factory) -> N
     serves(daemon)
 
 
-def _peak_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError("no VmHWM")
-
-
 @pytest.mark.parametrize("op", [wire.Exists, wire.Get, wire.Drop])
 def test_a_key_list_costs_the_daemon_about_what_it_weighs(daemon_factory, op) -> None:
     """Keys are decoded into strings: a frame of many two-character keys grows ~30x in the
@@ -396,7 +389,7 @@ def test_a_key_list_costs_the_daemon_about_what_it_weighs(daemon_factory, op) ->
     daemon = daemon_factory()
     keys = [f"{i % 100:02d}" for i in range(wire.MAX_KEYS * 64)]
     frame = wire.encode(op(keys=keys))
-    base = _peak_rss(daemon.pid)
+    base = _rss(daemon.pid, "VmHWM")
     for _ in range(4):
         m = Raw(daemon, timeout=30)
         m.hello()
@@ -407,7 +400,7 @@ def test_a_key_list_costs_the_daemon_about_what_it_weighs(daemon_factory, op) ->
             reply = exc
         m.close()
         assert isinstance(reply, (wire.Error, EmsError)), reply
-    growth = _peak_rss(daemon.pid) - base
+    growth = _rss(daemon.pid, "VmHWM") - base
     assert growth < RSS_GROWTH_LIMIT, f"peak RSS grew by {growth >> 20} MiB for {len(frame) >> 20} MiB frames"
     serves(daemon)
 
