@@ -264,3 +264,17 @@ def need_redis() -> None:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not on PATH (apt-get install redis-server)")
     pytest.importorskip("redis", reason="the 'redis' package is not installed (pip install 'redis>=5')")
+
+
+def daemon_queues(sock: socket.socket) -> tuple[int, int]:
+    """The daemon's end of ``sock``: bytes it has not sent yet and bytes it has not read
+    (the kernel's ``/proc/net/tcp`` queues of the connection seen from that side)."""
+    local = "%04X" % sock.getsockname()[1]
+    remote = "%04X" % sock.getpeername()[1]
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[1].endswith(":" + remote) and fields[2].endswith(":" + local):
+                tx, rx = fields[4].split(":")
+                return int(tx, 16), int(rx, 16)
+    raise AssertionError("the connection is not in /proc/net/tcp")

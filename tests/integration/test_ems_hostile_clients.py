@@ -18,7 +18,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import pytest
 
-from ems_helpers import RedisServer, daemon_factory, free_port, need_redis  # noqa: F401
+from ems_helpers import RedisServer, daemon_factory, daemon_queues, free_port, need_redis  # noqa: F401
 from tls_helpers import make_pki, require_openssl
 from waiting import PACED, until
 
@@ -531,6 +531,34 @@ def test_tls_port_refuses_plaintext_and_held_records(daemon_factory, pki, closin
         closing.append(s)
         os.write(s.fileno(), b"\x17")  # the first byte of an application-data record
     serves(daemon, tcp=True, tls=tls)
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["tcp", "tls"])
+def test_writes_that_pause_hold_no_worker_and_arrive_whole(daemon_factory, pki, secure) -> None:
+    """16 honest clients (one per worker) each send part of a 256 KiB WRITE and pause, as
+    a sender descheduled or slowed by its network would: while they pause another client
+    is served, and when each sends the rest its value is stored (the daemon's checksum of
+    the bytes it received, in order, matches the sender's)."""
+    daemon = daemon_factory(tcp=True, extra=_tls_flags(pki) if secure else [])
+    tls = TlsConfig(pki.cert("b"), pki.key("b"), pki.ca("ca")) if secure else None
+    deadline = time.monotonic() + 30
+    paused = []
+    for i in range(16):
+        conn = Connection(parse_address(daemon.tcp), wire.Hello(pid=os.getpid()), deadline, tls=tls)
+        data = os.urandom(256 << 10)
+        off = conn.call(wire.Reserve([f"p{i}"], [len(data)]), deadline, wire.ReserveReply).offsets[0]
+        conn.send(wire.Write(off, len(data)), deadline)
+        conn.sock.sendall(data[:100_000])
+        paused.append((conn, off, data))
+    until(lambda: all(daemon_queues(c.sock)[1] == 0 for c, _, _ in paused), 10, "the daemon took what was sent",
+          every=PACED)
+    serves(daemon, tcp=True, tls=tls)
+    for i, (conn, off, data) in enumerate(paused):
+        for part in (data[100_000:200_000], data[200_000:]):
+            conn.sock.sendall(part)
+        commit = conn.call(wire.Commit([f"p{i}"], [off], [checksum(data)]), deadline, wire.CommitReply)
+        assert commit.stored == [True], f"value {i} did not arrive whole"
+        conn.close()
 
 
 def test_tls_clients_are_served_with_descriptors_past_fd_setsize(daemon_factory, pki, closing) -> None:

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from ems_helpers import daemon_factory  # noqa: F401
+from ems_helpers import daemon_factory, daemon_queues  # noqa: F401
 from waiting import until
 
 from ems.client.address import parse_address
@@ -50,23 +50,9 @@ def _refused(host: str, port: int) -> bool:
     return False
 
 
-def _daemon_queues(sock: socket.socket) -> tuple[int, int]:
-    """The daemon's end of ``sock``: bytes it has not sent yet and bytes it has not read
-    (the kernel's ``/proc/net/tcp`` queues of the connection seen from that side)."""
-    local = "%04X" % sock.getsockname()[1]
-    remote = "%04X" % sock.getpeername()[1]
-    with open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            fields = line.split()
-            if fields[1].endswith(":" + remote) and fields[2].endswith(":" + local):
-                tx, rx = fields[4].split(":")
-                return int(tx, 16), int(rx, 16)
-    raise AssertionError("the connection is not in /proc/net/tcp")
-
-
 def _daemon_read_all(sock: socket.socket) -> bool:
     """Whether the daemon's end of ``sock`` has nothing left unread."""
-    return _daemon_queues(sock)[1] == 0
+    return daemon_queues(sock)[1] == 0
 
 
 def test_sigterm_finishes_the_read_in_flight_and_exits_0(daemon_factory, tmp_path):  # noqa: F811
@@ -118,7 +104,7 @@ def test_a_stalled_request_is_cut_at_the_drain_bound(daemon_factory):  # noqa: F
     _put(conn, "big", np.zeros(size, dtype=np.uint8))
     got = conn.call(wire.Get(["big"]), None, wire.GetReply)
     conn.send(wire.Read(got.offsets[0], size), None)  # and then read nothing: the READ stays in flight
-    until(lambda: _daemon_queues(conn.sock)[0] > 0, every=0.01)  # it could not send it all
+    until(lambda: daemon_queues(conn.sock)[0] > 0, every=0.01)  # it could not send it all
     stalled = _connect(d.tcp)
     off = stalled.call(wire.Reserve(["k"], [1 << 20]), None, wire.ReserveReply).offsets[0]
     stalled.send(wire.Write(off, 1 << 20), None)
