@@ -345,8 +345,7 @@ class Session:
 
     def _write(self, store: Store, owner: Owner, ts: TenantSpace, msg: Write) -> Reply:
         off, size = int(msg.offset), int(msg.size)
-        res = store.reservation(owner, ts, off)
-        if res is None or size != res.size:
+        if not store.writing(owner, ts, off, size):
             return Error(wire.ErrorKind.INVALID, "WRITE outside this connection's reservations")
         # Summed as it arrives: COMMIT then only compares.  Bytes that stop arriving set
         # the session aside (no worker waits for them) until more do.

@@ -81,6 +81,9 @@ class Reservation:
     received: Optional[int] = None
     #: When it was made (``time.monotonic``): old ones are taken back when memory is short.
     made: float = field(default_factory=time.monotonic)
+    #: A WRITE's bytes are arriving into it: never taken back then (they would land in
+    #: pages given to another reservation); the WRITE has its own deadline.
+    writing: bool = False
 
 
 @dataclass
@@ -316,7 +319,7 @@ class Store:
         freed = 0
         for owner in self._owners.values():
             stale = [(name, off) for (name, off), res in owner.reservations.items()
-                     if now - res.made > self.reserve_timeout]
+                     if now - res.made > self.reserve_timeout and not res.writing]
             for name, off in stale:
                 res = owner.reservations.pop((name, off))
                 self._free(self._spaces[name], off, res.alloc)
@@ -327,9 +330,15 @@ class Store:
                         freed, self.reserve_timeout)
         return freed > 0
 
-    def reservation(self, owner: Owner, ts: TenantSpace, off: int) -> Optional[Reservation]:
+    def writing(self, owner: Owner, ts: TenantSpace, off: int, size: int) -> bool:
+        """Whether ``owner`` holds a reservation of ``size`` bytes at ``off``; if so it is
+        marked as being written until :meth:`received` (its pages stay its own meanwhile)."""
         with self._lock:
-            return owner.reservations.get((ts.name, off))
+            res = owner.reservations.get((ts.name, off))
+            if res is None or res.size != size:
+                return False
+            res.writing = True
+            return True
 
     def received(self, owner: Owner, ts: TenantSpace, off: int, crc: int) -> None:
         """Record the checksum of the bytes received for ``owner``'s reservation at ``off``
@@ -338,6 +347,7 @@ class Store:
             res = owner.reservations.get((ts.name, off))
             if res is not None:
                 res.received = crc
+                res.writing = False
 
     def _vouched(self, ts: TenantSpace, res: Reservation, off: int, crc: Optional[int],
                  mapped: bool) -> Optional[int]:

@@ -192,3 +192,24 @@ def test_gets_are_counted_by_tier_and_pending_puts_by_reservation(spilled):
     assert off >= 0 and s.pending_puts() == 1
     s.abort(owner, ts, [off])
     assert s.pending_puts() == 0
+
+
+def test_a_reservation_being_written_is_not_taken_back_as_stale():
+    """When memory is short, reservations older than reserve_timeout are freed; one whose
+    WRITE is still arriving is not (its bytes would land in pages reserved again for
+    another key), and once its bytes are in it is like any other."""
+    s = Store(2 * PAGE, arena_size=4 * PAGE, reserve_timeout=0.0)
+    try:
+        ts, owner = s.space(""), s.new_owner()
+        a, b = s.reserve(owner, ts, ["a", "b"], [PAGE, PAGE], False)
+        assert not s.writing(owner, ts, a, PAGE + 1)  # another size: not a WRITE of it
+        assert s.writing(owner, ts, a, PAGE)
+        (c,) = s.reserve(s.new_owner(), ts, ["c"], [PAGE], False)
+        assert c == b  # b was taken back for c; a, being written, was not
+        assert set(owner.reservations) == {("", a)}
+        s.received(owner, ts, a, 0)
+        s._swept = -float("inf")  # the next sweep may run at once
+        (d,) = s.reserve(s.new_owner(), ts, ["d"], [PAGE], False)
+        assert d == a and not owner.reservations
+    finally:
+        s.close(spill=False)
