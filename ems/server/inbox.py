@@ -12,6 +12,7 @@ Memory grows with what arrived, never with what a header announces.
 """
 from __future__ import annotations
 
+import mmap
 import socket
 import ssl
 from typing import List, Optional
@@ -27,12 +28,19 @@ _PIECE = 1 << 20
 
 
 class Inbox:
-    """The frame being gathered (see the module docstring); one reader at a time."""
+    """The frame being gathered (see the module docstring); one reader at a time.
+
+    A frame larger than one piece is read straight into an anonymous mapping of its
+    announced size: its pages are taken as bytes land in them (so memory still follows what
+    arrived), it is never copied to be put together, and it goes back to the system the
+    moment its message is decoded (heap memory of that size would stay with the worker's
+    arena, once on each worker)."""
 
     def __init__(self) -> None:
         self._parts: List[bytes] = []
         self._got = 0
         self._size = 0  # the whole frame's, once its header is in
+        self._mapped: Optional[mmap.mmap] = None  # a frame larger than a piece
         #: Why the stream cannot go on (a refused header, its end); the reader ends it.
         self.broken: Optional[Exception] = None
 
@@ -52,14 +60,22 @@ class Inbox:
                 want = (self._size or HEADER_SIZE) - self._got
                 if want == 0:
                     return True
-                piece = sock.recv(min(want, _PIECE))
-                if not piece:
+                if self._mapped is not None:
+                    got = sock.recv_into(memoryview(self._mapped)[self._got:])
+                else:
+                    piece = sock.recv(min(want, _PIECE))
+                    got = len(piece)
+                    self._parts.append(piece)
+                if not got:
                     self.broken = ConnectionResetError("the peer closed the connection")
                     return True
-                self._parts.append(piece)
-                self._got += len(piece)
+                self._got += got
                 if not self._size and self._got >= HEADER_SIZE:
                     self._size = wire.frame_size(self._joined()[:HEADER_SIZE], max_frame)
+                    if self._size > _PIECE:
+                        self._mapped = mmap.mmap(-1, self._size)
+                        self._mapped[:self._got] = self._joined()
+                        self._parts = []
         except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return False if self.started else None
         except (OSError, ProtocolError) as exc:  # ssl.SSLError is an OSError
@@ -74,6 +90,6 @@ class Inbox:
     def take(self) -> wire.Message:
         """The whole frame's message (after :meth:`gather` said True and nothing is
         :attr:`broken`); the inbox is empty again.  ``ProtocolError`` for a bad frame."""
-        frame = self._joined()
-        self._parts, self._got, self._size = [], 0, 0
+        frame = self._joined() if self._mapped is None else memoryview(self._mapped)
+        self._parts, self._got, self._size, self._mapped = [], 0, 0, None
         return wire.decode(frame)

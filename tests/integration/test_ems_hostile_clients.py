@@ -384,8 +384,10 @@ def test_long_keys_do_not_grow_the_daemon_past_its_capacity(daemon_factory) -> N
 def test_a_key_list_costs_the_daemon_about_what_it_weighs(daemon_factory, op) -> None:
     """Keys are decoded into strings: a frame of many two-character keys grows ~30x in the
     daemon (4 Mi keys in 12 MiB: 344 MiB for one request, on each of 16 workers at once).
-    A list longer than a frame may hold (wire.MAX_KEYS) is refused before it is split:
-    four such requests leave the daemon's peak memory where it was, and it still serves."""
+    A list longer than a frame may hold (wire.MAX_KEYS) is refused before it is split, and
+    the frame itself is held once, only while it is decoded: four such requests, which
+    workers take in turn, raise the daemon's peak memory by less than two frames (a frame
+    put together from its pieces, then kept by each worker's heap, cost 24-52 MiB here)."""
     daemon = daemon_factory()
     keys = [f"{i % 100:02d}" for i in range(wire.MAX_KEYS * 64)]
     frame = wire.encode(op(keys=keys))
@@ -401,7 +403,7 @@ def test_a_key_list_costs_the_daemon_about_what_it_weighs(daemon_factory, op) ->
         m.close()
         assert isinstance(reply, (wire.Error, EmsError)), reply
     growth = _rss(daemon.pid, "VmHWM") - base
-    assert growth < RSS_GROWTH_LIMIT, f"peak RSS grew by {growth >> 20} MiB for {len(frame) >> 20} MiB frames"
+    assert growth < 2 * len(frame), f"peak RSS grew by {growth >> 20} MiB for {len(frame) >> 20} MiB frames"
     serves(daemon)
 
 
