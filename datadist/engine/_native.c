@@ -1909,13 +1909,13 @@ static PyObject *py_peer_closed(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_FALSE;
 }
 
-/* Whether the next frame on a socket has arrived whole, without reading it, in two
- * non-blocking system calls (a peek at the header, the count of bytes queued) and without
- * giving up the GIL: this runs before every request a busy agent serves.  None when
- * nothing has arrived, False while part of a frame of at most whole_max bytes has, True
- * once it is whole, at the end of the stream, on an error, and for a frame larger than
- * whole_max (read as it comes).  A frame's size is the codec's 16-byte header plus the
- * body and array lengths it holds (little-endian u32 at bytes 8 and 12). */
+/* How far the next frame on a socket has arrived, without reading it, in two non-blocking
+ * system calls (a peek at the header, the count of bytes queued) and without giving up the
+ * GIL: this runs before every request a busy agent or pool worker serves.  -1 when nothing
+ * has arrived, 0 while part of a frame of at most whole_max bytes has, 1 once it is whole,
+ * at the end of the stream and on an error (the read that follows meets them), 2 for a
+ * frame larger than whole_max whose header is in.  A frame's size is the codec's 16-byte
+ * header plus the body and array lengths it holds (little-endian u32 at bytes 8 and 12). */
 static PyObject *py_frame_arrived(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "frame_arrived(fd, whole_max)"); return NULL; }
@@ -1923,21 +1923,28 @@ static PyObject *py_frame_arrived(PyObject *self, PyObject *const *args, Py_ssiz
     long long whole_max = PyLong_AsLongLong(args[1]);
     if (PyErr_Occurred()) return NULL;
     uint8_t head[16];
+    long state;
     ssize_t n = recv((int)fd, head, sizeof head, MSG_PEEK | MSG_DONTWAIT);
-    if (n < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) Py_RETURN_NONE;
-        Py_RETURN_TRUE; /* the read that follows meets the error */
+    if (n < 0)
+        state = errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? -1 : 1;
+    else if (n == 0)
+        state = 1;
+    else if (n < (ssize_t)sizeof head)
+        state = 0;
+    else {
+        uint64_t size = sizeof head;
+        for (int f = 8; f < 16; f += 4)
+            size += (uint64_t)head[f] | (uint64_t)head[f + 1] << 8 | (uint64_t)head[f + 2] << 16
+                  | (uint64_t)head[f + 3] << 24;
+        int queued = 0;
+        if (size > (uint64_t)whole_max)
+            state = 2;
+        else if (size == sizeof head || ioctl((int)fd, FIONREAD, &queued) < 0)
+            state = 1;
+        else
+            state = (uint64_t)queued >= size;
     }
-    if (n == 0) Py_RETURN_TRUE;
-    if (n < (ssize_t)sizeof head) Py_RETURN_FALSE;
-    uint64_t size = sizeof head;
-    for (int f = 8; f < 16; f += 4)
-        size += (uint64_t)head[f] | (uint64_t)head[f + 1] << 8 | (uint64_t)head[f + 2] << 16
-              | (uint64_t)head[f + 3] << 24;
-    if (size == sizeof head || size > (uint64_t)whole_max) Py_RETURN_TRUE;
-    int queued = 0;
-    if (ioctl((int)fd, FIONREAD, &queued) < 0) Py_RETURN_TRUE;
-    return PyBool_FromLong((uint64_t)queued >= size);
+    return PyLong_FromLong(state);
 }
 
 /* ---------------------------------------------------------------- transfer counts */
@@ -2015,7 +2022,7 @@ static PyMethodDef methods[] = {
     {"peer_closed", (PyCFunction)(void (*)(void))py_peer_closed, METH_FASTCALL,
      "peer_closed(fd) -> whether the stream has ended (no wait)"},
     {"frame_arrived", (PyCFunction)(void (*)(void))py_frame_arrived, METH_FASTCALL,
-     "frame_arrived(fd, whole_max) -> None, or whether the next frame has arrived whole (peeked)"},
+     "frame_arrived(fd, whole_max) -> how far the next frame has arrived (peeked): -1 nothing, 0 part, 1 whole, 2 over whole_max"},
     {"spin_readable", (PyCFunction)(void (*)(void))py_spin_readable, METH_FASTCALL,
      "spin_readable(fd, spin_us) -> whether fd became readable within spin_us (polled without sleeping)"},
     {"request", (PyCFunction)(void (*)(void))py_request, METH_FASTCALL,

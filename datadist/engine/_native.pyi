@@ -27,7 +27,7 @@ _Buffer = Buffer | NDArray[Any]
 def peer_closed(fd: int, /) -> bool:
     """Whether the stream on ``fd`` has ended (peer closed or reset); never waits."""
 
-def frame_arrived(fd: int, whole_max: int, /) -> bool | None:
+def frame_arrived(fd: int, whole_max: int, /) -> int:
     """None when nothing has arrived on ``fd``; else whether the next frame has arrived
     whole (True too for the end of the stream, an error, and a frame over ``whole_max``)."""
 

@@ -34,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["ms_until", "peer_closed", "int_key", "ref_key", "request", "serve_known", "half_extent", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "copy_plan_stream", "sum_plan", "sum_blocks", "sum_stream", "StreamSums", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "frame_arrived", "spin_readable", "COPY_THREADS",
+__all__ = ["ms_until", "peer_closed", "int_key", "ref_key", "request", "serve_known", "half_extent", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "copy_plan_stream", "sum_plan", "sum_blocks", "sum_stream", "StreamSums", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "frame_arrived", "FRAME_NONE", "FRAME_PART", "FRAME_WHOLE", "FRAME_LARGE", "spin_readable", "COPY_THREADS",
            "SPIN_US", "FAST_SUMMED_MAX", "send_summed", "recv_summed"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
@@ -284,12 +284,17 @@ def wait_readable(fd: int, timeout_ms: int, spin_us: int = SPIN_US) -> None:
         raise
 
 
-def frame_arrived(fd: int, whole_max: int) -> Optional[bool]:
-    """Whether the next frame on socket ``fd`` has arrived whole, peeked, never read: None
-    when nothing has arrived, False while part of a frame of at most ``whole_max`` bytes
-    (header included) has, True once it is whole, and for the end of the stream, an error
-    (the read that follows meets them) and a frame over ``whole_max``.  Two non-blocking
-    system calls, the GIL kept."""
+#: What :func:`frame_arrived` finds: nothing, part of a frame, a whole frame (or the end of
+#: the stream, or an error), the header of a frame larger than asked for.
+FRAME_NONE, FRAME_PART, FRAME_WHOLE, FRAME_LARGE = -1, 0, 1, 2
+
+
+def frame_arrived(fd: int, whole_max: int) -> int:
+    """How far the next frame on socket ``fd`` has arrived, peeked, never read: FRAME_NONE
+    when nothing has, FRAME_PART while part of a frame of at most ``whole_max`` bytes
+    (header included) has, FRAME_WHOLE once it is whole and for the end of the stream or an
+    error (the read that follows meets them), FRAME_LARGE for a frame over ``whole_max``
+    whose header is in.  Two non-blocking system calls, the GIL kept."""
     return _native.frame_arrived(fd, whole_max)
 
 

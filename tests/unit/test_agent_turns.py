@@ -92,7 +92,7 @@ def _tcp_pair() -> tuple[socket.socket, socket.socket]:
 def test_a_request_is_whole_only_once_every_byte_of_its_frame_is_there(pair) -> None:
     """What the agent peeks before it reads a request while other links wait: a link whose
     request has only partly arrived is set aside instead of holding the agent."""
-    from datadist.engine import wire
+    from datadist.engine import native, wire
     from datadist.engine.agent import _whole_request
 
     frame = wire.encode(wire.Resolve(kind="blocks", cluster_id=1, model_id=2))
@@ -114,6 +114,9 @@ def test_a_request_is_whole_only_once_every_byte_of_its_frame_is_there(pair) -> 
         assert until(lambda: _whole_request(ours) is True) and ours.recv(len(frame)) == frame
         peer.sendall(b"\xff" * wire.HEADER_SIZE)
         assert until(lambda: _whole_request(ours) is True)  # a header announcing more than 64 KiB: read as it comes
+        # which the pool daemon gathers apart from the others: it is told so
+        assert native.frame_arrived(ours.fileno(), 64 << 10) == native.FRAME_LARGE
+        assert native.frame_arrived(ours.fileno(), 1 << 34) == native.FRAME_PART
         assert until(lambda: len(_peek(ours, 64)) == wire.HEADER_SIZE) and ours.recv(64)
         peer.close()
         assert _whole_request(ours) is True                 # the end of the stream
