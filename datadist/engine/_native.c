@@ -1440,7 +1440,7 @@ static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t na
     return answer;
 }
 
-/* serve_known(fd, known, epoch, header_size, limit, timeout_ms, answer): the agent's fast
+/* serve_known(fd, known, epoch, header_size, limit, timeout_ms, answer, defer): the agent's fast
  * path for a transfer request that repeats one it checked and admitted before.
  *
  * Reads the next frame's header (header_size bytes; a frame header ends with its two
@@ -1454,7 +1454,9 @@ static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t na
  * checksum of checksum.py): a pull's payload is followed by its checksum (8 bytes, little
  * endian); a push's checksum is read after its payload and answer is sent only if the
  * bytes that arrived sum to it.  Nothing of the frame is trusted before it matched a frame
- * checked in full: lengths only bound what is read, never more than limit.
+ * checked in full: lengths only bound what is read, never more than limit.  With defer
+ * true, a push whose payload (and checksum) is not all in the socket's buffer yet is not
+ * served here: the caller receives it off the thread that serves every link.
  *
  * Returns (0, admitted) when served, (1, header) when the frame is longer than limit
  * (nothing past its header read), (2, frame) when it was read whole but is not served
@@ -1463,14 +1465,15 @@ static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t na
  * (ETIMEDOUT, ECONNRESET, ...) when the socket fails. */
 static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "serve_known(fd, known, epoch, header_size, limit, timeout_ms, answer)");
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "serve_known(fd, known, epoch, header_size, limit, timeout_ms, answer, defer)");
         return NULL;
     }
     long fd = PyLong_AsLong(args[0]);
     PyObject *known = args[1], *epoch = args[2];
     Py_ssize_t hsize = PyLong_AsSsize_t(args[3]), limit = PyLong_AsSsize_t(args[4]);
     long long timeout_ms = PyLong_AsLongLong(args[5]);
+    int defer = PyObject_IsTrue(args[7]);
     if (PyErr_Occurred()) return NULL;
     if (!PyDict_Check(known) || !PyBytes_Check(args[6]) || hsize < 8 || hsize > 64 || limit < hsize) {
         PyErr_SetString(PyExc_ValueError, "serve_known: a dict, a header of 8..64 bytes, limit >= header, bytes answer");
@@ -1531,6 +1534,9 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
         return Py_BuildValue("(iN)", 2, frame);
     }
     uint64_t nbytes = half_bytes(&a);
+    int queued = 0;
+    if (push && defer && (ioctl((int)fd, FIONREAD, &queued) < 0 || (uint64_t)queued < nbytes + (summed ? 8 : 0)))
+        planned = -1;  /* its payload is still arriving: the Python path hands it to a thread of its own */
     if (planned < 0 || a.nu == 0 || a.nt == 0 || (summed && (nbytes == 0 || nbytes > DD_FAST_SUMMED_MAX))) {
         PyErr_Clear();  /* not a plan to serve here */
         release_plan(&a);
@@ -2028,7 +2034,7 @@ static PyMethodDef methods[] = {
     {"request", (PyCFunction)(void (*)(void))py_request, METH_FASTCALL,
      "request(fd, head, base, off, len, answer_len, spin_us, timeout_ms) -> the answer's first answer_len bytes"},
     {"serve_known", (PyCFunction)(void (*)(void))py_serve_known, METH_FASTCALL,
-     "serve_known(fd, known, epoch, header_size, limit, timeout_ms, answer) -> (0, admitted) served | "
+     "serve_known(fd, known, epoch, header_size, limit, timeout_ms, answer, defer) -> (0, admitted) served | "
      "(1, header) | (2, frame) read, not served"},
     {"half_extent", (PyCFunction)(void (*)(void))py_half_extent, METH_FASTCALL,
      "half_extent(bases, offs, lens) -> (total, end) of a peer's plan half, or None if out of bounds"},

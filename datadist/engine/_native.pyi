@@ -115,9 +115,10 @@ def sock_plan(fd: int, send: bool, timeout_ms: int, base: _U64Array, off: _U64Ar
     (nothing moved) if the payload would go past the sums or the tail."""
 
 def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, limit: int, timeout_ms: int,
-                answer: bytes, /) -> tuple[Any, ...]:
+                answer: bytes, defer: bool, /) -> tuple[Any, ...]:
     """Serve the next frame on ``fd`` if it is a key of ``known`` of the current ``epoch``
-    (a summed one of at most 4 MiB summed as it moves)."""
+    (a summed one of at most 4 MiB summed as it moves; with ``defer``, not a push whose
+    payload has not all arrived)."""
 
 FAST_SUMMED_MAX: int
 

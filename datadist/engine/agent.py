@@ -147,6 +147,8 @@ class Agent:
         self._partial: dict[Link, float] = {}  # links set aside with part of a request, since when
         self._calls: list[Callable[[], None]] = []
         self._calls_lock = threading.Lock()
+        #: Pushes received off this thread (:meth:`_finish`), with their sockets.
+        self._finishing: dict[threading.Thread, socket.socket] = {}
         self._stop = False
         self._incoming = Incoming(max(engine.timeout_ms / 1000.0, _HANDSHAKE_S))
         self._refusals = RateLimitedLog(log)
@@ -270,6 +272,22 @@ class Agent:
             self._thread.join(timeout)
         self._drain_wake()  # closes of links dropped just before the stop
         self._close_selector()
+        self._end_finishing(timeout)
+
+    def _end_finishing(self, timeout: float) -> None:
+        """End the pushes still being received off the agent thread (their streams shut
+        down: they fail at once) and wait for them, so none writes into a cache after the
+        engine has given its memory back."""
+        with self._calls_lock:
+            finishing = list(self._finishing.items())
+        for _thread, sock in finishing:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread, _sock in finishing:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
 
     def _close_selector(self) -> None:
         pending = [p.sock for p in self._incoming.pending.values()]
@@ -483,11 +501,21 @@ class Agent:
             return False
         try:
             assert sock is not None  # only a link with a serve_sock is registered (_register)
+            self._requests.may_defer = self._watched > 1
             frame = self._requests.serve_known(link, sock)
             if frame is None:  # a transfer admitted before: served already
                 return True
             with contextlib.ExitStack() as scope:  # staging buffers of this request
                 reply = self._requests.handle_frame(link, frame, sock, scope)
+                rest, self._requests.deferred = self._requests.deferred, None
+                if rest is not None:
+                    self._unregister(link)
+                    thread = threading.Thread(target=self._finish, args=(link, sock, rest), daemon=True,
+                                              name=f"datadist-push-{link.remote_cluster_id}")
+                    with self._calls_lock:
+                        self._finishing[thread] = sock
+                    thread.start()
+                    return False
                 if frame.cls is wire.Unlink:
                     # Forgotten before it is confirmed: once the peer's unlink returns, this
                     # end has no link either (a switch_role right after must not see one).
@@ -495,16 +523,34 @@ class Agent:
                     self._unregister(link)
                     self.engine.drop_link(link, notify=False)
                 if reply is not None:  # a pull's payload follows its reply in the same writev
-                    self._answer(sock, reply)
+                    self._answer(sock, reply, self._requests.payload, self._requests.payload_summed)
         except Exception as exc:  # a bad request ends this link only, never the agent thread
             self._unregister(link)
-            if not isinstance(exc, (OSError, RuntimeError, wire.WireError, ValueError)):
-                self._refusals.warning("request from cluster %d failed: %s: %s", link.remote_cluster_id,
-                                       type(exc).__name__, exc)
-            link.close("peer closed the connection" if isinstance(exc, ConnectionError) else str(exc), wait=False)
+            self._failed(link, exc)
         finally:
             self._requests.payload = None
         return True
+
+    def _finish(self, link: Link, sock: socket.socket, rest: Callable[[], wire.Message]) -> None:
+        """Receive a push whose payload was still arriving and answer it, on a thread of
+        its own while the agent serves the other links; the link is watched again once
+        its answer is sent (its peer sends nothing more before)."""
+        try:
+            self._answer(sock, rest())
+        except Exception as exc:
+            self._failed(link, exc)
+            return
+        finally:
+            with self._calls_lock:
+                self._finishing.pop(threading.current_thread(), None)
+        self.call(lambda: self._register(link))
+
+    def _failed(self, link: Link, exc: Exception) -> None:
+        """A request of ``link`` failed: that link ends, nothing else does."""
+        if not isinstance(exc, (OSError, RuntimeError, wire.WireError, ValueError)):
+            self._refusals.warning("request from cluster %d failed: %s: %s", link.remote_cluster_id,
+                                   type(exc).__name__, exc)
+        link.close("peer closed the connection" if isinstance(exc, ConnectionError) else str(exc), wait=False)
 
     def _look_again(self) -> None:
         """Links set aside with part of a request: served again once it is whole (or the
@@ -522,17 +568,17 @@ class Agent:
             else:
                 self._register(link)  # the selector reports it next
 
-    def _answer(self, sock: socket.socket, reply: wire.Message) -> None:
+    def _answer(self, sock: socket.socket, reply: wire.Message, payload: Optional[Plan] = None,
+                summed: bool = False) -> None:
         """Send ``reply`` and the payload of a pull right behind it (then, for a summed
         pull, the payload's checksum)."""
         frame = wire.OK_FRAME if reply is OK else wire.encode(reply)
-        payload = self._requests.payload or _NO_PAYLOAD
-        if self._requests.payload is not None and self._requests.payload_summed:  # its checksum follows
+        if payload is not None and summed:  # its checksum follows
             checked.send_payload(sock, payload, frame, time.monotonic() + self.engine.timeout_ms / 1000.0)
         elif isinstance(sock, ssl.SSLSocket):
-            tls.send_plan(sock, payload, time.monotonic() + self.engine.timeout_ms / 1000.0, frame)
+            tls.send_plan(sock, payload or _NO_PAYLOAD, time.monotonic() + self.engine.timeout_ms / 1000.0, frame)
         else:
-            native.sock_send(sock.fileno(), payload, self.engine.timeout_ms, frame)
+            native.sock_send(sock.fileno(), payload or _NO_PAYLOAD, self.engine.timeout_ms, frame)
 
 
 def _whole_request(sock: socket.socket) -> Optional[bool]:

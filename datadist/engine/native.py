@@ -104,7 +104,7 @@ def request(fd: int, head: bytes, plan: Optional[Plan], answer_len: int, timeout
 
 
 def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, limit: int, timeout_ms: int,
-                answer: bytes) -> tuple[Any, ...]:
+                answer: bytes, defer: bool = False) -> tuple[Any, ...]:
     """The agent's fast path for a request frame admitted before, in one C call (see
     ``_native.c``): reads the next frame from ``fd`` and, if its bytes are a key of
     ``known`` whose value ``(epoch, kind, admitted, bases, offs, lens, summed)`` is of
@@ -113,12 +113,13 @@ def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, 
     checksum of :mod:`.checksum`: behind a pull's payload, checked behind a push's before
     ``answer``).  Kind 2, a ``SUM`` of at most 4 MiB, is ``(epoch, 2, admitted, bases, offs,
     lens, summed_answer, at)``: the runs summed as they are now, and ``summed_answer`` (at
-    most 64 bytes) sent with the checksum written at byte ``at``.
+    most 64 bytes) sent with the checksum written at byte ``at``.  With ``defer``, a push
+    whose payload (and checksum) is not all in the socket's buffer yet is not served.
     Returns ``(0, admitted)`` when served, ``(1, header)`` for a frame longer than
     ``limit`` (only its header read), ``(2, frame)`` for one read whole but not served,
     ``(3, admitted, got, sent)`` for a summed push whose bytes sum to ``got``, not to the
     sender's ``sent`` (nothing answered)."""
-    got: tuple[Any, ...] = _native.serve_known(fd, known, epoch, header_size, limit, int(timeout_ms), answer)
+    got: tuple[Any, ...] = _native.serve_known(fd, known, epoch, header_size, limit, int(timeout_ms), answer, defer)
     return got
 
 

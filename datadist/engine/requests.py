@@ -14,7 +14,11 @@ a hostile request provokes raises, and the agent retires that one link.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import functools
 import socket
+import sys
+import termios
 from ssl import SSLSocket
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Union
 
@@ -97,6 +101,13 @@ class RequestHandler:
         self.payload: Optional[Plan] = None
         self.payload_summed = False
         self._scope: Optional[contextlib.ExitStack] = None
+        #: Set by the agent while other links wait: a push whose payload has not all
+        #: arrived is then not received here but left in :attr:`deferred`.
+        self.may_defer = False
+        #: The rest of such a push (its payload received, its reply returned), for the agent
+        #: to run on a thread of its own: a peer whose payload stops mid-way must not hold
+        #: the thread that serves every link for ``sync_kv_timeout``.
+        self.deferred: Optional[Callable[[], wire.Message]] = None
         #: The socket transfer the current request was admitted as (set by ``_transfer``).
         self._admitted: Optional[_Admitted] = None
         #: Transfer frames admitted before, by their bytes (:meth:`serve_known`, :meth:`handle_frame`).
@@ -127,7 +138,7 @@ class RequestHandler:
         if isinstance(sock, SSLSocket):
             return wire.read_frame(sock, SERVED, keep=_ADMIT_FRAME)
         status, got, *sums = native.serve_known(sock.fileno(), self._known, self.registry.epoch, wire.HEADER_SIZE,
-                                                _ADMIT_FRAME, self.timeout_ms, wire.OK_FRAME)
+                                                _ADMIT_FRAME, self.timeout_ms, wire.OK_FRAME, self.may_defer)
         if status == 0:
             admitted: _Admitted = got
             if not isinstance(admitted.msg, (wire.Pull, wire.Sum)):
@@ -226,15 +237,26 @@ class RequestHandler:
         self._admitted = _Admitted(msg.epoch, rec, msg, Plan(bases, bases, offs, offs, lens, device, device))
         return wire.Summed(checksum=checked.sum_half(bases, offs, lens, device))
 
-    def _serve_socket(self, link: Link, admitted: _Admitted, sock: socket.socket) -> wire.Message:
+    def _serve_socket(self, link: Link, admitted: _Admitted, sock: socket.socket) -> Optional[wire.Message]:
         """Serve a checked transfer whose bytes follow on the stream (push) or the reply
-        (pull); a summed push whose checksum fails is answered ``LLM_LINK_FAILED``."""
+        (pull); a push whose payload has not all arrived while :attr:`may_defer` is left
+        in :attr:`deferred` (no reply now)."""
         msg = admitted.msg
         if isinstance(msg, wire.Pull):
             assert self._scope is not None
             self.payload = tcp.pull_payload(admitted.plan, self._scope)
             self.payload_summed = msg.summed
             return OK
+        if self.may_defer and not _arrived_whole(sock, msg):
+            self.deferred = functools.partial(self._receive_push, link, admitted, sock)
+            return None
+        return self._receive_push(link, admitted, sock)
+
+    def _receive_push(self, link: Link, admitted: _Admitted, sock: socket.socket) -> wire.Message:
+        """Receive a checked push's payload into its plan and answer it; a summed push
+        whose checksum fails is answered ``LLM_LINK_FAILED``.  Touches nothing of this
+        handler's own state: it may run off the agent thread (:attr:`deferred`)."""
+        msg = admitted.msg
         if msg.summed:
             refused = checked.serve_push(sock, admitted.plan, self.timeout_ms, self._push_from(link))
             if refused is not None:
@@ -335,6 +357,19 @@ class RequestHandler:
         assert isinstance(msg, wire.Note)
         self.notes.record(link.remote_cluster_id, msg.text)
         return None
+
+
+def _arrived_whole(sock: socket.socket, msg: wire.Push) -> bool:
+    """Whether a push's payload (and its checksum) is all in ``sock``'s buffer already (a
+    TLS socket: decrypted and waiting)."""
+    need = msg.nbytes + (checked.TRAILER_SIZE if msg.summed else 0)
+    if isinstance(sock, SSLSocket):
+        return sock.pending() >= need
+    queued = fcntl.ioctl(sock.fileno(), termios.FIONREAD, _QUEUED)
+    return int.from_bytes(queued, sys.byteorder) >= need
+
+
+_QUEUED = bytes(4)  # an int's room, for FIONREAD
 
 
 def _distinct(bases: np.ndarray) -> bool:

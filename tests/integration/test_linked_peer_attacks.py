@@ -639,6 +639,61 @@ def test_partial_frames_do_not_starve_an_honest_decoder(target: Target) -> None:
     assert honest is None, f"an honest pull behind three stalled frames failed: {honest}"
 
 
+def _push_of_a_big_tensor(target: Target, peer: RawPeer) -> Tuple[bytes, bytes]:
+    """A PUSH of the whole first tensor of the target's "big" cache, and its payload: the
+    bytes the tensor holds already (whatever of it lands, the cache stays intact)."""
+    r = target.lookup(peer, model_id=2)
+    a0 = int(r.arrays[0][0])
+    ts = r.tensor_size
+    push = wire.Push(cache_id=r.cache_id, epoch=r.epoch, nbytes=ts, arrays=[u64(a0), u64(0), u64(ts)])
+    return wire.encode(push), target.big[0].tobytes()
+
+
+def test_pushes_whose_payload_stops_hold_no_other_link(target: Target) -> None:
+    """Three linked peers each send a 2 MiB push's frame and its first 64 KiB, and stop.
+    The agent read a push's payload on the thread that serves every link, so each held
+    it for sync_kv_timeout in turn and an honest pull behind them timed out; now a push
+    whose payload has not all arrived is received on a thread of its own, and the stalled
+    ones end at their deadline."""
+    stallers = [target.raw() for _ in range(3)]
+    for peer in stallers:
+        frame, payload = _push_of_a_big_tensor(target, peer)
+        peer.send(frame + payload[:64 << 10])
+    honest = target.honest_pull()
+    for peer in stallers:
+        assert peer.ended(10)
+    assert honest is None, f"an honest pull behind three stalled pushes failed: {honest}"
+    target.intact()
+
+
+def test_a_push_that_pauses_arrives_whole_and_its_link_goes_on(target: Target) -> None:
+    """A push whose payload pauses half-way, while an honest decoder pulls, is received
+    whole once the rest comes within sync_kv_timeout, answered, and its link serves the
+    next request."""
+    peer = target.raw()
+    frame, payload = _push_of_a_big_tensor(target, peer)
+    peer.send(frame + payload[:len(payload) // 2])
+    assert target.honest_pull() is None
+    peer.send(payload[len(payload) // 2:])
+    ans = peer.answer(ANSWER_S)
+    assert isinstance(ans, wire.Reply) and not ans.status, ans
+    target.lookup(peer)  # the link is served again
+    target.intact()
+    target.serves()
+
+
+def test_an_engine_ends_cleanly_while_a_push_is_received_off_its_agent(target: Target) -> None:
+    """Finalizing an engine while a stalled push is being received on a thread of its own:
+    the push's stream is shut down and its thread waited for before the engine gives its
+    memory back (it would otherwise write into unmapped caches); the process exits 0."""
+    peer = target.raw()
+    frame, payload = _push_of_a_big_tensor(target, peer)
+    peer.send(frame + payload[:64 << 10])
+    assert target.honest_pull() is None  # the agent serves on while the push waits
+    target.prompt.shutdown()  # exit code 0 asserted
+    assert peer.ended(5)
+
+
 def test_hello_claiming_a_linked_cluster_does_not_take_its_link(target: Target) -> None:
     """A peer with the secret HELLOs as the honest decoder's cluster with its pid (visible
     on the host, or guessed).  Only the process that holds a link may replace it, proving
