@@ -231,10 +231,12 @@ class Agent:
 
     def backlog(self) -> dict[str, int]:
         """How much waits for the agent thread: calls handed to it, and connections still
-        in their opening handshake (a gauge; read without the thread's cooperation)."""
+        in their opening handshake; and pushes being received off it, their payload still
+        arriving (gauges; read without the thread's cooperation)."""
         with self._calls_lock:
-            calls = len(self._calls)
-        return {"pending_calls": calls, "pending_handshakes": len(self._incoming.pending)}
+            calls, receiving = len(self._calls), len(self._finishing)
+        return {"pending_calls": calls, "pending_handshakes": len(self._incoming.pending),
+                "receiving_pushes": receiving}
 
     def watch(self, link: Link) -> None:
         self.call(lambda: self._register(link))

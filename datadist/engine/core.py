@@ -341,7 +341,8 @@ class Engine:
         pools = {name: {"size_bytes": pool.size_bytes, "free_bytes": pool.free_bytes,
                         "used_bytes": pool.size_bytes - pool.free_bytes} for name, pool in self.pools.items()}
         agent = self.agent
-        backlog = agent.backlog() if agent is not None else {"pending_calls": 0, "pending_handshakes": 0}
+        backlog = agent.backlog() if agent is not None else \
+            {"pending_calls": 0, "pending_handshakes": 0, "receiving_pushes": 0}
         return self.metrics.snapshot({"links": {"up": up}, "pools": pools, "agent": backlog})
 
     def _expose(self, address: Optional[tuple[str, int]]) -> Optional[exporter.Exposure]:

@@ -112,7 +112,10 @@ def _link_families(core: ModuleType, cluster: str, snap: Dict[str, Any]) -> Iter
                                    "handed to it, connections in their handshake", labels=["cluster", "queue"])
     queue.add_metric([cluster, "calls"], snap["agent"]["pending_calls"])
     queue.add_metric([cluster, "handshakes"], snap["agent"]["pending_handshakes"])
-    yield from (up, attempts, failures, relinks, pool, queue)
+    receiving = core.GaugeMetricFamily("datadist_agent_pushes_receiving", "Pushes received off the agent thread "
+                                       "(their payload was still arriving when read)", labels=["cluster"])
+    receiving.add_metric([cluster], snap["agent"]["receiving_pushes"])
+    yield from (up, attempts, failures, relinks, pool, queue, receiving)
 
 
 class EngineCollector:

@@ -26,6 +26,7 @@ from datadist.engine import auth, wire
 from datadist.engine.handshake import ClientAuth
 from harness import (DECODER_ID, PROMPT_ID, Desc, Peer, PeerError, Ref, base_config, blocks_key, close_peers,
                      expect_blocks, free_port, rss_bytes)
+from waiting import PACED, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -660,9 +661,15 @@ def test_pushes_whose_payload_stops_hold_no_other_link(target: Target) -> None:
         frame, payload = _push_of_a_big_tensor(target, peer)
         peer.send(frame + payload[:64 << 10])
     honest = target.honest_pull()
+
+    def receiving() -> int:  # what an operator sees
+        return int(target.prompt.call("engine", "metrics")["agent"]["receiving_pushes"])
+
+    until(lambda: receiving() == 3, TIMEOUT_MS / 2000, "three pushes received off the agent", every=PACED)
     for peer in stallers:
         assert peer.ended(10)
     assert honest is None, f"an honest pull behind three stalled pushes failed: {honest}"
+    until(lambda: receiving() == 0, 5, "the stalled pushes ended", every=PACED)
     target.intact()
 
 
