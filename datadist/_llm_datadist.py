@@ -264,7 +264,7 @@ class LLMDataDist:
         ``sum_seconds``, cumulative ``buckets`` of ``(le_seconds, count)``), ``timeouts``
         by operation, ``links`` (``up``, ``failures``, ``relinks``, ``attempts`` by
         outcome), ``pools`` (``size_bytes``, ``used_bytes``, ``free_bytes`` by pool) and
-        ``agent`` (``pending_calls``, ``pending_handshakes``, ``receiving_pushes``).  Counters only grow while
+        ``agent`` (``pending_calls``, ``pending_handshakes``, ``handed_off``).  Counters only grow while
         the engine lives; a new ``init`` starts from zero.  Needs no ``prometheus_client``."""
         return self._engine_or_raise().snapshot()
 

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <linux/sockios.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -1440,6 +1441,28 @@ static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t na
     return answer;
 }
 
+/* Whether a transfer's bytes move now, without waiting for the peer: a push's need bytes
+ * (payload and checksum) are all in the socket's receive buffer; a pull's (answer, payload
+ * and checksum) fit what its send buffer has free, taken as half of SO_SNDBUF, which the
+ * kernel counts with its own overhead.  Two non-blocking system calls. */
+static int moves_now(int fd, int push, uint64_t need) {
+    int n = 0, sndbuf = 0;
+    socklen_t len = sizeof sndbuf;
+    if (push) return ioctl(fd, FIONREAD, &n) == 0 && (uint64_t)n >= need;
+    return ioctl(fd, SIOCOUTQ, &n) == 0 && getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, &len) == 0 &&
+           (uint64_t)n + need <= (uint64_t)sndbuf / 2;
+}
+
+static PyObject *py_moves_now(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "moves_now(fd, push, need)"); return NULL; }
+    long fd = PyLong_AsLong(args[0]);
+    int push = PyObject_IsTrue(args[1]);
+    unsigned long long need = PyLong_AsUnsignedLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(moves_now((int)fd, push, need));
+}
+
 /* serve_known(fd, known, epoch, header_size, limit, timeout_ms, answer, defer): the agent's fast
  * path for a transfer request that repeats one it checked and admitted before.
  *
@@ -1455,8 +1478,9 @@ static PyObject *py_request(PyObject *self, PyObject *const *args, Py_ssize_t na
  * endian); a push's checksum is read after its payload and answer is sent only if the
  * bytes that arrived sum to it.  Nothing of the frame is trusted before it matched a frame
  * checked in full: lengths only bound what is read, never more than limit.  With defer
- * true, a push whose payload (and checksum) is not all in the socket's buffer yet is not
- * served here: the caller receives it off the thread that serves every link.
+ * true, a transfer whose bytes would wait for the peer (moves_now: a push's payload not all
+ * arrived, a pull's answer larger than its send buffer has free) is not served here: the
+ * caller serves it off the thread that serves every link.
  *
  * Returns (0, admitted) when served, (1, header) when the frame is longer than limit
  * (nothing past its header read), (2, frame) when it was read whole but is not served
@@ -1534,9 +1558,8 @@ static PyObject *py_serve_known(PyObject *self, PyObject *const *args, Py_ssize_
         return Py_BuildValue("(iN)", 2, frame);
     }
     uint64_t nbytes = half_bytes(&a);
-    int queued = 0;
-    if (push && defer && (ioctl((int)fd, FIONREAD, &queued) < 0 || (uint64_t)queued < nbytes + (summed ? 8 : 0)))
-        planned = -1;  /* its payload is still arriving: the Python path hands it to a thread of its own */
+    if (defer && kind < 2 && !moves_now((int)fd, push, nbytes + (summed ? 8 : 0) + (push ? 0 : ans_len)))
+        planned = -1;  /* it would wait for the peer: the Python path hands it to a thread of its own */
     if (planned < 0 || a.nu == 0 || a.nt == 0 || (summed && (nbytes == 0 || nbytes > DD_FAST_SUMMED_MAX))) {
         PyErr_Clear();  /* not a plan to serve here */
         release_plan(&a);
@@ -2027,6 +2050,8 @@ static PyMethodDef methods[] = {
      "meter_moved(cells, nbytes, start) -> None: count one transfer into int64 cells [bytes, ns, buckets]"},
     {"peer_closed", (PyCFunction)(void (*)(void))py_peer_closed, METH_FASTCALL,
      "peer_closed(fd) -> whether the stream has ended (no wait)"},
+    {"moves_now", (PyCFunction)(void (*)(void))py_moves_now, METH_FASTCALL,
+     "moves_now(fd, push, need) -> whether a push's need bytes have arrived, or a pull's fit the free send buffer"},
     {"frame_arrived", (PyCFunction)(void (*)(void))py_frame_arrived, METH_FASTCALL,
      "frame_arrived(fd, whole_max) -> how far the next frame has arrived (peeked): -1 nothing, 0 part, 1 whole, 2 over whole_max"},
     {"spin_readable", (PyCFunction)(void (*)(void))py_spin_readable, METH_FASTCALL,

@@ -27,6 +27,7 @@ _Buffer = Buffer | NDArray[Any]
 def peer_closed(fd: int, /) -> bool:
     """Whether the stream on ``fd`` has ended (peer closed or reset); never waits."""
 
+def moves_now(fd: int, push: bool, need: int, /) -> bool: ...
 def frame_arrived(fd: int, whole_max: int, /) -> int:
     """None when nothing has arrived on ``fd``; else whether the next frame has arrived
     whole (True too for the end of the stream, an error, and a frame over ``whole_max``)."""
@@ -117,8 +118,8 @@ def sock_plan(fd: int, send: bool, timeout_ms: int, base: _U64Array, off: _U64Ar
 def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, limit: int, timeout_ms: int,
                 answer: bytes, defer: bool, /) -> tuple[Any, ...]:
     """Serve the next frame on ``fd`` if it is a key of ``known`` of the current ``epoch``
-    (a summed one of at most 4 MiB summed as it moves; with ``defer``, not a push whose
-    payload has not all arrived)."""
+    (a summed one of at most 4 MiB summed as it moves; with ``defer``, not a transfer
+    whose bytes would wait for the peer)."""
 
 FAST_SUMMED_MAX: int
 

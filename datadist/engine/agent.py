@@ -31,6 +31,7 @@ from . import native, npu, tls, wire
 from .errors import Fault
 from .auth import Secret
 from .handshake import REFUSAL, ServerAuth
+from .handoff import Deferred, HandOffs
 from .incoming import Incoming, NotTls, Pending, RateLimitedLog, tls_refusal
 from .layout import Plan
 from .link import Link
@@ -147,8 +148,8 @@ class Agent:
         self._partial: dict[Link, float] = {}  # links set aside with part of a request, since when
         self._calls: list[Callable[[], None]] = []
         self._calls_lock = threading.Lock()
-        #: Pushes received off this thread (:meth:`_finish`), with their sockets.
-        self._finishing: dict[threading.Thread, socket.socket] = {}
+        #: Transfers served off this thread (their bytes would have waited for the peer).
+        self._handoffs = HandOffs(self._answer, self._failed, lambda link: self.call(lambda: self._register(link)))
         self._stop = False
         self._incoming = Incoming(max(engine.timeout_ms / 1000.0, _HANDSHAKE_S))
         self._refusals = RateLimitedLog(log)
@@ -231,12 +232,12 @@ class Agent:
 
     def backlog(self) -> dict[str, int]:
         """How much waits for the agent thread: calls handed to it, and connections still
-        in their opening handshake; and pushes being received off it, their payload still
-        arriving (gauges; read without the thread's cooperation)."""
+        in their opening handshake; and transfers served off it because their bytes would
+        have waited for the peer (gauges; read without the thread's cooperation)."""
         with self._calls_lock:
-            calls, receiving = len(self._calls), len(self._finishing)
+            calls = len(self._calls)
         return {"pending_calls": calls, "pending_handshakes": len(self._incoming.pending),
-                "receiving_pushes": receiving}
+                "handed_off": len(self._handoffs)}
 
     def watch(self, link: Link) -> None:
         self.call(lambda: self._register(link))
@@ -274,22 +275,7 @@ class Agent:
             self._thread.join(timeout)
         self._drain_wake()  # closes of links dropped just before the stop
         self._close_selector()
-        self._end_finishing(timeout)
-
-    def _end_finishing(self, timeout: float) -> None:
-        """End the pushes still being received off the agent thread (their streams shut
-        down: they fail at once) and wait for them, so none writes into a cache after the
-        engine has given its memory back."""
-        with self._calls_lock:
-            finishing = list(self._finishing.items())
-        for _thread, sock in finishing:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for thread, _sock in finishing:
-            if thread is not threading.current_thread():
-                thread.join(timeout)
+        self._handoffs.end(timeout)
 
     def _close_selector(self) -> None:
         pending = [p.sock for p in self._incoming.pending.values()]
@@ -512,11 +498,8 @@ class Agent:
                 rest, self._requests.deferred = self._requests.deferred, None
                 if rest is not None:
                     self._unregister(link)
-                    thread = threading.Thread(target=self._finish, args=(link, sock, rest), daemon=True,
-                                              name=f"datadist-push-{link.remote_cluster_id}")
-                    with self._calls_lock:
-                        self._finishing[thread] = sock
-                    thread.start()
+                    self._handoffs.start(Deferred(link, sock, rest, self._requests.payload,
+                                                  self._requests.payload_summed, scope.pop_all()))
                     return False
                 if frame.cls is wire.Unlink:
                     # Forgotten before it is confirmed: once the peer's unlink returns, this
@@ -532,20 +515,6 @@ class Agent:
         finally:
             self._requests.payload = None
         return True
-
-    def _finish(self, link: Link, sock: socket.socket, rest: Callable[[], wire.Message]) -> None:
-        """Receive a push whose payload was still arriving and answer it, on a thread of
-        its own while the agent serves the other links; the link is watched again once
-        its answer is sent (its peer sends nothing more before)."""
-        try:
-            self._answer(sock, rest())
-        except Exception as exc:
-            self._failed(link, exc)
-            return
-        finally:
-            with self._calls_lock:
-                self._finishing.pop(threading.current_thread(), None)
-        self.call(lambda: self._register(link))
 
     def _failed(self, link: Link, exc: Exception) -> None:
         """A request of ``link`` failed: that link ends, nothing else does."""

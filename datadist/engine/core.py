@@ -342,7 +342,7 @@ class Engine:
                         "used_bytes": pool.size_bytes - pool.free_bytes} for name, pool in self.pools.items()}
         agent = self.agent
         backlog = agent.backlog() if agent is not None else \
-            {"pending_calls": 0, "pending_handshakes": 0, "receiving_pushes": 0}
+            {"pending_calls": 0, "pending_handshakes": 0, "handed_off": 0}
         return self.metrics.snapshot({"links": {"up": up}, "pools": pools, "agent": backlog})
 
     def _expose(self, address: Optional[tuple[str, int]]) -> Optional[exporter.Exposure]:

@@ -112,10 +112,11 @@ def _link_families(core: ModuleType, cluster: str, snap: Dict[str, Any]) -> Iter
                                    "handed to it, connections in their handshake", labels=["cluster", "queue"])
     queue.add_metric([cluster, "calls"], snap["agent"]["pending_calls"])
     queue.add_metric([cluster, "handshakes"], snap["agent"]["pending_handshakes"])
-    receiving = core.GaugeMetricFamily("datadist_agent_pushes_receiving", "Pushes received off the agent thread "
-                                       "(their payload was still arriving when read)", labels=["cluster"])
-    receiving.add_metric([cluster], snap["agent"]["receiving_pushes"])
-    yield from (up, attempts, failures, relinks, pool, queue, receiving)
+    handed_off = core.GaugeMetricFamily("datadist_agent_handed_off", "Transfers served off the agent thread "
+                                        "(a push's payload still arriving, a pull's answer larger than the "
+                                        "free send buffer)", labels=["cluster"])
+    handed_off.add_metric([cluster], snap["agent"]["handed_off"])
+    yield from (up, attempts, failures, relinks, pool, queue, handed_off)
 
 
 class EngineCollector:

@@ -34,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`), which compiles it"
     ) from exc
 
-__all__ = ["ms_until", "peer_closed", "int_key", "ref_key", "request", "serve_known", "half_extent", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "copy_plan_stream", "sum_plan", "sum_blocks", "sum_stream", "StreamSums", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "frame_arrived", "FRAME_NONE", "FRAME_PART", "FRAME_WHOLE", "FRAME_LARGE", "spin_readable", "COPY_THREADS",
+__all__ = ["ms_until", "peer_closed", "int_key", "ref_key", "request", "serve_known", "half_extent", "index_array", "bind_copy", "copy_plan", "copy_plan_sum", "copy_plan_stream", "sum_plan", "sum_blocks", "sum_stream", "StreamSums", "cma_plan", "sock_send", "sock_recv", "recv_exact", "wait_readable", "moves_now", "frame_arrived", "FRAME_NONE", "FRAME_PART", "FRAME_WHOLE", "FRAME_LARGE", "spin_readable", "COPY_THREADS",
            "SPIN_US", "FAST_SUMMED_MAX", "send_summed", "recv_summed"]
 
 #: Threads a large local copy may use (the C side only splits plans of >= 8 MiB).
@@ -113,8 +113,8 @@ def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, 
     checksum of :mod:`.checksum`: behind a pull's payload, checked behind a push's before
     ``answer``).  Kind 2, a ``SUM`` of at most 4 MiB, is ``(epoch, 2, admitted, bases, offs,
     lens, summed_answer, at)``: the runs summed as they are now, and ``summed_answer`` (at
-    most 64 bytes) sent with the checksum written at byte ``at``.  With ``defer``, a push
-    whose payload (and checksum) is not all in the socket's buffer yet is not served.
+    most 64 bytes) sent with the checksum written at byte ``at``.  With ``defer``, a transfer
+    whose bytes would wait for the peer (:func:`moves_now`) is not served.
     Returns ``(0, admitted)`` when served, ``(1, header)`` for a frame longer than
     ``limit`` (only its header read), ``(2, frame)`` for one read whole but not served,
     ``(3, admitted, got, sent)`` for a summed push whose bytes sum to ``got``, not to the
@@ -283,6 +283,13 @@ def wait_readable(fd: int, timeout_ms: int, spin_us: int = SPIN_US) -> None:
         if exc.errno == errno.ETIMEDOUT:
             raise TimeoutError(errno.ETIMEDOUT, f"no reply within {timeout_ms} ms") from None
         raise
+
+
+def moves_now(fd: int, push: bool, need: int) -> bool:
+    """Whether a transfer's ``need`` bytes move now, without waiting for the peer: a
+    push's have all arrived in socket ``fd``'s receive buffer, a pull's fit what its send
+    buffer has free (half of ``SO_SNDBUF``).  Two non-blocking system calls, the GIL kept."""
+    return _native.moves_now(fd, push, need)
 
 
 #: What :func:`frame_arrived` finds: nothing, part of a frame, a whole frame (or the end of

@@ -14,11 +14,8 @@ a hostile request provokes raises, and the agent retires that one link.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import socket
-import sys
-import termios
 from ssl import SSLSocket
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Union
 
@@ -101,12 +98,14 @@ class RequestHandler:
         self.payload: Optional[Plan] = None
         self.payload_summed = False
         self._scope: Optional[contextlib.ExitStack] = None
-        #: Set by the agent while other links wait: a push whose payload has not all
-        #: arrived is then not received here but left in :attr:`deferred`.
+        #: Set by the agent while other links wait: a transfer whose bytes would wait for
+        #: the peer (a push's payload not all arrived, a pull's answer larger than the free
+        #: send buffer) is then not served here but left in :attr:`deferred`.
         self.may_defer = False
-        #: The rest of such a push (its payload received, its reply returned), for the agent
-        #: to run on a thread of its own: a peer whose payload stops mid-way must not hold
-        #: the thread that serves every link for ``sync_kv_timeout``.
+        #: The rest of such a transfer, returning its reply (a pull's :attr:`payload`
+        #: follows it), for the agent to run on a thread of its own: a peer that stops
+        #: sending or reading mid-way must not hold the thread that serves every link for
+        #: ``sync_kv_timeout``.
         self.deferred: Optional[Callable[[], wire.Message]] = None
         #: The socket transfer the current request was admitted as (set by ``_transfer``).
         self._admitted: Optional[_Admitted] = None
@@ -239,18 +238,18 @@ class RequestHandler:
 
     def _serve_socket(self, link: Link, admitted: _Admitted, sock: socket.socket) -> Optional[wire.Message]:
         """Serve a checked transfer whose bytes follow on the stream (push) or the reply
-        (pull); a push whose payload has not all arrived while :attr:`may_defer` is left
+        (pull); one whose bytes would wait for the peer while :attr:`may_defer` is left
         in :attr:`deferred` (no reply now)."""
         msg = admitted.msg
-        if isinstance(msg, wire.Pull):
+        pull = isinstance(msg, wire.Pull)
+        if pull:
             assert self._scope is not None
             self.payload = tcp.pull_payload(admitted.plan, self._scope)
             self.payload_summed = msg.summed
-            return OK
-        if self.may_defer and not _arrived_whole(sock, msg):
-            self.deferred = functools.partial(self._receive_push, link, admitted, sock)
+        if self.may_defer and not _moves_now(sock, msg, not pull):
+            self.deferred = _answered if pull else functools.partial(self._receive_push, link, admitted, sock)
             return None
-        return self._receive_push(link, admitted, sock)
+        return OK if pull else self._receive_push(link, admitted, sock)
 
     def _receive_push(self, link: Link, admitted: _Admitted, sock: socket.socket) -> wire.Message:
         """Receive a checked push's payload into its plan and answer it; a summed push
@@ -359,17 +358,19 @@ class RequestHandler:
         return None
 
 
-def _arrived_whole(sock: socket.socket, msg: wire.Push) -> bool:
-    """Whether a push's payload (and its checksum) is all in ``sock``'s buffer already (a
-    TLS socket: decrypted and waiting)."""
+def _moves_now(sock: socket.socket, msg: wire.Push, push: bool) -> bool:
+    """Whether a transfer's bytes move without waiting for the peer: a push's payload
+    (and its checksum) is all in ``sock``'s buffer already (a TLS socket: decrypted and
+    waiting), a pull's answer fits the free send buffer (:func:`native.moves_now`)."""
     need = msg.nbytes + (checked.TRAILER_SIZE if msg.summed else 0)
-    if isinstance(sock, SSLSocket):
+    if push and isinstance(sock, SSLSocket):
         return sock.pending() >= need
-    queued = fcntl.ioctl(sock.fileno(), termios.FIONREAD, _QUEUED)
-    return int.from_bytes(queued, sys.byteorder) >= need
+    return native.moves_now(sock.fileno(), push, need if push else need + len(wire.OK_FRAME))
 
 
-_QUEUED = bytes(4)  # an int's room, for FIONREAD
+def _answered() -> wire.Message:
+    """The rest of a pull handed off: its reply, which its payload follows."""
+    return OK
 
 
 def _distinct(bases: np.ndarray) -> bool:

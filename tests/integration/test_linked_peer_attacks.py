@@ -640,13 +640,14 @@ def test_partial_frames_do_not_starve_an_honest_decoder(target: Target) -> None:
     assert honest is None, f"an honest pull behind three stalled frames failed: {honest}"
 
 
-def _push_of_a_big_tensor(target: Target, peer: RawPeer) -> Tuple[bytes, bytes]:
-    """A PUSH of the whole first tensor of the target's "big" cache, and its payload: the
-    bytes the tensor holds already (whatever of it lands, the cache stays intact)."""
+def _push_of_a_big_tensor(target: Target, peer: RawPeer, cls: type = wire.Push) -> Tuple[bytes, bytes]:
+    """A PUSH (or ``cls``: a PULL) of the whole first tensor of the target's "big" cache,
+    and its payload: the bytes the tensor holds already (whatever of a push lands, the
+    cache stays intact)."""
     r = target.lookup(peer, model_id=2)
     a0 = int(r.arrays[0][0])
     ts = r.tensor_size
-    push = wire.Push(cache_id=r.cache_id, epoch=r.epoch, nbytes=ts, arrays=[u64(a0), u64(0), u64(ts)])
+    push = cls(cache_id=r.cache_id, epoch=r.epoch, nbytes=ts, arrays=[u64(a0), u64(0), u64(ts)])
     return wire.encode(push), target.big[0].tobytes()
 
 
@@ -663,7 +664,7 @@ def test_pushes_whose_payload_stops_hold_no_other_link(target: Target) -> None:
     honest = target.honest_pull()
 
     def receiving() -> int:  # what an operator sees
-        return int(target.prompt.call("engine", "metrics")["agent"]["receiving_pushes"])
+        return int(target.prompt.call("engine", "metrics")["agent"]["handed_off"])
 
     until(lambda: receiving() == 3, TIMEOUT_MS / 2000, "three pushes received off the agent", every=PACED)
     for peer in stallers:
@@ -686,6 +687,41 @@ def test_a_push_that_pauses_arrives_whole_and_its_link_goes_on(target: Target) -
     assert isinstance(ans, wire.Reply) and not ans.status, ans
     target.lookup(peer)  # the link is served again
     target.intact()
+    target.serves()
+
+
+def test_pulls_whose_answer_is_not_read_hold_no_other_link(target: Target) -> None:
+    """Three linked peers each ask for two 2 MiB pulls and read nothing.  The agent sent a
+    pull's answer on the thread that serves every link, so each held it for
+    sync_kv_timeout once the socket's buffers were full; now an answer larger than the
+    free send buffer is sent on a thread of its own, and the stalled links end at their
+    deadline."""
+    def failures() -> int:  # links the target saw break
+        return int(target.prompt.call("engine", "metrics")["links"]["failures"])
+
+    before = failures()
+    stallers = [target.raw() for _ in range(3)]
+    for peer in stallers:
+        frame, _payload = _push_of_a_big_tensor(target, peer, wire.Pull)
+        peer.send(frame + frame)
+    honest = target.honest_pull()
+    until(lambda: failures() == before + 3, 10, "the three unread links broken", every=PACED)
+    for peer in stallers:
+        assert peer.ended(5)  # reads what was sent before, then the end of the stream
+    assert honest is None, f"an honest pull behind three unread pulls failed: {honest}"
+
+
+def test_a_pull_read_late_arrives_whole_and_its_link_goes_on(target: Target) -> None:
+    """A 2 MiB pull whose answer its peer starts reading only after an honest decoder has
+    pulled: its bytes are the tensor's, and the link serves the next request."""
+    peer = target.raw()
+    frame, payload = _push_of_a_big_tensor(target, peer, wire.Pull)
+    peer.send(frame)
+    assert target.honest_pull() is None
+    ans = peer.answer(ANSWER_S)
+    assert isinstance(ans, wire.Reply) and not ans.status, ans
+    assert peer.recv_exact(len(payload), ANSWER_S) == payload
+    target.lookup(peer)  # the link is served again
     target.serves()
 
 

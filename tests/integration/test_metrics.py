@@ -69,7 +69,7 @@ def test_metrics_count_transfers_bytes_outcomes_and_links(peer_factory: Callable
     pools = snap["pools"]
     assert sum(pool["used_bytes"] for pool in pools.values()) >= BLOCKS.num_tensors * 8 * BLOCK_BYTES
     assert all(pool["used_bytes"] + pool["free_bytes"] == pool["size_bytes"] for pool in pools.values())
-    assert snap["agent"] == {"pending_calls": 0, "pending_handshakes": 0, "receiving_pushes": 0}
+    assert snap["agent"] == {"pending_calls": 0, "pending_handshakes": 0, "handed_off": 0}
     # The prompt engine moved nothing itself: transfers count where they are called.
     assert prompt.call("engine", "metrics")["transfers"] == []
 
