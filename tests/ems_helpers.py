@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Iterator, List, Optional
 
 import pytest
+from ports import free_port  # noqa: F401  (the tests import it from here)
 from waiting import until
 
 TESTS = Path(__file__).resolve().parent
@@ -34,25 +35,6 @@ ROOT = TESTS.parent
 #: ahead of the caller's ``PYTHONPATH``.
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
     p for p in (str(ROOT), str(TESTS), os.environ.get("PYTHONPATH")) if p)}
-
-
-def free_port(bus_offset: int = 0) -> int:
-    """A free loopback port; with ``bus_offset``, one whose ``port + bus_offset`` is free too
-    (a Redis Cluster node also listens on its port + 10000)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not bus_offset:
-            return port
-        if port + bus_offset <= 65535:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + bus_offset))
-                    return port
-                except OSError:
-                    continue
-    raise AssertionError("no free loopback port pair")
 
 
 def _shm_entries() -> set:

@@ -24,7 +24,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import subprocess
 import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -38,6 +37,7 @@ from harness_oracle import (as_array, expect_blocks, expect_row_to_blocks, expec
 from harness_specs import (DECODER_ID, POOL_CFG, PROMPT_ID, SYNC_KV_TIMEOUT_MS, TRANSPORTS, Desc,
                            Key, Ref, base_config, blocks_key, cache_key, id_key, key_config,
                            transfer_config)
+from ports import free_port
 from waiting import PACED, until
 
 __all__ = [
@@ -58,13 +58,6 @@ EXIT_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 5.0
 
 _CTX = multiprocessing.get_context("spawn")
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now (bound once by the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- errors

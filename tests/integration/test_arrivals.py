@@ -6,12 +6,12 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 import traceback
 from typing import Any, Dict
 
 import pytest
+from ports import free_port
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -74,12 +74,6 @@ def _expect(conn, kind: str) -> Any:
     return value
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("transport", ["shm", "tcp", "gloo"])
 def test_layer_arrivals_are_observed(transport: str) -> None:
     """Per-layer waits on a watched cache return that layer's notice (the data is there),
@@ -88,7 +82,7 @@ def test_layer_arrivals_are_observed(transport: str) -> None:
     from datadist import (BlocksCacheKey, LLMClusterInfo, LLMDataDist, LLMException, LLMRole, LLMStatusCode)
 
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_prompt, args=(port, transport, child))
     proc.start()

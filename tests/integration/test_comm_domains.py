@@ -5,25 +5,15 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
 import traceback
 from typing import Any, Dict, List
 
 import pytest
+from ports import free_ports
 
 pytestmark = pytest.mark.timeout(90)
 
 BASE_CLUSTER = 100
-
-
-def _free_ports(n: int) -> List[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _rank_table(ports: List[int]) -> str:
@@ -99,7 +89,7 @@ def _member(rank: int, n: int, ports: List[int], transport: str, conn) -> None:
 
 def _run_domain(n: int, transport: str) -> None:
     ctx = mp.get_context("spawn")
-    ports = _free_ports(n)
+    ports = free_ports(n)
     pipes, procs = [], []
     for rank in range(n):
         parent, child = ctx.Pipe()
@@ -159,7 +149,7 @@ def test_comm_argument_checks() -> None:
 
     engine = LLMDataDist(LLMRole.MIX, 7)
     engine.init(_config("shm"))
-    table = _rank_table(_free_ports(2))
+    table = _rank_table(free_ports(2))
     try:
         bad = [
             ("x" * 200, {7: 0, 8: 1}),     # comm_name too long
@@ -207,7 +197,7 @@ def test_switch_role_without_and_with_links() -> None:
     from datadist import LLMClusterInfo, LLMDataDist, LLMException, LLMRole, LLMStatusCode
 
     ctx = mp.get_context("spawn")
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_switcher, args=(port, child))
     proc.start()
