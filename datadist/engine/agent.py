@@ -149,7 +149,8 @@ class Agent:
         self._calls: list[Callable[[], None]] = []
         self._calls_lock = threading.Lock()
         #: Transfers served off this thread (their bytes would have waited for the peer).
-        self._handoffs = HandOffs(self._answer, self._failed, lambda link: self.call(lambda: self._register(link)))
+        self._handoffs = HandOffs(engine.device, self._answer, self._failed,
+                                  lambda link: self.call(lambda: self._resume(link)))
         self._stop = False
         self._incoming = Incoming(max(engine.timeout_ms / 1000.0, _HANDSHAKE_S))
         self._refusals = RateLimitedLog(log)
@@ -464,7 +465,9 @@ class Agent:
         sock = link.serve_sock
         while not self._stop and link.broken is None and sock is not None and sock.fileno() >= 0:
             if tls.buffered(sock):
-                self._serve(link)  # requests already decrypted: the selector would not wake for them
+                # requests already decrypted: the selector would not wake for them
+                if not self._serve(link):
+                    return  # set aside, or handed off: the socket is not this thread's now
                 continue
             spin = policy.spin_us(LOAD.busy())
             if not spin:
@@ -515,6 +518,16 @@ class Agent:
         finally:
             self._requests.payload = None
         return True
+
+    def _resume(self, link: Link) -> None:
+        """Watch a link again after a transfer handed off was answered, and serve the
+        requests its thread's TLS reads already decrypted (a peer sends its next ones
+        without waiting for answers; the selector would not wake for them)."""
+        self._register(link)
+        sock = link.serve_sock
+        while sock is not None and sock.fileno() >= 0 and link.broken is None and tls.buffered(sock):
+            if not self._serve(link):
+                return
 
     def _failed(self, link: Link, exc: Exception) -> None:
         """A request of ``link`` failed: that link ends, nothing else does."""

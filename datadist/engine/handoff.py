@@ -13,9 +13,9 @@ import socket
 import threading
 from typing import Callable, NamedTuple, Optional
 
-from . import wire
+from . import npu, wire
 from .layout import Plan
-from .link import Link
+from .link import Link, shut_down
 
 __all__ = ["Deferred", "HandOffs"]
 
@@ -38,12 +38,16 @@ Answer = Callable[[socket.socket, wire.Message, Optional[Plan], bool], None]
 
 
 class HandOffs:
-    """The transfers served off the agent thread, a thread each.  ``answer`` sends a reply
-    (and payload), ``failed(link, exc)`` ends a link whose transfer failed, ``done(link)``
-    has the agent watch a link again (from any thread)."""
+    """The transfers served off the agent thread, a thread each, with the engine's
+    ``device`` current.  ``answer`` sends a reply (and payload), ``failed(link, exc)``
+    ends a link whose transfer failed, ``done(link)`` has the agent watch a link again
+    (from any thread).  A link's serve socket is lent to its thread
+    (:meth:`.LinkLife.lend_serve`): closing the link meanwhile shuts it down, and the
+    thread closes it when done."""
 
-    def __init__(self, answer: Answer, failed: Callable[[Link, Exception], None],
+    def __init__(self, device: str, answer: Answer, failed: Callable[[Link, Exception], None],
                  done: Callable[[Link], None]) -> None:
+        self._device = device
         self._answer, self._failed, self._done = answer, failed, done
         self._lock = threading.Lock()
         self._threads: dict[threading.Thread, socket.socket] = {}
@@ -53,14 +57,24 @@ class HandOffs:
             return len(self._threads)
 
     def start(self, served: Deferred) -> None:
-        """Serve ``served`` on a thread of its own."""
+        """Serve ``served`` on a thread of its own (raises if the link is closed already
+        or no thread can start: the caller ends the link)."""
+        if not served.link.lend_serve():
+            raise ConnectionError("the link was closed")
         thread = threading.Thread(target=self._serve, args=(served,), daemon=True,
                                   name=f"datadist-serve-{served.link.remote_cluster_id}")
-        with self._lock:
-            self._threads[thread] = served.sock
-        thread.start()
+        try:
+            with self._lock:
+                self._threads[thread] = served.sock
+            thread.start()
+        except BaseException:
+            with self._lock:
+                self._threads.pop(thread, None)
+            served.link.give_back_serve()
+            raise
 
     def _serve(self, served: Deferred) -> None:
+        npu.set_device(self._device)  # staging copies run on this thread
         try:
             with served.scope:
                 self._answer(served.sock, served.rest(), served.payload, served.summed)
@@ -70,6 +84,7 @@ class HandOffs:
         finally:
             with self._lock:
                 self._threads.pop(threading.current_thread(), None)
+            served.link.give_back_serve()
         self._done(served.link)
 
     def end(self, timeout: float) -> None:
@@ -78,10 +93,7 @@ class HandOffs:
         with self._lock:
             threads = list(self._threads.items())
         for _thread, sock in threads:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shut_down(sock)
         for thread, _sock in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout)

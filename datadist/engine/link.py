@@ -37,7 +37,7 @@ from .metrics import EngineMetrics, LinkMeter
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import TCPStore
 
-__all__ = ["Link"]
+__all__ = ["Link", "shut_down"]
 
 log = logging.getLogger("datadist")
 
@@ -557,10 +557,7 @@ class Link(PeerLookups, LinkLife):
     def _shutdown(self) -> None:
         for sock in (self.req_sock, self.serve_sock):
             if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                shut_down(sock)
 
     def _release(self) -> None:
         self._release_when_idle = False
@@ -570,8 +567,18 @@ class Link(PeerLookups, LinkLife):
             self.metrics.released(self.meter)  # its counts stay in the engine's totals
         self.peer_epoch_addr = None
         for sock in (self.req_sock, self.serve_sock):
-            if sock is not None:
+            if sock is not None and not (sock is self.serve_sock and self.leave_serve(sock)):
                 sock.close()
         if self.transport is not None:
             self.transport.close()
         self.store = None
+
+
+def shut_down(sock: socket.socket) -> None:
+    """End both directions of ``sock``'s connection, so that a thread blocked on it fails
+    at once.  A TLS socket is shut down beneath its TLS state (``SSLSocket.shutdown`` drops
+    that state, and a thread still reading would then take raw ciphertext for data)."""
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import socket
 import threading
 from typing import Callable, Optional
 
@@ -61,6 +62,8 @@ class LinkLife:
         self.broken: Optional[str] = None
         self._opened = threading.Event()   # set once, on the move to READY
         self._moving = threading.Lock()
+        self._serve_lent = False   # the serve socket is in use off the agent thread
+        self._serve_left: Optional[socket.socket] = None  # ... and was left to its borrower to close
 
     @property
     def up(self) -> bool:
@@ -111,6 +114,34 @@ class LinkLife:
                 self.remote_cluster_id, "closed" if expected else "broken", reason)
         if self.on_broken is not None:
             self.on_broken(self.remote_cluster_id, reason)
+
+    def lend_serve(self) -> bool:
+        """Lend the serve socket to a thread that serves one request off the agent thread
+        (:mod:`.handoff`); False if the link is closed already.  While it is lent, closing
+        the link shuts the socket down (the borrower fails at once) but leaves closing it to
+        :meth:`give_back_serve`: its descriptor must not be reused under the borrower."""
+        with self._moving:
+            if self.state is LinkState.CLOSED:
+                return False
+            self._serve_lent = True
+            return True
+
+    def leave_serve(self, sock: socket.socket) -> bool:
+        """Whether the serve socket ``sock`` is lent (the closing link then leaves it to
+        its borrower)."""
+        with self._moving:
+            if self._serve_lent:
+                self._serve_left = sock
+            return self._serve_lent
+
+    def give_back_serve(self) -> None:
+        """The borrower is done with the serve socket: closed now if the link was closed
+        meanwhile."""
+        with self._moving:
+            self._serve_lent = False
+            sock, self._serve_left = self._serve_left, None
+        if sock is not None:
+            sock.close()
 
     def closed(self) -> bool:
         """-> CLOSED; whether this call made the move (the caller then gives back what

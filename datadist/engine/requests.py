@@ -213,7 +213,11 @@ class RequestHandler:
                     # race of a sound peer: drained, the link goes on.)
                     sock.sendall(wire.encode(wire.Reply(status=status, message=why)))
                     raise wire.WireError(f"refused a push of {msg.nbytes} bytes: {why}; its payload was not read")
-                tcp.drain(sock, msg.nbytes + (checked.TRAILER_SIZE if msg.summed else 0), self.timeout_ms)  # in step
+                refusal = functools.partial(_drained, sock, msg, self.timeout_ms, wire.Reply(status=status, message=why))
+                if self.may_defer and not _moves_now(sock, msg, True):
+                    self.deferred = refusal  # a payload still arriving is drained off the agent thread
+                    return None
+                return refusal()
             return wire.Reply(status=status, message=why)
         bases, offs, lens = msg.arrays
         self._admitted = _Admitted(msg.epoch, rec, msg, Plan(bases, bases, offs, offs, lens, device, device))
@@ -366,6 +370,13 @@ def _moves_now(sock: socket.socket, msg: wire.Push, push: bool) -> bool:
     if push and isinstance(sock, SSLSocket):
         return sock.pending() >= need
     return native.moves_now(sock.fileno(), push, need if push else need + len(wire.OK_FRAME))
+
+
+def _drained(sock: socket.socket, msg: wire.Push, timeout_ms: int, reply: wire.Reply) -> wire.Message:
+    """``reply`` to a refused push, once its payload is read and discarded (the stream
+    stays in step)."""
+    tcp.drain(sock, msg.nbytes + (checked.TRAILER_SIZE if msg.summed else 0), timeout_ms)
+    return reply
 
 
 def _answered() -> wire.Message:

@@ -5,10 +5,11 @@ certificate, a plaintext engine on either side) refused within the link timeout 
 serving engine goes on serving legitimate TLS peers."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -128,16 +129,52 @@ def test_requests_that_arrive_in_one_tls_record_are_all_served(peer_factory: Any
     server, port, _ = _server(peer_factory, tls_config(pki, "a"))
     hello = wire.Hello(cluster_id=7, remote_cluster_id=PROMPT_ID, host="elsewhere", pid=1, backend="tcp",
                        ctrl={"fd": 3, "size": 4096, "base": 4096, "nonce": 1})
-    with _tls_socket(pki, port) as first, _tls_socket(pki, port) as second:
-        first.sendall(wire.encode(hello))
-        ack = wire.read_message(first)
-        assert isinstance(ack, wire.HelloAck) and not ack.status, ack
-        second.sendall(wire.encode(wire.Attach(cluster_id=7, token=ack.attach_token)))
-        assert wire.read_message(second).status == 0
+    with _raw_link(pki, port, 7) as (first, _second):
         resolve = wire.encode(wire.Resolve(kind="blocks", cluster_id=PROMPT_ID, model_id=1))
         first.sendall(resolve + resolve)  # one write: one TLS record holding both
         answers = [wire.read_message(first), wire.read_message(first)]
     assert all(isinstance(a, wire.Resolved) and not a.status for a in answers), answers
+
+
+@contextlib.contextmanager
+def _raw_link(pki: Pki, port: int, cluster_id: int) -> Iterator[Tuple[ssl.SSLSocket, ssl.SSLSocket]]:
+    """A link opened by hand over TLS: its request stream (the engine serves it) and the
+    attached second stream."""
+    hello = wire.Hello(cluster_id=cluster_id, remote_cluster_id=PROMPT_ID, host="elsewhere", pid=1, backend="tcp",
+                       ctrl={"fd": 3, "size": 4096, "base": 4096, "nonce": 1})
+    with _tls_socket(pki, port) as first, _tls_socket(pki, port) as second:
+        first.sendall(wire.encode(hello))
+        ack = wire.read_message(first)
+        assert isinstance(ack, wire.HelloAck) and not ack.status, ack
+        second.sendall(wire.encode(wire.Attach(cluster_id=cluster_id, token=ack.attach_token)))
+        assert wire.read_message(second).status == 0
+        yield first, second
+
+
+def test_pipelined_requests_behind_a_push_served_off_the_agent(peer_factory: Any, pki: Pki) -> None:
+    """With a second link watched, a 200 KB push whose payload has not all arrived is
+    received on a thread of its own; its TLS reads decrypt the next pushes the peer sent
+    without waiting (one write), where the agent's selector cannot see them.  They are
+    served all the same, in order, and land."""
+    server, port, _ = _server(peer_factory, tls_config(pki, "a"), desc=BIG)
+    with _raw_link(pki, port, 7) as (req, _), _raw_link(pki, port, 8):
+        req.sendall(wire.encode(wire.Resolve(kind="blocks", cluster_id=PROMPT_ID, model_id=1)))
+        where = wire.read_message(req)
+        assert isinstance(where, wire.Resolved) and not where.status, where
+        a0 = int(where.arrays[0][0])
+        payloads = [bytes(np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8))
+                    for i, n in enumerate((200_000, 1024, 512))]
+        stream, off = b"", 0
+        for payload in payloads:
+            plan = [np.array([a0], np.uint64), np.array([off], np.uint64), np.array([len(payload)], np.uint64)]
+            stream += wire.encode(wire.Push(cache_id=where.cache_id, epoch=where.epoch, nbytes=len(payload),
+                                            arrays=plan)) + payload
+            off += len(payload)
+        req.sendall(stream)
+        req.settimeout(5)
+        answers = [wire.read_message(req) for _ in payloads]
+    assert all(isinstance(a, wire.Reply) and not a.status for a in answers), answers
+    assert bytes(server.read("kv")[0][:off]) == b"".join(payloads)
 
 
 # -- refusals --------------------------------------------------------------------------------

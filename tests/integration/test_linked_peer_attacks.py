@@ -640,26 +640,29 @@ def test_partial_frames_do_not_starve_an_honest_decoder(target: Target) -> None:
     assert honest is None, f"an honest pull behind three stalled frames failed: {honest}"
 
 
-def _push_of_a_big_tensor(target: Target, peer: RawPeer, cls: type = wire.Push) -> Tuple[bytes, bytes]:
+def _push_of_a_big_tensor(target: Target, peer: RawPeer, cls: type = wire.Push, stale: bool = False
+                          ) -> Tuple[bytes, bytes]:
     """A PUSH (or ``cls``: a PULL) of the whole first tensor of the target's "big" cache,
     and its payload: the bytes the tensor holds already (whatever of a push lands, the
-    cache stays intact)."""
+    cache stays intact).  ``stale``: planned at an epoch not the engine's (refused, its
+    payload read and discarded)."""
     r = target.lookup(peer, model_id=2)
     a0 = int(r.arrays[0][0])
     ts = r.tensor_size
-    push = cls(cache_id=r.cache_id, epoch=r.epoch, nbytes=ts, arrays=[u64(a0), u64(0), u64(ts)])
+    push = cls(cache_id=r.cache_id, epoch=r.epoch + int(stale), nbytes=ts, arrays=[u64(a0), u64(0), u64(ts)])
     return wire.encode(push), target.big[0].tobytes()
 
 
-def test_pushes_whose_payload_stops_hold_no_other_link(target: Target) -> None:
+@pytest.mark.parametrize("stale", [False, True], ids=["admitted", "stale"])
+def test_pushes_whose_payload_stops_hold_no_other_link(target: Target, stale: bool) -> None:
     """Three linked peers each send a 2 MiB push's frame and its first 64 KiB, and stop.
     The agent read a push's payload on the thread that serves every link, so each held
     it for sync_kv_timeout in turn and an honest pull behind them timed out; now a push
-    whose payload has not all arrived is received on a thread of its own, and the stalled
-    ones end at their deadline."""
+    whose payload has not all arrived is received (or, refused as stale, drained) on a
+    thread of its own, and the stalled ones end at their deadline."""
     stallers = [target.raw() for _ in range(3)]
     for peer in stallers:
-        frame, payload = _push_of_a_big_tensor(target, peer)
+        frame, payload = _push_of_a_big_tensor(target, peer, stale=stale)
         peer.send(frame + payload[:64 << 10])
     honest = target.honest_pull()
 

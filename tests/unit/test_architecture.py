@@ -56,7 +56,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     # layer validates with them and raises them.
     ("API values", ("datadist._status", "datadist._objects", "datadist._types")),
     ("engine", (
-        "datadist.engine", "datadist.engine.core", "datadist.engine.agent", "datadist.engine.link",
+        "datadist.engine", "datadist.engine.core", "datadist.engine.agent", "datadist.engine.handoff", "datadist.engine.link",
         "datadist.engine.registry", "datadist.engine.handshake", "datadist.engine.incoming",
         "datadist.engine.notes", "datadist.engine.arrivals", "datadist.engine.requests", "datadist.engine.linking",
         "datadist.engine.lookups", "datadist.engine.prepared", "datadist.engine.planning", "datadist.engine.peer_plans",
