@@ -27,10 +27,13 @@ _Buffer = Buffer | NDArray[Any]
 def peer_closed(fd: int, /) -> bool:
     """Whether the stream on ``fd`` has ended (peer closed or reset); never waits."""
 
-def moves_now(fd: int, push: bool, need: int, /) -> bool: ...
+def moves_now(fd: int, push: bool, need: int, /) -> bool:
+    """Whether a push's ``need`` bytes have all arrived on ``fd``, or a pull's fit half of
+    its free send buffer."""
+
 def frame_arrived(fd: int, whole_max: int, /) -> int:
-    """None when nothing has arrived on ``fd``; else whether the next frame has arrived
-    whole (True too for the end of the stream, an error, and a frame over ``whole_max``)."""
+    """How far the next frame on ``fd`` has arrived: -1 nothing, 0 part, 1 whole (or the
+    end of the stream, an error), 2 a frame over ``whole_max`` whose header is in."""
 
 def spin_readable(fd: int, spin_us: int, /) -> bool:
     """Whether ``fd`` becomes readable within ``spin_us`` (polled without sleeping)."""

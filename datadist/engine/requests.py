@@ -366,7 +366,7 @@ def _moves_now(sock: socket.socket, msg: wire.Push, push: bool) -> bool:
     """Whether a transfer's bytes move without waiting for the peer: a push's payload
     (and its checksum) is all in ``sock``'s buffer already (a TLS socket: decrypted and
     waiting), a pull's answer fits the free send buffer (:func:`native.moves_now`)."""
-    need = msg.nbytes + (checked.TRAILER_SIZE if msg.summed else 0)
+    need = _on_stream(msg)
     if push and isinstance(sock, SSLSocket):
         return sock.pending() >= need
     return native.moves_now(sock.fileno(), push, need if push else need + len(wire.OK_FRAME))
@@ -375,8 +375,14 @@ def _moves_now(sock: socket.socket, msg: wire.Push, push: bool) -> bool:
 def _drained(sock: socket.socket, msg: wire.Push, timeout_ms: int, reply: wire.Reply) -> wire.Message:
     """``reply`` to a refused push, once its payload is read and discarded (the stream
     stays in step)."""
-    tcp.drain(sock, msg.nbytes + (checked.TRAILER_SIZE if msg.summed else 0), timeout_ms)
+    tcp.drain(sock, _on_stream(msg), timeout_ms)
     return reply
+
+
+def _on_stream(msg: wire.Push) -> int:
+    """The bytes a transfer moves on the stream besides its frames: its payload, and the
+    checksum behind a summed one."""
+    return msg.nbytes + (checked.TRAILER_SIZE if msg.summed else 0)
 
 
 def _answered() -> wire.Message:
