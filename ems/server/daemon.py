@@ -167,11 +167,18 @@ class Daemon:
             self._metrics_server.close()
             self._metrics_server = None
         for lsock in self._listeners:
+            # shutdown first: a listener another thread polls stays open until that poll
+            # returns (the poll holds the file), and meanwhile connections would queue in
+            # its backlog, never to be served; shut down, it refuses them at once and wakes
+            # the accept loop.
             try:
-                lsock.close()
+                lsock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            lsock.close()
         self._listeners = []
+        log.info("stopping: new connections are refused; the requests in flight finish (--drain-timeout %gs)",
+                 self.cfg.drain_timeout)
         if self.dispatcher is not None:
             cut = self.dispatcher.close(self.cfg.drain_timeout, self._kick_all)
             if cut:
