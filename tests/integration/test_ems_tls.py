@@ -8,7 +8,7 @@ import torch
 
 from ems_helpers import EmsDaemon, daemon_factory, init_cc  # noqa: F401
 from tls_helpers import make_pki
-from waiting import until
+from waiting import PACED, until
 
 from ems import CcConfig_v1, CcKvOption, Ems, EmsConfig, EmsException, KvBufferWrapper
 from ems.client.conn import probe
@@ -71,7 +71,7 @@ def test_clients_the_daemon_does_not_trust_are_refused(tls_daemon, pki, client):
     tls = {} if client == "plaintext" else _client_tls(pki, "x", "ca")  # trusts the daemon, not trusted
     with pytest.raises(EmsException):
         _init(tls_daemon.tcp, **tls)
-    until(lambda: "refused a TLS connection" in tls_daemon.log.read_text())
+    until(lambda: "refused a TLS connection" in tls_daemon.log.read_text(), every=PACED)
 
 
 def test_a_daemon_of_another_ca_is_refused(daemon_factory, pki):  # noqa: F811

@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from vllm_worker_halves import make_worker
-from waiting import until
+from waiting import PACED, until
 
 from datadist.integrations.vllm.worker import DatadistWorker, Endpoint, RecvJob
 
@@ -265,7 +265,7 @@ def killed(decode: Half, live: Half, victim: Half) -> dict[str, Any]:
     victim.signal(signal.SIGSTOP)
     assert victim.endpoint is not None
     pull(decode, {"d-v1": (victim, "v1", [12, 13, 14], [3, 4, 5], 0.0)})
-    until(lambda: unread_bytes(victim.endpoint.port) > 0, WAIT_S)  # the pull reached the victim: it is on its way
+    until(lambda: unread_bytes(victim.endpoint.port) > 0, WAIT_S, every=PACED)  # the pull reached the victim: it is on its way
     live.hold("c", lease_s=LEASE_S)
     pull(decode, {"d-c": (live, "c", [1, 2], [11, 12], LEASE_S)})
     meanwhile = decode.call("done", ["d-c"])["done"]
