@@ -4,6 +4,8 @@ executes coalesced copy plans (memcpy runs, cross-memory attach, socket scatter/
 with deadlines) with the GIL released; ems.pool._keyset is the key set the pool daemon
 publishes in shared memory so clients answer ``exists`` without a round trip.
 """
+import glob
+
 from setuptools import Extension, find_packages, setup
 
 setup(
@@ -49,8 +51,9 @@ setup(
     ext_modules=[
         Extension(
             "datadist.engine._native",
-            sources=["datadist/engine/_native.c"],
-            extra_compile_args=["-O2", "-std=gnu11"],
+            sources=sorted(glob.glob("datadist/engine/csrc/*.c")),
+            depends=["datadist/engine/csrc/native.h"],
+            extra_compile_args=["-O2", "-std=gnu11", "-fvisibility=hidden"],
             libraries=["pthread"],
         ),
         Extension(

@@ -1,4 +1,4 @@
-"""Type stub of the C extension ``datadist.engine._native`` (``_native.c``).
+"""Type stub of the C extension ``datadist.engine._native`` (its sources: ``csrc/``).
 
 Every function is ``METH_FASTCALL`` without keywords: arguments are positional only.  A
 plan is five uint64 arrays (C-contiguous; only their byte length is checked, a multiple

@@ -106,7 +106,7 @@ def request(fd: int, head: bytes, plan: Optional[Plan], answer_len: int, timeout
 def serve_known(fd: int, known: dict[bytes, Any], epoch: int, header_size: int, limit: int, timeout_ms: int,
                 answer: bytes, defer: bool = False) -> tuple[Any, ...]:
     """The agent's fast path for a request frame admitted before, in one C call (see
-    ``_native.c``): reads the next frame from ``fd`` and, if its bytes are a key of
+    ``csrc/serve.c``): reads the next frame from ``fd`` and, if its bytes are a key of
     ``known`` whose value ``(epoch, kind, admitted, bases, offs, lens, summed)`` is of
     the current ``epoch``, serves it (kind 1, a push: its payload in, ``answer`` out; kind
     0, a pull: ``answer`` and the payload out; a summed one of at most 4 MiB with the stream

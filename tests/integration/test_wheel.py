@@ -46,7 +46,11 @@ def test_wheel_and_sdist_install_into_a_fresh_venv(tmp_path: Path) -> None:
         assert any(n.endswith(needed) for n in names), needed
     assert any(n.startswith("datadist/engine/_native") and n.endswith(".so") for n in names)
     sdist = next(dist.glob("datadist-*.tar.gz"))
-    assert any(n.endswith("datadist/engine/_native.c") for n in tarfile.open(sdist).getnames())
+    in_sdist = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
+    sources = {str(f.relative_to(ROOT)) for f in (ROOT / "datadist/engine/csrc").iterdir() if f.suffix in (".c", ".h")}
+    assert sources and sources <= in_sdist, sources - in_sdist  # every C source and the header they share
+    _ok([py, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "from-sdist"),
+         str(sdist)])  # the sdist alone builds the extension
 
     _ok([py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)])
     out = _ok([py, "-c", "import datadist, ems, llm_datadist, torch; print(datadist.__file__); print(torch.__version__)"],
