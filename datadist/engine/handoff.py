@@ -9,6 +9,7 @@ nothing before the answer) and watched again once the answer is sent.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import socket
 import threading
 from typing import Callable, NamedTuple, Optional
@@ -37,44 +38,94 @@ class Deferred(NamedTuple):
 Answer = Callable[[socket.socket, wire.Message, Optional[Plan], bool], None]
 
 
+#: How long a thread that served a transfer waits for the next one before it ends (s).
+IDLE_S = 30.0
+
+
+class _Worker:
+    """A thread that serves handed-off transfers one after another: ``job`` is the one it
+    serves next (None when it should end), ``wake`` is set when a job is given."""
+
+    def __init__(self, job: Deferred) -> None:
+        self.job: Optional[Deferred] = job
+        self.wake = threading.Event()
+        self.thread: Optional[threading.Thread] = None
+
+
 class HandOffs:
-    """The transfers served off the agent thread, a thread each, with the engine's
-    ``device`` current.  ``answer`` sends a reply (and payload), ``failed(link, exc)``
-    ends a link whose transfer failed, ``done(link)`` has the agent watch a link again
-    (from any thread).  A link's serve socket is lent to its thread
+    """The transfers served off the agent thread, each on a thread of its own while it
+    runs, with the engine's ``device`` current.  ``answer`` sends a reply (and payload),
+    ``failed(link, exc)`` ends a link whose transfer failed, ``done(link)`` has the agent
+    watch a link again (from any thread).  A link's serve socket is lent to its thread
     (:meth:`.LinkLife.lend_serve`): closing the link meanwhile shuts it down, and the
-    thread closes it when done."""
+    thread closes it when done.
+
+    Threads are kept for :data:`IDLE_S` after their transfer and given the next one:
+    waking an idle thread costs tens of microseconds, starting one costs from about a
+    hundred on an idle machine to most of a millisecond on a busy one, which is what a
+    TLS push (whose arrival the agent cannot see before it decrypts) would pay each time."""
 
     def __init__(self, device: str, answer: Answer, failed: Callable[[Link, Exception], None],
                  done: Callable[[Link], None]) -> None:
         self._device = device
         self._answer, self._failed, self._done = answer, failed, done
         self._lock = threading.Lock()
-        self._threads: dict[threading.Thread, socket.socket] = {}
+        self._busy: dict[_Worker, socket.socket] = {}
+        self._idle: list[_Worker] = []
+        self._ended = False
+        self._made = itertools.count(1)  # names the threads (a thread dump tells them apart)
 
     def __len__(self) -> int:
+        """Transfers being served now."""
         with self._lock:
-            return len(self._threads)
+            return len(self._busy)
 
     def start(self, served: Deferred) -> None:
-        """Serve ``served`` on a thread of its own (raises if the link is closed already
-        or no thread can start: the caller ends the link)."""
+        """Serve ``served`` off the agent thread (raises if the link is closed already, the
+        hand-offs ended, or no thread can start: the caller ends the link)."""
         if not served.link.lend_serve():
             raise ConnectionError("the link was closed")
-        thread = threading.Thread(target=self._serve, args=(served,), daemon=True,
-                                  name=f"datadist-serve-{served.link.remote_cluster_id}")
         try:
             with self._lock:
-                self._threads[thread] = served.sock
-            thread.start()
+                if self._ended:
+                    raise ConnectionError("the engine is stopping")
+                worker = self._idle.pop() if self._idle else None
+                if worker is not None:
+                    worker.job = served
+                    self._busy[worker] = served.sock
+                    worker.wake.set()
+                    return
+                worker = _Worker(served)
+                worker.thread = threading.Thread(target=self._run, args=(worker,), daemon=True,
+                                                 name=f"datadist-serve-{next(self._made)}")
+                self._busy[worker] = served.sock
+                try:
+                    worker.thread.start()
+                except BaseException:
+                    del self._busy[worker]
+                    raise
         except BaseException:
-            with self._lock:
-                self._threads.pop(thread, None)
             served.link.give_back_serve()
             raise
 
-    def _serve(self, served: Deferred) -> None:
+    def _run(self, worker: _Worker) -> None:
         npu.set_device(self._device)  # staging copies run on this thread
+        while worker.job is not None:
+            self._serve(worker, worker.job)
+            with self._lock:
+                if self._ended:
+                    return
+                worker.job = None
+                worker.wake.clear()
+                self._idle.append(worker)
+            if not worker.wake.wait(IDLE_S):
+                with self._lock:
+                    if worker.job is None:  # given none meanwhile (or the hand-offs ended): end
+                        if worker in self._idle:
+                            self._idle.remove(worker)
+                        return
+
+    def _serve(self, worker: _Worker, served: Deferred) -> None:
         try:
             with served.scope:
                 self._answer(served.sock, served.rest(), served.payload, served.summed)
@@ -83,17 +134,22 @@ class HandOffs:
             return
         finally:
             with self._lock:
-                self._threads.pop(threading.current_thread(), None)
+                self._busy.pop(worker, None)
             served.link.give_back_serve()
         self._done(served.link)
 
     def end(self, timeout: float) -> None:
         """End the transfers still served (their streams shut down: they fail at once) and
-        wait for them, so none touches a cache after the engine has given its memory back."""
+        the idle threads, and wait for them, so none touches a cache after the engine has
+        given its memory back."""
         with self._lock:
-            threads = list(self._threads.items())
-        for _thread, sock in threads:
+            self._ended = True
+            busy = list(self._busy.items())
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.wake.set()  # its job is None: it ends
+        for _worker, sock in busy:
             shut_down(sock)
-        for thread, _sock in threads:
-            if thread is not threading.current_thread():
-                thread.join(timeout)
+        for worker in [w for w, _ in busy] + idle:
+            if worker.thread is not None and worker.thread is not threading.current_thread():
+                worker.thread.join(timeout)

@@ -693,6 +693,29 @@ def test_a_push_that_pauses_arrives_whole_and_its_link_goes_on(target: Target) -
     target.serves()
 
 
+def test_the_thread_that_served_a_handed_off_push_serves_the_next(target: Target) -> None:
+    """Pushes that pause, one after another, are each received off the agent by a thread
+    kept from the push before (its name seen while the first paused), not by a new thread
+    each: starting a thread costs up to most of a millisecond on a busy machine, waking an
+    idle one tens of microseconds."""
+    def receiving() -> int:
+        return int(target.prompt.call("engine", "metrics")["agent"]["handed_off"])
+
+    seen = []
+    for _ in range(3):
+        peer = target.raw()
+        frame, payload = _push_of_a_big_tensor(target, peer)
+        peer.send(frame + payload[:len(payload) // 2])
+        until(lambda: receiving() == 1, 10, "the push received off the agent", every=PACED)
+        seen.append({name for _ident, name in target.prompt.snapshot()["threads"]
+                     if name.startswith("datadist-serve")})
+        peer.send(payload[len(payload) // 2:])
+        ans = peer.answer(ANSWER_S)
+        assert isinstance(ans, wire.Reply) and not ans.status, ans
+    assert seen[0] and seen[1] <= seen[0] and seen[2] <= seen[0], seen
+    target.intact()
+
+
 def test_pulls_whose_answer_is_not_read_hold_no_other_link(target: Target) -> None:
     """Three linked peers each ask for two 2 MiB pulls and read nothing.  The agent sent a
     pull's answer on the thread that serves every link, so each held it for
