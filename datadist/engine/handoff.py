@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import socket
 import threading
 from typing import Callable, NamedTuple, Optional
@@ -19,6 +20,8 @@ from .layout import Plan
 from .link import Link, shut_down
 
 __all__ = ["Deferred", "HandOffs"]
+
+log = logging.getLogger("datadist")
 
 
 class Deferred(NamedTuple):
@@ -39,7 +42,7 @@ Answer = Callable[[socket.socket, wire.Message, Optional[Plan], bool], None]
 
 
 #: How long a thread that served a transfer waits for the next one before it ends (s).
-IDLE_S = 30.0
+IDLE_S = 10.0
 
 
 class _Worker:
@@ -50,6 +53,7 @@ class _Worker:
         self.job: Optional[Deferred] = job
         self.wake = threading.Event()
         self.thread: Optional[threading.Thread] = None
+        self.ready = False  # the engine's device made current on this thread
 
 
 class HandOffs:
@@ -82,42 +86,43 @@ class HandOffs:
 
     def start(self, served: Deferred) -> None:
         """Serve ``served`` off the agent thread (raises if the link is closed already, the
-        hand-offs ended, or no thread can start: the caller ends the link)."""
-        if not served.link.lend_serve():
-            raise ConnectionError("the link was closed")
+        hand-offs ended, or no thread can start: the caller ends the link; the transfer's
+        staging buffers are given back)."""
         try:
-            with self._lock:
-                if self._ended:
-                    raise ConnectionError("the engine is stopping")
-                worker = self._idle.pop() if self._idle else None
-                if worker is not None:
-                    worker.job = served
-                    self._busy[worker] = served.sock
-                    worker.wake.set()
-                    return
-                worker = _Worker(served)
-                worker.thread = threading.Thread(target=self._run, args=(worker,), daemon=True,
-                                                 name=f"datadist-serve-{next(self._made)}")
-                self._busy[worker] = served.sock
-                try:
-                    worker.thread.start()
-                except BaseException:
-                    del self._busy[worker]
-                    raise
+            if not served.link.lend_serve():
+                raise ConnectionError("the link was closed")
+            try:
+                self._give(served)
+            except BaseException:
+                served.link.give_back_serve()
+                raise
         except BaseException:
-            served.link.give_back_serve()
+            served.scope.close()
             raise
 
+    def _give(self, served: Deferred) -> None:
+        """``served`` to an idle thread (the one idle last), or to a new one."""
+        with self._lock:
+            if self._ended:
+                raise ConnectionError("the engine is stopping")
+            worker = self._idle.pop() if self._idle else None
+            if worker is not None:
+                worker.job = served
+                self._busy[worker] = served.sock
+                worker.wake.set()
+                return
+            worker = _Worker(served)
+            worker.thread = threading.Thread(target=self._run, args=(worker,), daemon=True,
+                                             name=f"datadist-serve-{next(self._made)}")
+            self._busy[worker] = served.sock
+            try:
+                worker.thread.start()
+            except BaseException:
+                del self._busy[worker]
+                raise
+
     def _run(self, worker: _Worker) -> None:
-        npu.set_device(self._device)  # staging copies run on this thread
-        while worker.job is not None:
-            self._serve(worker, worker.job)
-            with self._lock:
-                if self._ended:
-                    return
-                worker.job = None
-                worker.wake.clear()
-                self._idle.append(worker)
+        while worker.job is not None and self._serve(worker, worker.job):
             if not worker.wake.wait(IDLE_S):
                 with self._lock:
                     if worker.job is None:  # given none meanwhile (or the hand-offs ended): end
@@ -125,18 +130,41 @@ class HandOffs:
                             self._idle.remove(worker)
                         return
 
-    def _serve(self, worker: _Worker, served: Deferred) -> None:
+    def _serve(self, worker: _Worker, served: Deferred) -> bool:
+        """Serve one transfer; whether the thread is to wait for the next one.  The thread
+        is made idle (under the lock that :meth:`end` takes) before the link is handed
+        back, so that a next request the link's peer sends at once finds it idle, and a
+        thread is always busy, idle, or past its last look at :attr:`_ended`."""
+        ok = False
         try:
             with served.scope:
+                if not worker.ready:
+                    npu.set_device(self._device)  # staging copies run on this thread
+                    worker.ready = True
                 self._answer(served.sock, served.rest(), served.payload, served.summed)
+            ok = True
         except Exception as exc:
-            self._failed(served.link, exc)
-            return
+            self._callback(self._failed, served.link, exc)
         finally:
             with self._lock:
                 self._busy.pop(worker, None)
+                worker.job = None
+                keep = not self._ended
+                if keep:
+                    worker.wake.clear()
+                    self._idle.append(worker)
             served.link.give_back_serve()
-        self._done(served.link)
+        if ok:
+            self._callback(self._done, served.link)
+        return keep
+
+    @staticmethod
+    def _callback(fn: Callable[..., None], *args: object) -> None:
+        """A callback of the agent's, which must not end a thread kept for the next transfer."""
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("a callback of a transfer served off the agent failed")
 
     def end(self, timeout: float) -> None:
         """End the transfers still served (their streams shut down: they fail at once) and

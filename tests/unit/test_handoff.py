@@ -173,3 +173,56 @@ def test_a_closed_link_is_not_served(pairs) -> None:
         offs.start(job)
     assert not _serving_threads() and len(offs) == 0
     offs.end(5)
+
+
+def test_a_request_sent_right_after_the_answer_finds_the_thread_idle(pairs) -> None:
+    """The thread is idle before its link is handed back: a next transfer handed off as
+    soon as the link is watched again (here: from the done callback itself) goes to it."""
+    served = _Served()
+    follow: List[Tuple[Deferred, socket.socket]] = []
+
+    def done(link: object) -> None:
+        served.on_done(link)
+        if len(follow) < 2:
+            follow.append(_transfer(pairs))
+            offs.start(follow[-1][0])
+            follow[-1][1].sendall(b"x")
+
+    offs = HandOffs("cpu", served.answer, served.on_failed, done)
+    job, peer = _transfer(pairs)
+    offs.start(job)
+    peer.sendall(b"x")
+    until(lambda: served.done == 3 and len(offs) == 0, 10, "three transfers served")
+    assert len({name for _reply, name in served.answered}) == 1, served.answered
+    offs.end(5)
+
+
+def test_staging_is_given_back_when_a_transfer_cannot_be_handed_off(pairs) -> None:
+    served = _Served()
+    offs = HandOffs("cpu", served.answer, served.on_failed, served.on_done)
+    link = _Link()
+    link.closed = True
+    job, _peer = _transfer(pairs, link)
+    given_back = []
+    job.scope.callback(given_back.append, "staging")
+    with pytest.raises(ConnectionError):
+        offs.start(job)
+    assert given_back == ["staging"]
+    offs.end(5)
+
+
+def test_a_device_that_cannot_be_made_current_fails_the_transfer(pairs, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_device(device: str) -> None:
+        raise RuntimeError(f"device {device} is gone")
+
+    monkeypatch.setattr(handoff.npu, "set_device", no_device)
+    served = _Served()
+    offs = HandOffs("npu:3", served.answer, served.on_failed, served.on_done)
+    job, _peer = _transfer(pairs)
+    given_back = []
+    job.scope.callback(given_back.append, "staging")
+    offs.start(job)
+    until(lambda: served.failed and len(offs) == 0, 10, "the transfer failed")
+    assert "npu:3 is gone" in str(served.failed[0]) and served.done == 0
+    assert given_back == ["staging"] and job.link.lent == 0  # type: ignore[attr-defined]
+    offs.end(5)
