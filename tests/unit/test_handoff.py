@@ -163,14 +163,17 @@ def test_the_end_shuts_down_a_transfer_in_flight_and_ends_idle_threads(pairs) ->
     assert job.link.lent == 0  # type: ignore[attr-defined]
 
 
-def test_a_closed_link_is_not_served(pairs) -> None:
+def test_a_closed_link_is_not_served_and_its_staging_is_given_back(pairs) -> None:
     served = _Served()
     offs = HandOffs("cpu", served.answer, served.on_failed, served.on_done)
     link = _Link()
     link.closed = True
     job, _peer = _transfer(pairs, link)
+    given_back = []
+    job.scope.callback(given_back.append, "staging")
     with pytest.raises(ConnectionError, match="closed"):
         offs.start(job)
+    assert given_back == ["staging"]
     assert not _serving_threads() and len(offs) == 0
     offs.end(5)
 
@@ -194,20 +197,6 @@ def test_a_request_sent_right_after_the_answer_finds_the_thread_idle(pairs) -> N
     peer.sendall(b"x")
     until(lambda: served.done == 3 and len(offs) == 0, 10, "three transfers served")
     assert len({name for _reply, name in served.answered}) == 1, served.answered
-    offs.end(5)
-
-
-def test_staging_is_given_back_when_a_transfer_cannot_be_handed_off(pairs) -> None:
-    served = _Served()
-    offs = HandOffs("cpu", served.answer, served.on_failed, served.on_done)
-    link = _Link()
-    link.closed = True
-    job, _peer = _transfer(pairs, link)
-    given_back = []
-    job.scope.callback(given_back.append, "staging")
-    with pytest.raises(ConnectionError):
-        offs.start(job)
-    assert given_back == ["staging"]
     offs.end(5)
 
 
