@@ -49,10 +49,10 @@ class _Worker:
     """A thread that serves handed-off transfers one after another: ``job`` is the one it
     serves next (None when it should end), ``wake`` is set when a job is given."""
 
-    def __init__(self, job: Deferred) -> None:
+    def __init__(self, job: Deferred, run: Callable[[_Worker], None], name: str) -> None:
         self.job: Optional[Deferred] = job
         self.wake = threading.Event()
-        self.thread: Optional[threading.Thread] = None
+        self.thread = threading.Thread(target=run, args=(self,), daemon=True, name=name)
         self.ready = False  # the engine's device made current on this thread
 
 
@@ -111,9 +111,7 @@ class HandOffs:
                 self._busy[worker] = served.sock
                 worker.wake.set()
                 return
-            worker = _Worker(served)
-            worker.thread = threading.Thread(target=self._run, args=(worker,), daemon=True,
-                                             name=f"datadist-serve-{next(self._made)}")
+            worker = _Worker(served, self._run, f"datadist-serve-{next(self._made)}")
             self._busy[worker] = served.sock
             try:
                 worker.thread.start()
@@ -179,5 +177,5 @@ class HandOffs:
         for _worker, sock in busy:
             shut_down(sock)
         for worker in [w for w, _ in busy] + idle:
-            if worker.thread is not None and worker.thread is not threading.current_thread():
+            if worker.thread is not threading.current_thread():
                 worker.thread.join(timeout)

@@ -54,7 +54,8 @@ def _daemon_read_all(sock: socket.socket) -> bool:
 
 
 def test_sigterm_finishes_the_read_in_flight_and_exits_0(daemon_factory, tmp_path):  # noqa: F811
-    d = daemon_factory(tcp=True, capacity="256M", disk_dir=tmp_path / "disk", extra=["--drain-timeout", "30", "--log-level", "INFO"])
+    d = daemon_factory(tcp=True, capacity="256M", disk_dir=tmp_path / "disk",
+                       extra=["--drain-timeout", "30", "--log-level", "INFO"])
     host, _, port = d.tcp[len("tcp://"):].rpartition(":")
     data = np.random.default_rng(1).integers(0, 256, SIZE, dtype=np.uint8)
     writer = _connect(d.tcp)

@@ -47,7 +47,8 @@ def test_wheel_and_sdist_install_into_a_fresh_venv(tmp_path: Path) -> None:
     assert any(n.startswith("datadist/engine/_native") and n.endswith(".so") for n in names)
     sdist = next(dist.glob("datadist-*.tar.gz"))
     in_sdist = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
-    sources = {str(f.relative_to(ROOT)) for f in (ROOT / "datadist/engine/csrc").iterdir() if f.suffix in (".c", ".h")}
+    sources = {str(f.relative_to(ROOT)) for f in (ROOT / "datadist/engine/csrc").iterdir()
+               if f.suffix in (".c", ".h")}
     assert sources and sources <= in_sdist, sources - in_sdist  # every C source and the header they share
     _ok([py, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "from-sdist"),
          str(sdist)])  # the sdist alone builds the extension

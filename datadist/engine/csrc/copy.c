@@ -7,6 +7,11 @@
  */
 #include "native.h"
 
+/* Copies at least this large use streaming stores (x86): their destination would not
+ * stay in the cache anyway, and skipping its read-for-ownership saves a third of the
+ * memory traffic (figures before and after: docs/benchmarks.md). */
+#define DD_STREAM_MIN_BYTES (4u << 20)
+
 #if defined(__SSE2__)
 /* Copy `n` bytes (a multiple of 64), with streaming stores to a 16-byte aligned `d` when
  * `stream` is set: they skip the read-for-ownership of the destination and leave the

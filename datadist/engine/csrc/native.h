@@ -39,15 +39,8 @@
 /* Stay below IOV_MAX (1024) so that one batch is always one system call. */
 #define DD_IOV_BATCH 1024
 
-/* Plans larger than this are split over several threads (the caller says how many): one
- * core rarely saturates memory bandwidth on its own. */
-#define DD_PARALLEL_MIN_BYTES (8u << 20)
+/* The most threads one plan's copy or sums are shared among. */
 #define DD_MAX_THREADS 8
-
-/* Copies at least this large use streaming stores (x86): their destination would not
- * stay in the cache anyway, and skipping its read-for-ownership saves a third of the
- * memory traffic (figures before and after: docs/benchmarks.md). */
-#define DD_STREAM_MIN_BYTES (4u << 20)
 
 static inline int64_t now_ms(void) {
     struct timespec ts;
@@ -85,8 +78,6 @@ typedef struct {
     int expired;         /* set (atomic) when a chunk was left undone for the deadline */
 } chunks_t;
 
-/* Chunks of at most 64 MiB: a deadline is checked at most that many bytes apart. */
-#define DD_MAX_CHUNK ((uint64_t)64 << 20)
 
 chunks_t chunks_for(uint64_t total, int parts, int64_t deadline_ms);
 int next_chunk(chunks_t *w, uint64_t *lo, uint64_t *hi);

@@ -48,6 +48,13 @@ size_t fill_iov(const plan_t *p, const cursor_t *c, struct iovec *a, struct iove
     return k;
 }
 
+/* Plans larger than this are split over several threads (the caller says how many): one
+ * core rarely saturates memory bandwidth on its own. */
+#define DD_PARALLEL_MIN_BYTES (8u << 20)
+
+/* Chunks of at most 64 MiB: a deadline is checked at most that many bytes apart. */
+#define DD_MAX_CHUNK ((uint64_t)64 << 20)
+
 chunks_t chunks_for(uint64_t total, int parts, int64_t deadline_ms) {
     uint64_t chunk = ((total / ((uint64_t)parts * 8)) + 4095) & ~(uint64_t)4095;
     if (chunk < (1u << 20)) chunk = 1u << 20;
