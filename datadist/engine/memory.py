@@ -5,8 +5,13 @@ Arenas are anonymous (``memfd_create``): they never appear in ``/dev/shm``, so a
 process leaves nothing behind, and the kernel frees the memory when the last mapping and
 descriptor are gone.  A same-host peer maps an arena by opening ``/proc/<pid>/fd/<fd>``
 of the owner, which needs the same user (the ptrace read check), and keeps its mapping
-alive even if the owner dies, so a one-sided copy can never fault.  A process handed an
-arena's descriptor (over a unix socket, say) maps it with :class:`SharedMapping`.
+alive even if the owner dies.  Every arena's size is sealed (``F_SEAL_SHRINK``,
+``F_SEAL_GROW``) before anyone maps it, and a mapping of another process's descriptor is
+refused unless it is so sealed: a process holding the descriptor (a peer, a pool client
+it was passed to) could otherwise shrink the file under the others' mappings, and their
+next copy into the lost pages would fault (``SIGBUS``) instead of failing.  So a one-sided
+copy can never fault.  A process handed an arena's descriptor (over a unix socket, say)
+maps it with :class:`SharedMapping`.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Protocol
 
-__all__ = ["Arena", "InvalidFree", "IpcRegion", "PeerArena", "PeerSpan", "PoolAllocator", "PoolExhausted", "PoolMemory",
+__all__ = ["Arena", "InvalidFree", "check_fixed_size", "IpcRegion", "PeerArena", "PeerSpan", "PoolAllocator", "PoolExhausted", "PoolMemory",
            "SharedMapping", "bytes_view", "round_to_pages"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -32,7 +37,23 @@ _MAP_SHARED = 0x01
 _MAP_FAILED = ctypes.c_void_p(-1).value
 #: ``F_SEAL_FUTURE_WRITE`` of <linux/fcntl.h> (Linux 5.1), which Python's fcntl does not name.
 _SEAL_FUTURE_WRITE = 0x0010
-_SEALS_OTHERS_READ_ONLY = _SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: The seals of every arena: its size is fixed for good (a seal is never removed).
+_SEALS_FIXED_SIZE = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_SEALS_OTHERS_READ_ONLY = _SEAL_FUTURE_WRITE | _SEALS_FIXED_SIZE | fcntl.F_SEAL_SEAL
+
+
+def check_fixed_size(fd: int, size: int) -> None:
+    """Raise ``OSError`` unless the file of ``fd`` holds at least ``size`` bytes and is
+    sealed against shrinking (what makes a shared mapping of it safe from its other
+    holders)."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:  # EINVAL: a file that cannot be sealed (not a memfd)
+        raise OSError(exc.errno, f"shared memory of {size} bytes that cannot be sealed: {exc.strerror}") from None
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise OSError(f"shared memory of {size} bytes that its other holders may shrink (no F_SEAL_SHRINK)")
+    if os.fstat(fd).st_size < size:
+        raise OSError(f"shared memory is smaller than announced ({os.fstat(fd).st_size} < {size} bytes)")
 
 
 def _map(fd: int, size: int) -> int:
@@ -59,7 +80,10 @@ class SharedMapping:
     """
 
     def __init__(self, fd: int, size: int) -> None:
+        """Map ``fd``; ``OSError`` unless it is at least ``size`` bytes and sealed against
+        shrinking (:func:`check_fixed_size`)."""
         self.size = int(size)
+        check_fixed_size(fd, self.size)
         self._mm: mmap.mmap | None = mmap.mmap(fd, self.size, mmap.MAP_SHARED,
                                                mmap.PROT_READ | mmap.PROT_WRITE)
         anchor = ctypes.c_char.from_buffer(self._mm)
@@ -110,9 +134,10 @@ class Arena(SharedMapping):
         if size <= 0:
             raise ValueError(f"arena size must be > 0, got {size}")
         self.name = name
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if others_read_only else 0))
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, int(size))
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS_FIXED_SIZE)
             super().__init__(self.fd, size)
         except BaseException:
             os.close(self.fd)
@@ -175,10 +200,14 @@ class PeerArena(PeerSpan):
     @classmethod
     def open(cls, pid: int, fd: int, size: int, remote_base: int) -> "PeerArena":
         """Map arena ``fd`` of process ``pid``; raises ``OSError`` if it cannot be reached."""
+        if type(fd) is not int or fd < 0:  # a path of /proc is made of it
+            raise OSError(f"peer arena descriptor {fd!r} is not a descriptor number")
         local_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
         try:
-            if os.fstat(local_fd).st_size < size:
-                raise OSError(f"peer arena /proc/{pid}/fd/{fd} is smaller than announced ({size} bytes)")
+            try:
+                check_fixed_size(local_fd, size)
+            except OSError as exc:
+                raise OSError(f"peer arena /proc/{pid}/fd/{fd}: {exc}") from None
             local = _map(local_fd, size)
         finally:
             os.close(local_fd)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import mmap
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from datadist.engine.memory import Arena
+from datadist.engine.memory import Arena, check_fixed_size
 
 from . import _keyset
 
@@ -102,6 +102,7 @@ class KeySetView:
     """A client's read-only mapping of a daemon's key set."""
 
     def __init__(self, fd: int, size: int) -> None:
+        check_fixed_size(fd, size)  # the daemon's own seal: nobody can shrink it under us
         self._mm: Optional[mmap.mmap] = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         _keyset.stats(self._mm)  # raises ValueError unless it is an initialised table
 

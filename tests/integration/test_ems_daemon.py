@@ -1,6 +1,7 @@
 """The pool daemon with real processes: round trips, failures, restarts, disk tier."""
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -266,8 +267,9 @@ class _StallingServer:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(path)
         self.sock.listen(8)
-        self.fd = os.memfd_create("stall")
+        self.fd = os.memfd_create("stall", os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, 1 << 20)
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)  # clients map only sealed arenas
         self.keys = KeySet("stall", 64)
         self.keys.invalidate()
         self.conns = []

@@ -11,6 +11,7 @@ raw hostile PROMPT server.  Every attack runs on loopback, bounded in count and 
 """
 from __future__ import annotations
 
+import os
 import random
 import select
 import socket
@@ -933,3 +934,31 @@ def test_malformed_prompt_answers_fail_as_llm_errors(peer_factory: Any) -> None:
     finally:
         hostile.close()
     assert not raised, "\n".join(raised)
+
+
+def test_a_same_host_peer_cannot_shrink_its_arena_under_the_copier(peer_factory: Any) -> None:
+    """A PROMPT linked over shm shrinks its pool arena (``ftruncate`` of its own memfd; the
+    test does it through ``/proc/<pid>/fd``, as the process itself could): the kernel
+    refuses (the arenas' size is sealed), and the decoder's next pull, copying from its
+    mapping of that arena, gets the bytes instead of a SIGBUS."""
+    p, d = cast(Tuple[Peer, Peer], peer_factory("pair", "shm").peers())
+    p.alloc("src", BLOCKS, blocks=True, bkey=blocks_key(PROMPT_ID, 1))
+    src = p.fill("src", BLOCKS, 3)
+    d.alloc("dst", BLOCKS, blocks=True)
+    dst = d.fill("dst", BLOCKS, 4)
+    d.cm("pull_blocks", blocks_key(PROMPT_ID, 1), Ref("dst"), [0], [0])  # mapped now
+    assert d.call("links")[PROMPT_ID]["path"] == "shm"
+    arenas = [fd for fd in os.listdir(f"/proc/{p.pid}/fd")
+              if os.readlink(f"/proc/{p.pid}/fd/{fd}").startswith("/memfd:datadist-")]
+    assert arenas
+    for fd in arenas:
+        other = os.open(f"/proc/{p.pid}/fd/{fd}", os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.ftruncate(other, 0)
+        finally:
+            os.close(other)
+    d.cm("pull_blocks", blocks_key(PROMPT_ID, 1), Ref("dst"), [1], [1])
+    dst = expect_blocks(dst, src, [0, 1], [0, 1], BLOCKS.row_bytes)
+    np.testing.assert_array_equal(d.read("dst"), dst)
+    assert d.alive and p.alive

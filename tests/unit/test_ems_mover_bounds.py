@@ -4,6 +4,7 @@ mapping is refused before a byte moves, so a broken or hostile daemon cannot mak
 client write or read its own memory beyond the arena."""
 from __future__ import annotations
 
+import fcntl
 import os
 
 import numpy as np
@@ -22,8 +23,9 @@ ARENA = 1 << 16
 
 @pytest.fixture
 def mover():
-    fd = os.memfd_create("arena")
+    fd = os.memfd_create("arena", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, ARENA)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)  # as the daemon's arenas are
     arena = MappedArena(fd, ARENA, "x")
     yield ArenaMover(HostCopier(), arena, verify=True), arena
     arena.close()
