@@ -262,6 +262,10 @@ class Store:
         if self._spilling.get(name) is e:
             del self._spilling[name]
             self._published(e.space, e.key)
+        newer = e.space.index.get(e.key)
+        if ok and newer is not None and not newer.on_disk:  # committed while this one spilled
+            self.disk.retire(e.space.name, e.key)
+            ok = False
         if ok:
             self.counters["spills"] += 1
         self._unpin(e)
@@ -388,6 +392,8 @@ class Store:
                     continue
                 e = Entry(ts, key, off, res.alloc, res.size, int(crc))
                 self._insert(e)
+                if self.disk is not None:  # its copy there, if any, is of an older value now
+                    self.disk.retire(ts.name, key)
                 self.counters["committed"] += 1
                 stored.append(True)
                 if self.remote is not None:

@@ -21,11 +21,17 @@ class FakeTier(Tier):
     def __init__(self) -> None:
         self.data: Dict[Tuple[str, str], Tuple[bytes, int]] = {}
         self.corrupt = False
+        self.full = False  # refuses what it is given to store
         self.discarded: List[str] = []
 
     def store(self, ns: str, key: str, data: memoryview, crc: int) -> bool:
+        if self.full:
+            return False
         self.data[(ns, key)] = (bytes(data), crc)
         return True
+
+    def retire(self, ns: str, key: str) -> None:
+        self.data.pop((ns, key), None)
 
     def exists(self, ns: str, keys: Sequence[str]) -> List[bool]:
         return [(ns, k) in self.data for k in keys]
@@ -148,6 +154,19 @@ def test_spill_to_tier_and_fill_back_and_corruption(spilled):
     disk.corrupt = True
     _lease, got = s.get(owner, ts, ["z"], False)
     assert got == [] and disk.discarded == ["z"] and s.counters["corrupt"] == 1
+
+
+def test_an_overwritten_value_never_comes_back_from_the_tier(spilled):
+    """a (value 1) is on the tier; a new value of a is committed; when the new one is
+    evicted and the tier cannot take it, a is gone: a miss, never the old value."""
+    s, disk, ts, owner = spilled
+    put(s, owner, ts, "a", 7)
+    assert ("t", "a") not in disk.data  # the old copy is forgotten at the commit
+    disk.full = True
+    put(s, owner, ts, "d", 4)
+    put(s, owner, ts, "e", 5)  # evicts the new a (and whatever else), none reaches the tier
+    _lease, got = s.get(owner, ts, ["a"], False)
+    assert got == []
 
 
 def test_tenants_have_separate_arenas(store):

@@ -51,6 +51,12 @@ class Tier(ABC):
     def discard(self, ns: str, key: str) -> None:
         """Forget a value (it was found corrupted)."""
 
+    def retire(self, ns: str, key: str) -> None:
+        """Forget the copy of ``key``, if any: a newer value of it was committed above this
+        tier, and this copy must never be filled back.  The default forgets it as
+        :meth:`discard` does; a tier with its own locking overrides it."""
+        self.discard(ns, key)
+
     def contains(self, ns: str, key: str) -> bool:
         """Cheap membership test (defaults to ``exists``)."""
         return self.exists(ns, [key])[0]

@@ -48,7 +48,7 @@ class DiskTier(Tier):
         self._lock = threading.Lock()
         self._index: "OrderedDict[str, Tuple[int, int]]" = OrderedDict()  # name -> (size, checksum)
         self.used = 0
-        self.counters = {"stored": 0, "loaded": 0, "corrupt": 0, "evicted": 0}
+        self.counters = {"stored": 0, "loaded": 0, "corrupt": 0, "evicted": 0, "retired": 0}
         self._scan()
 
     @classmethod
@@ -181,6 +181,23 @@ class DiskTier(Tier):
             os.unlink(self._path(name))
         except FileNotFoundError:
             pass
+
+    def retire(self, ns: str, key: str) -> None:
+        """Forget the copy of ``key``, if there is one: a newer value of it was committed,
+        and this copy must never be filled back (should the newer one be evicted without
+        reaching this tier).  Under this tier's lock, so a spill of the newer value, which
+        replaces the file under the same lock, is never undone."""
+        name = tier_key(ns, key)
+        with self._lock:
+            meta = self._index.pop(name, None)
+            if meta is None:
+                return
+            self.used -= meta[0]
+            self.counters["retired"] += 1
+            try:
+                os.unlink(self._path(name))
+            except FileNotFoundError:
+                pass
 
     def health(self) -> Optional[str]:
         if not os.access(self.directory, os.W_OK | os.X_OK):
