@@ -319,6 +319,13 @@ class RequestHandler:
         # One base per tensor, each once: a base named again and again multiplies what a
         # small frame makes this engine move, sum or stage.
         sized = extent is not None and total * bases.shape[0] == msg.nbytes and _distinct(bases)
+        if sized and msg.nbytes > self._capacity(None if msg.cache_id == ANY_CACHE else rec):
+            # Runs named again and again (offsets, not bases) would do the same: a plan half
+            # never names more bytes than the memory it lies in holds (runs repeated within
+            # that, a pull of one block into several, stay allowed).
+            where = "its caches" if rec is None or msg.cache_id == ANY_CACHE else f"cache {rec.cache_id}"
+            return int(Fault.PARAM_INVALID), (f"plan names {msg.nbytes} bytes, more than {where} of cluster "
+                                              f"{reg.cluster_id} hold"), "cpu"
         if msg.cache_id == ANY_CACHE:
             # Raw addresses (TransferConfig.dst_addrs): no lookup that could be stale; the
             # plan must lie inside the caches registered right now.

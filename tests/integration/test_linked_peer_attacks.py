@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from datadist.engine import auth, wire
+from datadist.engine.errors import Fault
 from datadist.engine.handshake import ClientAuth
 from harness import (DECODER_ID, PROMPT_ID, Desc, Peer, PeerError, Ref, base_config, blocks_key, close_peers,
                      expect_blocks, free_port, rss_bytes)
@@ -577,15 +578,19 @@ def test_zero_length_runs_do_not_hold_the_agent(target: Target) -> None:
     target.intact()
 
 
-def test_repeated_tensor_bases_do_not_amplify_a_sum(target: Target) -> None:
-    """A 512 KiB SUM naming one 2 MiB tensor 2^16 times (128 GiB) passes _check: the agent
-    allocates the stream sums of 128 GiB (512 MiB) and sums 128 GiB with no deadline."""
+@pytest.mark.parametrize("message", [wire.Sum, wire.Pull])
+@pytest.mark.parametrize("repeated", ["bases", "offsets"])
+def test_repeated_runs_do_not_amplify_a_request(target: Target, message: type, repeated: str) -> None:
+    """A 512 KiB SUM or PULL naming one 2 MiB tensor 2^16 times (128 GiB), by its base or by
+    a run of it repeated, is refused at once: served, the agent would allocate the stream
+    sums of 128 GiB (512 MiB) and sum 128 GiB with no deadline, or stream them."""
     peer = target.raw()
     r = target.lookup(peer, model_id=2)
     n = 1 << 16
-    frame_bytes = wire.encode(wire.Sum(cache_id=r.cache_id, epoch=r.epoch, nbytes=n * r.tensor_size,
-                                       arrays=[np.full(n, int(r.arrays[0][0]), np.uint64), u64(0),
-                                               u64(r.tensor_size)]))
+    base = int(r.arrays[0][0])
+    arrays = ([np.full(n, base, np.uint64), u64(0), u64(r.tensor_size)] if repeated == "bases" else
+              [u64(base), np.zeros(n, np.uint64), np.full(n, r.tensor_size, np.uint64)])
+    frame_bytes = wire.encode(message(cache_id=r.cache_id, epoch=r.epoch, nbytes=n * r.tensor_size, arrays=arrays))
     with RssPeak(target.prompt.pid) as rss:
         t0 = time.monotonic()
         peer.send(frame_bytes)
@@ -595,9 +600,10 @@ def test_repeated_tensor_bases_do_not_amplify_a_sum(target: Target) -> None:
         except (ConnectionError, OSError, wire.WireError) as exc:
             ans = exc
         waited = time.monotonic() - t0
-    assert rss.growth < RSS_GROWTH_LIMIT, f"a {len(frame_bytes)}-byte SUM grew the engine by {rss.growth >> 20} MiB"
-    assert waited < ANSWER_S + 1, f"the SUM held the agent for {waited:.1f} s ({ans})"
-    assert honest is None, f"an honest pull behind the SUM failed: {honest}"
+    assert rss.growth < RSS_GROWTH_LIMIT, f"a {len(frame_bytes)}-byte request grew the engine by {rss.growth >> 20} MiB"
+    assert waited < ANSWER_S + 1, f"the request held the agent for {waited:.1f} s ({ans})"
+    assert honest is None, f"an honest pull behind the request failed: {honest}"
+    assert getattr(ans, "status", None) == int(Fault.PARAM_INVALID), ans
     target.intact()
 
 

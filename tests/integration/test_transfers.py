@@ -84,6 +84,8 @@ BLOCK_ORDERS = {
     "ascending": ([0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]),
     "one": ([7], [0]),
     "partly_coalescing": ([2, 3, 4, 0, 1], [5, 6, 7, 1, 2]),
+    # one block into every destination: as many bytes as the source cache holds, all of one run
+    "one_into_all": ([3] * 8, [0, 1, 2, 3, 4, 5, 6, 7]),
 }
 
 
