@@ -49,6 +49,8 @@ class Served(Protocol):
     """What the dispatcher needs of a session."""
 
     sock: socket.socket
+    #: When the connection was accepted (``time.monotonic``).
+    accepted: float
 
     @property
     def greeted(self) -> bool:
@@ -231,12 +233,13 @@ class Dispatcher:
 
     def _kick_idle(self) -> None:
         """Shut down connections idle past ``idle_timeout``, and those that have not said
-        HELLO within ``read_timeout`` (a stranger must not keep a connection slot)."""
+        HELLO within ``read_timeout`` of being accepted, whatever they sent meanwhile (a
+        stranger must not keep a connection slot, pinging or not)."""
         now = time.monotonic()
         limit = now - self.idle_timeout if self.idle_timeout > 0 else -float("inf")
         with self._lock:
             idle = [(fd, s) for fd, (s, since) in self._armed.items()
-                    if since < limit or (since < now - self.read_timeout and not s.greeted)]
+                    if since < limit or (s.accepted < now - self.read_timeout and not s.greeted)]
             for fd, s in idle:
                 self._armed[fd] = (s, float("inf"))
         for _, session in idle:

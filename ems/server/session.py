@@ -100,6 +100,8 @@ class Session:
         self.d = daemon
         self.sock = sock
         self.unix = unix
+        #: When the connection was taken (a stranger has ``read_timeout`` from then to say HELLO).
+        self.accepted = time.monotonic()
         self.space: Optional[TenantSpace] = None
         self.owner: Optional[Owner] = None
         self._fds: Tuple[int, ...] = ()  # descriptors to pass with the next reply

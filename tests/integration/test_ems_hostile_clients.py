@@ -7,11 +7,13 @@ value, bytes checked, within a short deadline.  Loopback only, bounded in count 
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
 import socket
 import struct
+import threading
 import time
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
@@ -238,6 +240,38 @@ def test_strangers_that_never_say_hello_do_not_keep_every_connection_slot(daemon
         except EmsError:
             return False
     until(admitted, 6, "an honest client admitted while strangers idle before HELLO", every=0.2)
+
+
+def test_strangers_that_keep_pinging_still_lose_their_slot(daemon_factory, creds, closing) -> None:
+    """Without a pool secret a stranger may PING before HELLO; strangers pinging every
+    0.3 s on every --max-connections slot must still be shut out once --read-timeout has
+    passed since they connected, or they lock every tenant out for as long as they like."""
+    daemon = daemon_factory(tcp=True, credentials=creds, extra=["--max-connections", "4", "--read-timeout", "1"])
+    strangers = [socket.create_connection(_tcp(daemon), timeout=5) for _ in range(4)]
+    closing.extend(strangers)
+    stop = threading.Event()
+
+    def ping(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError, EmsError):
+            while not stop.wait(0.3):  # the stranger's own pace
+                wire.send_msg(sock, wire.Ping(), time.monotonic() + 5)
+                wire.recv_msg(sock, time.monotonic() + 5)
+
+    pingers = [threading.Thread(target=ping, args=(s,), daemon=True) for s in strangers]
+    for t in pingers:
+        t.start()
+    try:
+        def admitted() -> bool:
+            try:
+                honest(daemon, access_id="alice", access_key=KEY_A, tcp=True)
+                return True
+            except EmsError:
+                return False
+        until(admitted, 6, "alice admitted while strangers ping before HELLO", every=0.2)
+    finally:
+        stop.set()
+        for t in pingers:
+            t.join(10)
 
 
 # ----------------------------------------------------------------------------- tenants
