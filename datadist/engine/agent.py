@@ -23,7 +23,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Tuple, Union, cast
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Union, cast
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from . import native, npu, tls, wire
 from .errors import Fault
 from .auth import Secret
 from .handshake import REFUSAL, ServerAuth
+from .gather import Gatherings, arrived_of, whole_request
 from .handoff import Deferred, HandOffs
 from .incoming import Incoming, NotTls, Pending, RateLimitedLog, tls_refusal
 from .layout import Plan
@@ -39,7 +40,7 @@ from .notes import NoteBox
 from .options import EngineSettings
 from .polling import LOAD, SpinPolicy
 from .registry import Registry
-from .requests import OK, RequestHandler
+from .requests import OK, SERVED, RequestHandler
 from .transports import checked
 
 __all__ = ["Agent", "AgentHost", "Handshakes", "warn_if_unauthenticated"]
@@ -52,9 +53,6 @@ _EMPTY = np.zeros(0, dtype=np.uint64)
 _NO_PAYLOAD = Plan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
 #: More than a frame that opens a link may hold (taken from a refused plaintext peer).
 _OPENING_BYTES = 1 << 17
-#: Largest request frame the agent waits to see whole before it reads it, while it serves
-#: other links too (a socket buffer holds it); a larger one is read as it arrives.
-_WHOLE_MAX = 64 << 10
 #: How often links whose next request has only partly arrived are looked at again.
 _PARTIAL_POLL_S = 0.01
 
@@ -146,6 +144,7 @@ class Agent:
         self._wake_r.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._partial: dict[Link, float] = {}  # links set aside with part of a request, since when
+        self._gathering: Gatherings[Link] = Gatherings(SERVED)  # links whose request is read as it comes
         self._calls: list[Callable[[], None]] = []
         self._calls_lock = threading.Lock()
         #: Transfers served off this thread (their bytes would have waited for the peer).
@@ -291,7 +290,7 @@ class Agent:
         npu.set_device(self.engine.device)  # this thread's current device, never the caller's
         while not self._stop:
             timeout = self._incoming.next_timeout()
-            if self._partial:
+            if self._partial or self._gathering:
                 timeout = _PARTIAL_POLL_S if timeout is None else min(timeout, _PARTIAL_POLL_S)
             try:
                 events = self._sel.select(timeout)
@@ -305,7 +304,7 @@ class Agent:
                 self._guarded(self._dispatch, key)
             if self._incoming.pending:  # most turns of the loop serve links, with nobody opening one
                 self._guarded(self._expire_pending)
-            if self._partial:
+            if self._partial or self._gathering:
                 self._guarded(self._look_again)
 
     def _dispatch(self, key: selectors.SelectorKey) -> None:
@@ -481,21 +480,42 @@ class Agent:
                 return
 
     def _serve(self, link: Link) -> bool:
-        """Serve ``link``'s next request; False when it has not arrived whole and the link
-        is set aside until it has (:meth:`_look_again`): with other links to serve, a peer
-        that sends part of a frame and stops must not hold this thread."""
+        """Serve ``link``'s next request; False when it has not arrived whole (a small plain
+        frame: the link is set aside until it has, :meth:`_look_again`; a larger or TLS one:
+        what came is kept, :mod:`.gather`, and the link stays watched), or was handed off.
+        With other links to serve, a peer that sends part of a frame and stops must not
+        hold this thread."""
         sock = link.serve_sock
-        if self._watched > 1 and sock is not None and not isinstance(sock, ssl.SSLSocket) \
-                and _whole_request(sock) is False:
-            self._unregister(link)
-            self._partial[link] = time.monotonic()
-            return False
+        assert sock is not None  # only a link with a serve_sock is registered (_register)
+        frame = None
+        if link in self._gathering or self._watched > 1:
+            arrived = native.FRAME_LARGE if link in self._gathering or isinstance(sock, ssl.SSLSocket) else \
+                arrived_of(sock)
+            if arrived == native.FRAME_PART:
+                self._unregister(link)
+                self._partial[link] = time.monotonic()
+                return False
+            if arrived == native.FRAME_LARGE:  # a TLS frame, or one beyond a socket buffer's
+                try:
+                    whole = self._gathering.feed(link, sock, time.monotonic())
+                except (OSError, wire.WireError) as exc:
+                    self._unregister(link)
+                    self._failed(link, exc)
+                    return True
+                if whole is None:
+                    return False  # watched still: the rest of it wakes this thread
+                frame = self._requests.frame_of(whole)
+        return self._serve_frame(link, sock, frame)
+
+    def _serve_frame(self, link: Link, sock: socket.socket, frame: Optional[wire.Frame]) -> bool:
+        """Serve one request of ``link``: ``frame`` as gathered, or (None) the one its socket
+        holds next; False when it was handed off (the socket is not this thread's now)."""
         try:
-            assert sock is not None  # only a link with a serve_sock is registered (_register)
             self._requests.may_defer = self._watched > 1
-            frame = self._requests.serve_known(link, sock)
-            if frame is None:  # a transfer admitted before: served already
-                return True
+            if frame is None:
+                frame = self._requests.serve_known(link, sock)
+                if frame is None:  # a transfer admitted before: served already
+                    return True
             with contextlib.ExitStack() as scope:  # staging buffers of this request
                 reply = self._requests.handle_frame(link, frame, sock, scope)
                 rest, self._requests.deferred = self._requests.deferred, None
@@ -540,9 +560,13 @@ class Agent:
         """Links set aside with part of a request: served again once it is whole (or the
         stream ended), closed when it has not become whole within ``sync_kv_timeout``."""
         now = time.monotonic()
+        for link in self._gathering.stalled(now - self.engine.timeout_ms / 1000.0):  # watched: only stalls
+            self._unregister(link)
+            link.close(f"a request of cluster {link.remote_cluster_id} did not arrive whole within "
+                       f"sync_kv_timeout ({self.engine.timeout_ms} ms)", wait=False)
         for link, since in list(self._partial.items()):
             sock = link.serve_sock
-            whole = _whole_request(sock) if sock is not None and sock.fileno() >= 0 else True
+            whole = whole_request(sock) if sock is not None and sock.fileno() >= 0 else True
             if whole is False and now - since < self.engine.timeout_ms / 1000.0:
                 continue
             del self._partial[link]
@@ -563,16 +587,3 @@ class Agent:
             tls.send_plan(sock, payload or _NO_PAYLOAD, time.monotonic() + self.engine.timeout_ms / 1000.0, frame)
         else:
             native.sock_send(sock.fileno(), payload or _NO_PAYLOAD, self.engine.timeout_ms, frame)
-
-
-def _whole_request(sock: socket.socket) -> Optional[bool]:
-    """Whether the next frame on ``sock`` has arrived whole (True too for the end of the
-    stream, an error, and frames over :data:`_WHOLE_MAX`, which are read as they come);
-    None when nothing has arrived.  Peeks, never reads; in C, because it runs before every
-    request while several links are watched (two Python socket calls there, each with its
-    poll and GIL hand-off, cost a fan-in beside a CPU hog about 13 % of its throughput)."""
-    return _ARRIVED[native.frame_arrived(sock.fileno(), _WHOLE_MAX) + 1]
-
-
-#: :func:`_whole_request`'s answer for each of :func:`native.frame_arrived`'s.
-_ARRIVED: Tuple[Optional[bool], ...] = (None, False, True, True)

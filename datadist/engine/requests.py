@@ -149,6 +149,11 @@ class RequestHandler:
             return None
         return wire.read_frame(sock, SERVED, got=got, keep=_ADMIT_FRAME)
 
+    @staticmethod
+    def frame_of(data: bytes) -> wire.Frame:
+        """The frame of a request read whole already (:mod:`.gather`), for :meth:`handle_frame`."""
+        return wire.whole_frame(data, SERVED, keep=_ADMIT_FRAME)
+
     def handle_frame(self, link: Link, frame: wire.Frame, sock: socket.socket,
                      scope: contextlib.ExitStack) -> Optional[wire.Message]:
         """:meth:`handle` of a frame as read (:meth:`serve_known`).  A socket transfer whose
@@ -319,28 +324,29 @@ class RequestHandler:
         # One base per tensor, each once: a base named again and again multiplies what a
         # small frame makes this engine move, sum or stage.
         sized = extent is not None and total * bases.shape[0] == msg.nbytes and _distinct(bases)
-        if sized and msg.nbytes > self._capacity(None if msg.cache_id == ANY_CACHE else rec):
-            # Runs named again and again (offsets, not bases) would do the same: a plan half
-            # never names more bytes than the memory it lies in holds (runs repeated within
-            # that, a pull of one block into several, stay allowed).
-            where = "its caches" if rec is None or msg.cache_id == ANY_CACHE else f"cache {rec.cache_id}"
-            return int(Fault.PARAM_INVALID), (f"plan names {msg.nbytes} bytes, more than {where} of cluster "
-                                              f"{reg.cluster_id} hold"), "cpu"
         if msg.cache_id == ANY_CACHE:
-            # Raw addresses (TransferConfig.dst_addrs): no lookup that could be stale; the
-            # plan must lie inside the caches registered right now.
-            device = device_holding(reg.all(), bases, offs, lens) if sized else None
-            if device is None:
-                return int(Fault.PARAM_INVALID), (f"plan reaches outside every cache of cluster {reg.cluster_id} "
-                                                  "(or across the memory of two devices)"), "cpu"
-            return 0, "", device
+            return self._check_raw(msg, sized)
         if msg.epoch != reg.epoch:  # first: a freed cache id may simply mean a stale lookup
             return STALE, "caches changed since the lookup", "cpu"
         if rec is None:
             return int(Fault.CACHE_NOT_FOUND), f"cache {msg.cache_id} does not exist (freed?)", "cpu"
         if not sized or bases.shape[0] > rec.num_tensors or not runs_inside(rec, bases, offs, lens, end):
             return int(Fault.PARAM_INVALID), f"plan reaches outside cache {rec.cache_id}", "cpu"
+        if msg.nbytes > self._capacity(rec):
+            return int(Fault.PARAM_INVALID), _too_much(msg.nbytes, f"cache {rec.cache_id}"), "cpu"
         return 0, "", rec.device
+
+    def _check_raw(self, msg: wire.Push, sized: bool) -> tuple[int, str, str]:
+        """:meth:`_check` of a plan half of raw addresses (``TransferConfig.dst_addrs``): no
+        lookup that could be stale; the plan must lie inside the caches registered now."""
+        reg = self.registry
+        device = device_holding(reg.all(), *msg.arrays) if sized else None
+        if device is None:
+            return int(Fault.PARAM_INVALID), (f"plan reaches outside every cache of cluster {reg.cluster_id} "
+                                              "(or across the memory of two devices)"), "cpu"
+        if msg.nbytes > self._capacity(None):
+            return int(Fault.PARAM_INVALID), _too_much(msg.nbytes, f"the caches of cluster {reg.cluster_id}"), "cpu"
+        return 0, "", device
 
     # -- one-way and closing -------------------------------------------------------------
     def _unlink(self, link: Link, msg: wire.Message, sock: socket.socket) -> wire.Message:
@@ -395,6 +401,15 @@ def _on_stream(msg: wire.Push) -> int:
 def _answered() -> wire.Message:
     """The rest of a pull handed off: its reply, which its payload follows."""
     return OK
+
+
+def _too_much(nbytes: int, where: str) -> str:
+    """Why a plan half naming ``nbytes`` is refused although each of its runs lies inside
+    ``where``: runs named again and again (by offset; a base named twice is refused as
+    such) make a small frame move, sum or stage any amount, so a plan half never names more
+    bytes than the memory it lies in holds (runs repeated within that, one block pulled
+    into several, stay allowed)."""
+    return f"plan names {nbytes} bytes, more than {where} holds (runs repeated)"
 
 
 def _distinct(bases: np.ndarray) -> bool:

@@ -28,7 +28,7 @@ from .codec import HEADER_SIZE, U64, Buffer, FrameFormat, WireError
 
 __all__ = [
     "VERSION", "U64", "MsgType", "Message", "Hello", "HelloAck", "Attach", "Resolve", "Resolved",
-    "ReleaseKey", "Push", "Pull", "Sum", "Summed", "Reply", "Unlink", "Notify", "Note", "encode", "read_message", "read_frame", "Frame", "read_answer", "finish_answer", "OK", "OK_FRAME", "WireError",
+    "ReleaseKey", "Push", "Pull", "Sum", "Summed", "Reply", "Unlink", "Notify", "Note", "encode", "read_message", "read_frame", "whole_frame", "Frame", "read_answer", "finish_answer", "OK", "OK_FRAME", "WireError",
     "PRE_LINK", "HEADER_SIZE", "parse_header", "decode_frame", "FORMAT",
 ]
 
@@ -354,6 +354,15 @@ class Frame(NamedTuple):
     data: Buffer
     blen: int
     raw: Optional[bytes]
+
+
+def whole_frame(data: bytes, allowed: Optional[Collection[int]] = None, *, keep: int = 0) -> Frame:
+    """The frame that ``data`` holds, all of it and nothing more (read before, as it came);
+    its header checked as :func:`read_frame` checks it."""
+    cls, blen, alen = FORMAT.parse_header(data[:HEADER_SIZE], allowed)
+    if len(data) != HEADER_SIZE + blen + alen:
+        raise WireError(f"a frame of {HEADER_SIZE + blen + alen} bytes given as {len(data)}")
+    return Frame(cls, memoryview(data)[HEADER_SIZE:], blen, data if len(data) <= keep else None)
 
 
 def read_frame(sock: socket.socket, allowed: Optional[Collection[int]] = None, *, got: bytes = b"",

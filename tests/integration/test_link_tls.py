@@ -268,3 +268,22 @@ def test_a_tls_peer_killed_mid_transfer_fails_the_calls_at_once(peer_factory: An
     out = loop.result(timeout=20)
     assert out["error"] is not None and "LLMException" in out["bases"], out
     assert 0 <= out["t_error"] - t_kill <= 1.0 + 1.0, out
+
+
+def test_peers_that_stop_mid_request_do_not_starve_an_honest_decoder(peer_factory: Any, pki: Pki) -> None:
+    """Three TLS links each send one byte of a request and stop.  A TLS frame cannot be
+    peeked at before it is decrypted, so the agent read each one waiting up to
+    sync_kv_timeout in turn, and an honest pull behind them timed out; now it reads what
+    has come and serves the frame once whole, so the honest pull goes through."""
+    server, port, data = _server(peer_factory, tls_config(pki, "a"), sync_kv_timeout=1000)
+    dec, _ = _client(peer_factory, "decoder", DECODER_ID, tls_config(pki, "b"), sync_kv_timeout=1000)
+    dec.link(server, port=port)
+    dec.cm("pull_blocks", blocks_key(PROMPT_ID, 1), Ref("dst"), [1], [0])
+    with contextlib.ExitStack() as stack:
+        reqs = [stack.enter_context(_raw_link(pki, port, cid))[0] for cid in (7, 8, 9)]  # all linked first
+        for req in reqs:
+            req.sendall(wire.encode(wire.Resolve())[:1])  # one byte of a request, then nothing
+        dec.cm("pull_blocks", blocks_key(PROMPT_ID, 1), Ref("dst"), [1, 3], [0, 2])
+        for req in reqs:  # each stalled link is closed at its deadline
+            req.settimeout(10)
+            assert req.recv(1) == b""

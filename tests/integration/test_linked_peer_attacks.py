@@ -633,14 +633,18 @@ def test_notes_are_bounded_in_bytes(target: Target) -> None:
     target.serves()
 
 
-def test_partial_frames_do_not_starve_an_honest_decoder(target: Target) -> None:
-    """Three linked peers each send one byte of a request and stop.  The one agent thread
-    once waited sync_kv_timeout for each in turn (every read of a started frame blocked
-    it), so an honest pull behind them timed out and its link broke; now a request is read
-    only once whole, the stalled links are set aside and closed at their deadline."""
+@pytest.mark.parametrize("started", ["one_byte", "large_header"])
+def test_partial_frames_do_not_starve_an_honest_decoder(target: Target, started: str) -> None:
+    """Three linked peers each send the start of a request and stop: one byte, or the
+    header of a frame too large for a socket buffer to hold whole (70 KiB) and a little of
+    it.  The one agent thread once waited sync_kv_timeout for each in turn (every read of
+    a started frame blocked it), so an honest pull behind them timed out and its link
+    broke; now a small request is read only once whole and a large one as it comes, and
+    the stalled links are closed at their deadline."""
     stallers = [target.raw() for _ in range(3)]
     for peer in stallers:
-        peer.send(wire.encode(wire.Resolve())[:1])
+        peer.send(wire.encode(wire.Resolve())[:1] if started == "one_byte" else
+                  frame(wire.MsgType.PULL, blen=33, alen=70 << 10) + b"\0" * 40)
     honest = target.honest_pull()
     for peer in stallers:
         assert peer.ended(10)

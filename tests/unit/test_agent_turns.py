@@ -93,7 +93,7 @@ def test_a_request_is_whole_only_once_every_byte_of_its_frame_is_there(pair) -> 
     """What the agent peeks before it reads a request while other links wait: a link whose
     request has only partly arrived is set aside instead of holding the agent."""
     from datadist.engine import native, wire
-    from datadist.engine.agent import _whole_request
+    from datadist.engine.gather import whole_request
 
     frame = wire.encode(wire.Resolve(kind="blocks", cluster_id=1, model_id=2))
     ours, peer = pair()
@@ -101,22 +101,22 @@ def test_a_request_is_whole_only_once_every_byte_of_its_frame_is_there(pair) -> 
         ours.setblocking(False)
         if peer.family != socket.AF_UNIX:
             peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        assert _whole_request(ours) is None                 # nothing has arrived
+        assert whole_request(ours) is None                 # nothing has arrived
         peer.sendall(frame[:5])
         assert until(lambda: _peek(ours, 64) == frame[:5])
-        assert _whole_request(ours) is False                # part of the header
+        assert whole_request(ours) is False                # part of the header
         peer.sendall(frame[5:-1])
         assert until(lambda: _peek(ours, len(frame)) == frame[:-1])
-        assert _whole_request(ours) is False                # all but its last byte
+        assert whole_request(ours) is False                # all but its last byte
         peer.sendall(frame[-1:] + frame)
-        assert until(lambda: _whole_request(ours) is True)  # whole, with the next frame behind it
+        assert until(lambda: whole_request(ours) is True)  # whole, with the next frame behind it
         assert ours.recv(len(frame)) == frame               # peeked, never read
-        assert until(lambda: _whole_request(ours) is True) and ours.recv(len(frame)) == frame
+        assert until(lambda: whole_request(ours) is True) and ours.recv(len(frame)) == frame
         peer.sendall(b"\xff" * wire.HEADER_SIZE)
-        assert until(lambda: _whole_request(ours) is True)  # a header announcing more than 64 KiB: read as it comes
+        assert until(lambda: whole_request(ours) is True)  # a header announcing more than 64 KiB: read as it comes
         # which the pool daemon gathers apart from the others: it is told so
         assert native.frame_arrived(ours.fileno(), 64 << 10) == native.FRAME_LARGE
         assert native.frame_arrived(ours.fileno(), 1 << 34) == native.FRAME_PART
         assert until(lambda: len(_peek(ours, 64)) == wire.HEADER_SIZE) and ours.recv(64)
         peer.close()
-        assert _whole_request(ours) is True                 # the end of the stream
+        assert whole_request(ours) is True                 # the end of the stream
