@@ -26,7 +26,7 @@ from datadist.engine.layout import Plan
 
 from .._errors import PoolDisconnected, PoolTimeout
 
-__all__ = ["send_plan", "recv_plan", "recv_into", "Arriving"]
+__all__ = ["send_plan", "recv_plan", "recv_into", "Arriving", "Leaving"]
 
 #: The deadline of a transfer given none (seconds).
 _NO_DEADLINE_S = 60.0
@@ -155,6 +155,63 @@ class Arriving:
         return k
 
 
+class Leaving:
+    """An answer (its frame, and a value's raw bytes behind it) leaving on a server's
+    connection, sent as the peer takes it without holding a thread while it does not:
+    :meth:`give` sends what the socket takes and waits for room only while the answer
+    flows (as :class:`Arriving` waits for bytes); otherwise it returns False and the caller
+    looks again once there is room (:meth:`waiting`).  A reader that stops reading costs a
+    worker a system call per look, not ``read_timeout``; the whole answer must still leave
+    before ``deadline``."""
+
+    def __init__(self, sock: socket.socket, parts: "list[bytes | memoryview]", deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+        self._parts = [memoryview(p).cast("B") for p in parts if len(p)]
+        self.sent = 0
+        self._start = time.monotonic()
+
+    def give(self) -> bool:
+        """Send what the socket takes; True once all has left.  :class:`PoolTimeout` past
+        the deadline, :class:`PoolDisconnected` if the connection broke."""
+        while self._parts:
+            now = time.monotonic()
+            if now >= self.deadline:
+                raise PoolTimeout(f"an answer was not taken in time ({self.sent} bytes of it were)")
+            k = self._send_now(self._parts[0])
+            if k:
+                self.sent += k
+                self._parts[0] = self._parts[0][k:]
+                if not len(self._parts[0]):
+                    del self._parts[0]
+                continue
+            flowing = now - self._start < _STALL_S or self.sent / (now - self._start) >= _MIN_RATE
+            if not flowing or not _writable(self.sock, min(_STALL_S, self.deadline - now)):
+                return False
+        return True
+
+    def waiting(self) -> bool:
+        """Whether there is room for more (or the deadline has passed: :meth:`give` then
+        raises); never waits."""
+        return time.monotonic() >= self.deadline or _writable(self.sock, 0)
+
+    def wait(self, until: float) -> bool:
+        """Wait until there is room for more, at most until ``until``; whether there is."""
+        return _writable(self.sock, max(0.0, min(until, self.deadline) - time.monotonic()))
+
+    def _send_now(self, view: memoryview) -> int:
+        """Send what the socket takes of ``view`` now, without waiting."""
+        timeout = self.sock.gettimeout()
+        self.sock.settimeout(0)  # a socket with a timeout would wait for room before sending
+        try:
+            return self.sock.send(view)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+            return 0
+        except OSError as exc:
+            raise PoolDisconnected(f"connection to the pool's client broke during an answer: {exc}") from None
+        finally:
+            self.sock.settimeout(timeout)
+
+
 def _queued(sock: socket.socket) -> int:
     """Bytes that have arrived on ``sock`` and not been read; -1 for the end of the stream
     (readable with nothing queued)."""
@@ -170,6 +227,15 @@ def _fionread(sock: socket.socket) -> int:
 
 
 def _readable(sock: socket.socket, timeout_s: float) -> bool:
+    return _ready(sock, select.POLLIN, timeout_s)
+
+
+def _writable(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether ``sock`` has room to send (or an error to report) within ``timeout_s``."""
+    return _ready(sock, select.POLLOUT, timeout_s)
+
+
+def _ready(sock: socket.socket, events: int, timeout_s: float) -> bool:
     poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
+    poller.register(sock.fileno(), events)
     return bool(poller.poll(max(0, int(timeout_s * 1000))))

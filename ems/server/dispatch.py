@@ -63,8 +63,16 @@ class Served(Protocol):
 
     @property
     def receiving(self) -> bool:
-        """Whether a request's payload has stopped arriving mid-way (the session waits
-        with the keeper, as a partial frame does, until :meth:`request_waiting`)."""
+        """Whether a request's payload has stopped arriving mid-way, or an answer leaving
+        (the session waits with the keeper, as a partial frame does, until
+        :meth:`request_waiting`)."""
+
+    @property
+    def answering(self) -> bool:
+        """Whether it is an answer that has stopped leaving (the client has not read it)."""
+
+    def settle(self, until: float) -> None:
+        """Send the rest of an answer set aside, waiting for the client, until ``until``."""
 
     def serve_one(self) -> bool:
         """Answer the request whose bytes are waiting (or take more of its payload);
@@ -135,9 +143,11 @@ class Dispatcher:
             self._stop_w.send(b"x")
         except OSError:
             pass
+        until = time.monotonic() + drain_s
         with self._idle:
             self._idle.wait_for(lambda: self._busy == 0, timeout=drain_s)
             left = self._busy
+        left += self._settle_answers(until)
         if left:
             cut()
         deadline = time.monotonic() + _JOIN_S
@@ -153,6 +163,22 @@ class Dispatcher:
         self._stop_r.close()
         self._stop_w.close()
         return left
+
+    def _settle_answers(self, until: float) -> int:
+        """Let the answers set aside (clients that had not read them all) finish, each on a
+        thread of its own, until ``until``; how many did not (they are cut)."""
+        with self._lock:
+            answering = [s for s in self._partial if s.answering]
+        threads = [threading.Thread(target=s.settle, args=(until,), name="ems-settle", daemon=True)
+                   for s in answering]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, until - time.monotonic()) + _JOIN_S)
+        for s in answering:
+            if s.answering:
+                s.kick()
+        return sum(s.answering for s in answering)
 
     def _work(self) -> None:
         stop_fd = self._stop_r.fileno()

@@ -113,6 +113,8 @@ class Session:
         self._inbox = Inbox()
         #: A WRITE whose bytes are still arriving, and what publishes them once they have.
         self._arriving: Optional[Tuple[payload.Arriving, Callable[[], None]]] = None
+        #: An answer (a READ's value behind it) that the client has not taken all of yet.
+        self._leaving: Optional[payload.Leaving] = None
 
     @property
     def greeted(self) -> bool:
@@ -126,16 +128,31 @@ class Session:
 
     @property
     def receiving(self) -> bool:
-        """Whether a WRITE's bytes have stopped arriving for now (set aside until more do:
-        :meth:`request_waiting` says when)."""
-        return self._arriving is not None
+        """Whether a WRITE's bytes have stopped arriving for now, or an answer's stopped
+        leaving (set aside until they move again: :meth:`request_waiting` says when)."""
+        return self._arriving is not None or self._leaving is not None
+
+    @property
+    def answering(self) -> bool:
+        """Whether an answer has stopped leaving for now (the client has not read it all)."""
+        return self._leaving is not None
+
+    def settle(self, until: float) -> None:
+        """Send the rest of an answer set aside, waiting for the client to take it, at most
+        until ``until`` (a stopping daemon lets the answers in flight finish)."""
+        while self._leaving is not None and self._leaving.wait(until):
+            if not self.serve_one():
+                return
 
     def serve_one(self) -> bool:
-        """Read and answer one request, or take more of a WRITE's bytes; False when the
-        session is over."""
-        if self._arriving is not None:
+        """Read and answer one request, or move more of a WRITE's or an answer's bytes;
+        False when the session is over."""
+        if self._arriving is not None or self._leaving is not None:
             try:
-                self._take_payload()
+                if self._arriving is not None:
+                    self._take_payload()
+                else:
+                    self._give()
             except (OSError, PoolDisconnected, PoolTimeout):
                 return False
             return True
@@ -164,6 +181,8 @@ class Session:
         step at a time), is gathered by the session's :class:`~.inbox.Inbox` as it arrives."""
         if self._arriving is not None:
             return self._arriving[0].waiting()
+        if self._leaving is not None:
+            return self._leaving.waiting()
         max_frame = wire.MAX_FRAME if self.greeted else PRE_HELLO_FRAME
         if isinstance(self.sock, ssl.SSLSocket):
             if self.handshaking and not self._handshake_done():
@@ -268,11 +287,28 @@ class Session:
         self.d.session_ended(self, aborted)
 
     def _reply(self, msg: wire.Message, fds: Sequence[int] = ()) -> bool:
+        """Send an answer; False when the connection broke.  One that the client does not
+        take at once is left to :meth:`_give` (the session is set aside meanwhile); one
+        with descriptors (HELLO's) goes out whole here."""
         try:
-            wire.send_msg(self.sock, msg, time.monotonic() + self.d.cfg.read_timeout, fds=fds)
+            if fds:
+                wire.send_msg(self.sock, msg, time.monotonic() + self.d.cfg.read_timeout, fds=fds)
+            else:
+                self._send([wire.encode(msg)])
             return True
-        except (PoolDisconnected, PoolTimeout):
+        except (OSError, PoolDisconnected, PoolTimeout):
             return False
+
+    def _send(self, parts: "list[bytes | memoryview]") -> None:
+        """Send ``parts`` within ``read_timeout``, as far as the client takes them now; the
+        rest is left to :meth:`_give`."""
+        self._leaving = payload.Leaving(self.sock, parts, time.monotonic() + self.d.cfg.read_timeout)
+        self._give()
+
+    def _give(self) -> None:
+        assert self._leaving is not None
+        if self._leaving.give():
+            self._leaving = None
 
     def _operator(self) -> bool:
         """Whether the peer is the daemon's own user or root, on the unix socket (the
@@ -376,9 +412,9 @@ class Session:
         off, size = int(msg.offset), int(msg.size)
         if not store.leased(owner, ts, off, size):
             return Error(wire.ErrorKind.INVALID, "READ outside this connection's leases")
-        self.sock.settimeout(self.d.cfg.read_timeout)  # a reader that stops reading is cut off
-        self.sock.sendall(wire.encode(ReadReply(size)))
-        self.sock.sendall(ts.arena.view(off, size))
+        # No worker waits for a reader that stops reading; one that has not read it all
+        # within read_timeout is cut off.
+        self._send([wire.encode(ReadReply(size)), ts.arena.view(off, size)])
         return None
 
     # -- HELLO ------------------------------------------------------------------------------

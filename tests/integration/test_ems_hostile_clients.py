@@ -11,6 +11,7 @@ import contextlib
 import mmap
 import os
 import shutil
+import signal
 import socket
 import struct
 import threading
@@ -275,6 +276,36 @@ def test_strangers_that_keep_pinging_still_lose_their_slot(daemon_factory, creds
 
 
 # ----------------------------------------------------------------------------- tenants
+
+def test_readers_that_stop_reading_hold_no_worker(daemon_factory, creds, closing) -> None:
+    """Authenticated over TCP: 32 connections (twice the workers) each READ a 4 MiB value
+    and never read the answer.  Sending it once held a worker for --read-timeout; now an
+    answer the client does not take waits aside, and honest clients are served.  A
+    stopping daemon cuts the stalled answers at --drain-timeout."""
+    daemon = daemon_factory(tcp=True, capacity="64M", credentials=creds,
+                            extra=["--read-timeout", "30", "--drain-timeout", "1"])
+    size = 4 << 20
+    writer = Raw(daemon, tcp=True)
+    writer.hello("mallory", KEY_M)
+    closing.append(writer)
+    off = writer.call(wire.Reserve(["big"], [size])).offsets[0]
+    writer.send(wire.Write(off, size))
+    writer.sock.sendall(bytes(size))
+    assert writer.call(wire.Commit(["big"], [off], [checksum(bytes(size))])).stored == [True]
+    for _ in range(32):
+        m = Raw(daemon, tcp=True, timeout=HONEST_S)
+        m.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        m.hello("mallory", KEY_M)
+        closing.append(m)
+        got = m.call(wire.Get(["big"]))
+        m.send(wire.Read(got.offsets[0], size))  # and never read the answer
+    until(lambda: all(daemon_queues(m.sock)[0] > 0 for m in closing[1:]), 10, "every answer left unread",
+          every=PACED)
+    serves(daemon, access_id="alice", access_key=KEY_A, tcp=True)
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(30) == 0
+    assert "cut 32 requests still in flight" in daemon.log.read_text()
+
 
 def test_tenant_cannot_hold_workers_with_a_big_frame_header_or_a_stalled_write(daemon_factory, creds,
                                                                               closing) -> None:
