@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import select
 import shutil
 import signal
 import socket
@@ -273,6 +274,34 @@ def test_strangers_that_keep_pinging_still_lose_their_slot(daemon_factory, creds
         stop.set()
         for t in pingers:
             t.join(10)
+
+
+def test_strangers_that_never_read_their_pongs_hold_no_worker(daemon_factory, creds, closing) -> None:
+    """Strangers on the unix socket (open to all: --socket-mode 0666) pipeline PINGs on 16
+    connections and never read the PONGs.  Once their buffers filled, each answer held a
+    worker for --read-timeout; now an answer not taken waits aside, and a tenant is served."""
+    daemon = daemon_factory(credentials=creds, extra=["--read-timeout", "30", "--socket-mode", "0666"])
+    burst = wire.encode(wire.Ping()) * 20_000
+    stuck = [threading.Event() for _ in range(16)]
+
+    def flood(sock: socket.socket, done: threading.Event) -> None:
+        """Send PINGs while the daemon takes them; done once it has taken none for 0.5 s."""
+        with contextlib.suppress(OSError):
+            while not done.is_set():
+                if select.select([], [sock], [], 0.5)[1]:
+                    sock.send(burst)
+                else:
+                    done.set()
+
+    for flag in stuck:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(os.path.join(daemon.dir, "ems.sock"))
+        s.setblocking(False)
+        closing.append(s)
+        threading.Thread(target=flood, args=(s, flag), daemon=True).start()
+    until(lambda: all(flag.is_set() for flag in stuck), 20, "the daemon stopped taking every stranger's PINGs",
+          every=PACED)
+    serves(daemon, access_id="alice", access_key=KEY_A)
 
 
 # ----------------------------------------------------------------------------- tenants
