@@ -88,7 +88,12 @@ class PoolClient:
                     self.instance = conn.instance
                     self.tenant = conn.info.tenant
                 if fds and self._arena is None:
-                    self._arena = MappedArena(fds[0], conn.info.arena_size, conn.instance)
+                    try:  # (a daemon before sealed arenas: its arena could shrink under us)
+                        arena = MappedArena(fds[0], conn.info.arena_size, conn.instance)
+                    except (ValueError, OSError) as exc:
+                        raise PoolUnreachable(f"the EMS pool at {self.address} passed an unusable "
+                                              f"arena: {exc}") from None
+                    self._arena = arena
                     try:
                         self._keys = KeySetView(fds[1], conn.info.keyset_size)
                     except (ValueError, OSError) as exc:

@@ -263,13 +263,14 @@ class _StallingServer:
     """Answers HELLO (with an arena and a key set that tells clients to ask the daemon),
     then never answers anything: deadlines must fire."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, sealed: bool = True) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(path)
         self.sock.listen(8)
         self.fd = os.memfd_create("stall", os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, 1 << 20)
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)  # clients map only sealed arenas
+        if sealed:  # clients map only sealed arenas
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
         self.keys = KeySet("stall", 64)
         self.keys.invalidate()
         self.conns = []
@@ -317,6 +318,22 @@ def test_deadline_gives_io_timeout(tmp_path):
             cc.get_result(fut)
         assert ei.value.status_code() == EmsErrorCode.EMS_IO_TIMEOUT
         assert cc.exists([1], CcKvOption(timeout=200)).success == 0  # never raises
+    finally:
+        Ems._shutdown()
+        server.close()
+
+
+def test_an_arena_that_could_shrink_is_not_mapped(tmp_path):
+    """A daemon (of a release before sealed arenas, or a hostile one) passes an arena whose
+    size is not sealed: the client refuses to map it (anyone holding it could shrink it
+    under the mapping, and a copy into it would fault) and reports the pool unusable."""
+    path = str(tmp_path / "ems.sock")
+    server = _StallingServer(path, sealed=False)
+    try:
+        with pytest.raises(EmsException) as ei:
+            init_cc(str(tmp_path))  # Ems.init connects once: the arena is refused there
+        assert ei.value.status_code() == EmsErrorCode.EMS_IO_ERROR, ei.value
+        assert "unusable arena" in str(ei.value) and "F_SEAL_SHRINK" in str(ei.value)
     finally:
         Ems._shutdown()
         server.close()
