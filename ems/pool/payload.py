@@ -16,7 +16,7 @@ import socket
 import ssl
 import termios
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -164,9 +164,12 @@ class Leaving:
     worker a system call per look, not ``read_timeout``; the whole answer must still leave
     before ``deadline``."""
 
-    def __init__(self, sock: socket.socket, parts: "list[bytes | memoryview]", deadline: float) -> None:
+    def __init__(self, sock: socket.socket, parts: "list[bytes | memoryview]", deadline: float,
+                 fds: Sequence[int] = ()) -> None:
+        """``fds``: descriptors passed with the answer's first bytes (a unix socket's)."""
         self.sock, self.deadline = sock, deadline
         self._parts = [memoryview(p).cast("B") for p in parts if len(p)]
+        self._fds = list(fds)
         self.sent = 0
         self._start = time.monotonic()
 
@@ -203,7 +206,11 @@ class Leaving:
         timeout = self.sock.gettimeout()
         self.sock.settimeout(0)  # a socket with a timeout would wait for room before sending
         try:
-            return self.sock.send(view)
+            if not self._fds:
+                return self.sock.send(view)
+            k = socket.send_fds(self.sock, [view], self._fds)
+            self._fds = []  # they went with the first bytes
+            return k
         except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
             return 0
         except OSError as exc:

@@ -147,11 +147,12 @@ class Dispatcher:
         with self._idle:
             self._idle.wait_for(lambda: self._busy == 0, timeout=drain_s)
             left = self._busy
+        self._keeper.join(_JOIN_S)  # it moves no session aside or back while answers settle
         left += self._settle_answers(until)
         if left:
             cut()
         deadline = time.monotonic() + _JOIN_S
-        for t in self._workers + [self._keeper]:
+        for t in self._workers:
             t.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             rest = [s for s, _ in self._armed.values()] + list(self._partial)
@@ -167,8 +168,8 @@ class Dispatcher:
     def _settle_answers(self, until: float) -> int:
         """Let the answers set aside (clients that had not read them all) finish, each on a
         thread of its own, until ``until``; how many did not (they are cut)."""
-        with self._lock:
-            answering = [s for s in self._partial if s.answering]
+        with self._lock:  # aside with the keeper, or armed again by it just before the stop
+            answering = [s for s in list(self._partial) + [s for s, _ in self._armed.values()] if s.answering]
         threads = [threading.Thread(target=s.settle, args=(until,), name="ems-settle", daemon=True)
                    for s in answering]
         for t in threads:

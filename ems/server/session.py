@@ -287,22 +287,19 @@ class Session:
         self.d.session_ended(self, aborted)
 
     def _reply(self, msg: wire.Message, fds: Sequence[int] = ()) -> bool:
-        """Send an answer; False when the connection broke.  One that the client does not
-        take at once is left to :meth:`_give` (the session is set aside meanwhile); one
-        with descriptors (HELLO's) goes out whole here."""
+        """Send an answer (``fds`` with its first bytes); False when the connection broke.
+        One that the client does not take at once is left to :meth:`_give` (the session
+        is set aside meanwhile)."""
         try:
-            if fds:
-                wire.send_msg(self.sock, msg, time.monotonic() + self.d.cfg.read_timeout, fds=fds)
-            else:
-                self._send([wire.encode(msg)])
+            self._send([wire.encode(msg)], fds)
             return True
         except (OSError, PoolDisconnected, PoolTimeout):
             return False
 
-    def _send(self, parts: "list[bytes | memoryview]") -> None:
+    def _send(self, parts: "list[bytes | memoryview]", fds: Sequence[int] = ()) -> None:
         """Send ``parts`` within ``read_timeout``, as far as the client takes them now; the
         rest is left to :meth:`_give`."""
-        self._leaving = payload.Leaving(self.sock, parts, time.monotonic() + self.d.cfg.read_timeout)
+        self._leaving = payload.Leaving(self.sock, parts, time.monotonic() + self.d.cfg.read_timeout, fds)
         self._give()
 
     def _give(self) -> None:

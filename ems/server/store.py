@@ -61,7 +61,7 @@ def _memfd_name(prefix: str, tenant: str) -> str:
 class Entry:
     """A committed value in a tenant's arena."""
 
-    __slots__ = ("space", "key", "off", "alloc", "size", "checksum", "pins", "live", "on_disk")
+    __slots__ = ("space", "key", "off", "alloc", "size", "checksum", "pins", "live", "on_disk", "superseded")
 
     def __init__(self, space: "TenantSpace", key: str, off: int, alloc: int, size: int,
                  crc: int, on_disk: bool = False) -> None:
@@ -70,6 +70,8 @@ class Entry:
         self.pins = 0
         self.live = False
         self.on_disk = on_disk
+        #: A newer value of the key was committed while this one spilled: its copy must not land.
+        self.superseded = False
 
 
 @dataclass
@@ -256,16 +258,13 @@ class Store:
         self._spilling[name] = e
         self._lock.release()
         try:
-            ok = self.disk.store(e.space.name, e.key, e.space.arena.view(e.off, e.size), e.checksum)
+            ok = self.disk.store(e.space.name, e.key, e.space.arena.view(e.off, e.size), e.checksum,
+                                 current=lambda: not e.superseded)
         finally:
             self._lock.acquire()
         if self._spilling.get(name) is e:
             del self._spilling[name]
             self._published(e.space, e.key)
-        newer = e.space.index.get(e.key)
-        if ok and newer is not None and not newer.on_disk:  # committed while this one spilled
-            self.disk.retire(e.space.name, e.key)
-            ok = False
         if ok:
             self.counters["spills"] += 1
         self._unpin(e)
@@ -393,6 +392,9 @@ class Store:
                 e = Entry(ts, key, off, res.alloc, res.size, int(crc))
                 self._insert(e)
                 if self.disk is not None:  # its copy there, if any, is of an older value now
+                    spilling = self._spilling.get((ts.name, key))
+                    if spilling is not None:  # and one being written must not land after this
+                        spilling.superseded = True
                     self.disk.retire(ts.name, key)
                 self.counters["committed"] += 1
                 stored.append(True)

@@ -8,6 +8,7 @@ value, bytes checked, within a short deadline.  Loopback only, bounded in count 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import select
@@ -15,6 +16,7 @@ import shutil
 import signal
 import socket
 import struct
+import termios
 import threading
 import time
 from pathlib import Path
@@ -302,6 +304,29 @@ def test_strangers_that_never_read_their_pongs_hold_no_worker(daemon_factory, cr
     until(lambda: all(flag.is_set() for flag in stuck), 20, "the daemon stopped taking every stranger's PINGs",
           every=PACED)
     serves(daemon, access_id="alice", access_key=KEY_A)
+
+
+def test_a_hello_answer_behind_unread_pongs_holds_no_worker(daemon_factory, creds, closing) -> None:
+    """16 tenants (one per worker) pipeline 150 PINGs and a HELLO asking for the arena's
+    descriptors, then read nothing: the PONGs fill more than a quarter of the daemon's send
+    buffer, and the HELLO answer, sent blocking because of its descriptors, held each worker
+    for --read-timeout.  Now it waits aside like any answer, and a tenant is served."""
+    daemon = daemon_factory(credentials=creds, extra=["--read-timeout", "30"])
+    hello = wire.encode(wire.Hello(access_id="mallory", access_key=KEY_M, pid=os.getpid(), shm=True))
+    held = []
+    for _ in range(16):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(os.path.join(daemon.dir, "ems.sock"))
+        closing.append(s)
+        s.sendall(wire.encode(wire.Ping()) * 150 + hello)
+        held.append(s)
+    pongs = 150 * len(wire.encode(wire.Pong()))
+    until(lambda: all(_fionread(s) >= pongs for s in held), 10, "every PONG answered (the HELLO next)", every=PACED)
+    serves(daemon, access_id="alice", access_key=KEY_A)
+
+
+def _fionread(sock: socket.socket) -> int:
+    return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"), "little")
 
 
 # ----------------------------------------------------------------------------- tenants

@@ -1,6 +1,7 @@
 """The daemon's store with a fake tier: two-phase puts, leases, LRU, checksums."""
 from __future__ import annotations
 
+import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -11,6 +12,7 @@ from ems.pool.checksum import checksum
 from ems.pool.wire import NO_SPACE, SKIPPED
 from ems.server.store import PAGE, PAGE_SHIFT, Store
 from ems.server.tiers.base import Sink, Tier
+from ems.server.tiers.disk import DiskTier
 
 
 class FakeTier(Tier):
@@ -24,8 +26,8 @@ class FakeTier(Tier):
         self.full = False  # refuses what it is given to store
         self.discarded: List[str] = []
 
-    def store(self, ns: str, key: str, data: memoryview, crc: int) -> bool:
-        if self.full:
+    def store(self, ns: str, key: str, data: memoryview, crc: int, current=lambda: True) -> bool:
+        if self.full or not current():
             return False
         self.data[(ns, key)] = (bytes(data), crc)
         return True
@@ -167,6 +169,37 @@ def test_an_overwritten_value_never_comes_back_from_the_tier(spilled):
     put(s, owner, ts, "e", 5)  # evicts the new a (and whatever else), none reaches the tier
     _lease, got = s.get(owner, ts, ["a"], False)
     assert got == []
+
+
+def test_an_old_value_still_being_spilled_never_lands_after_a_newer_commit(tmp_path):
+    """a (value 1) is being written to the disk tier (slowly) when a new value of a is
+    committed, evicted and written first; the old write, ending last, must not replace it."""
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowDisk(DiskTier):
+        def store(self, ns, key, data, crc, current=lambda: True):
+            if key == "a" and data[0] == 1:  # the old value's write: held until released
+                entered.set()
+                assert release.wait(10)
+            return super().store(ns, key, data, crc, current)
+
+    s = Store(2 * PAGE, arena_size=4 * PAGE, disk=SlowDisk(str(tmp_path), 64 * PAGE))
+    ts, owner = s.space("t"), s.new_owner()
+    put(s, owner, ts, "a", 1)
+    put(s, owner, ts, "b", 2)
+    spill = threading.Thread(target=put, args=(s, owner, ts, "c", 3))  # evicts a: its spill waits
+    spill.start()
+    try:
+        assert entered.wait(5)
+        put(s, owner, ts, "a", 7)  # the newer a (evicts b)
+        put(s, owner, ts, "d", 4)  # evicts the newer a: written at once
+    finally:
+        release.set()
+        spill.join(10)
+    assert not spill.is_alive()
+    _lease, got = s.get(owner, ts, ["a"], False)
+    assert [int(arena_bytes(ts, e.off)[0]) for e in got] == [7]
+    s.close(spill=False)
 
 
 def test_tenants_have_separate_arenas(store):

@@ -36,8 +36,11 @@ class Tier(ABC):
     name = "tier"
 
     @abstractmethod
-    def store(self, ns: str, key: str, data: memoryview, checksum: int) -> bool:
-        """Keep a copy of ``data``; False if the tier cannot take it."""
+    def store(self, ns: str, key: str, data: memoryview, checksum: int,
+              current: Callable[[], bool] = lambda: True) -> bool:
+        """Keep a copy of ``data``; False if the tier cannot take it, or if ``current()``
+        says, right before the copy would replace the one kept, that this value is no longer
+        the key's (a newer one was committed while it was written)."""
 
     @abstractmethod
     def exists(self, ns: str, keys: Sequence[str]) -> List[bool]:

@@ -13,7 +13,7 @@ import re
 import struct
 import threading
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import parse_qs, urlparse
 
 from .base import Sink, Tier, tier_key
@@ -92,7 +92,8 @@ class DiskTier(Tier):
             except FileNotFoundError:
                 pass
 
-    def store(self, ns: str, key: str, data: memoryview, checksum: int) -> bool:
+    def store(self, ns: str, key: str, data: memoryview, checksum: int,
+              current: Callable[[], bool] = lambda: True) -> bool:
         size = len(data)
         if size > self.capacity:
             return False
@@ -109,7 +110,10 @@ class DiskTier(Tier):
                     done += os.write(fd, data[done:])
             finally:
                 os.close(fd)
-            with self._lock:
+            with self._lock:  # retire() takes it too: the check and the replace are one step
+                if not current():
+                    os.unlink(tmp)
+                    return False
                 old = self._index.pop(name, None)
                 if old is not None:
                     self.used -= old[0]

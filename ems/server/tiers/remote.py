@@ -21,7 +21,7 @@ import logging
 import struct
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, cast
 from urllib.parse import urlparse, urlunparse
 
 from .base import Sink, Tier
@@ -108,10 +108,13 @@ class RedisTier(Tier):
                 self._warned.add(kind)
                 log.warning("remote tier %s: %s failed: %s", self.url, what, exc)
 
-    def store(self, ns: str, key: str, data: memoryview, checksum: int) -> bool:
+    def store(self, ns: str, key: str, data: memoryview, checksum: int,
+              current: Callable[[], bool] = lambda: True) -> bool:
         if _HEAD.size + len(data) > MAX_STORED:
             with self._lock:
                 self.counters["too_large"] += 1
+            return False
+        if not current():
             return False
         if self._down():
             return False
