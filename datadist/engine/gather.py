@@ -41,6 +41,9 @@ def whole_request(sock: socket.socket) -> Optional[bool]:
     return _ARRIVED[arrived_of(sock) + 1]
 
 
+#: Most bytes one read asks for (a read allocates what it asks for before it gets it).
+_PIECE = 1 << 20
+
 #: :func:`whole_request`'s answer for each of :func:`.native.frame_arrived`'s.
 _ARRIVED: tuple[Optional[bool], ...] = (None, False, True, True)
 
@@ -64,7 +67,7 @@ class Gathering:
         once it is, else None.  ``ConnectionResetError`` at the end of the stream,
         ``wire.WireError`` for a header the codec refuses, ``OSError`` as the socket gives."""
         while len(self._data) < self._size:
-            piece = _read_some(sock, self._size - len(self._data))
+            piece = _read_some(sock, min(self._size - len(self._data), _PIECE))
             if piece is None:
                 return None
             self._data += piece

@@ -137,7 +137,9 @@ class Arena(SharedMapping):
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, int(size))
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS_FIXED_SIZE)
+            # Final at once (F_SEAL_SEAL) unless the read-only seal is still to come: a holder
+            # that added one (F_SEAL_FUTURE_WRITE) would make every later mapping fail.
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS_FIXED_SIZE | (0 if others_read_only else fcntl.F_SEAL_SEAL))
             super().__init__(self.fd, size)
         except BaseException:
             os.close(self.fd)

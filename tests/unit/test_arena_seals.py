@@ -38,6 +38,8 @@ def test_no_holder_of_an_arena_can_shrink_or_grow_it(others_read_only: bool) -> 
                     os.ftruncate(other, size)
                 assert exc.value.errno == errno.EPERM
             assert os.fstat(other).st_size == SIZE
+            with pytest.raises(PermissionError):  # nor seal it further (a later mapping would fail)
+                fcntl.fcntl(other, fcntl.F_ADD_SEALS, 0x0010)  # F_SEAL_FUTURE_WRITE
         finally:
             os.close(other)
     finally:
