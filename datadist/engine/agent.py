@@ -488,9 +488,9 @@ class Agent:
         sock = link.serve_sock
         assert sock is not None  # only a link with a serve_sock is registered (_register)
         frame = None
-        if link in self._gathering or self._watched > 1:
-            arrived = native.FRAME_LARGE if link in self._gathering or isinstance(sock, ssl.SSLSocket) else \
-                arrived_of(sock)
+        gathering = link in self._gathering
+        if gathering or self._watched > 1:
+            arrived = native.FRAME_LARGE if gathering or isinstance(sock, ssl.SSLSocket) else arrived_of(sock)
             if arrived == native.FRAME_PART:
                 self._unregister(link)
                 self._partial[link] = time.monotonic()

@@ -130,6 +130,3 @@ class Gatherings(Generic[_K]):
             if gathering.started < before:
                 del self._by_link[link]
                 yield link
-
-    def forget(self, link: _K) -> None:
-        self._by_link.pop(link, None)

@@ -52,8 +52,9 @@ def check_fixed_size(fd: int, size: int) -> None:
         raise OSError(exc.errno, f"shared memory of {size} bytes that cannot be sealed: {exc.strerror}") from None
     if not seals & fcntl.F_SEAL_SHRINK:
         raise OSError(f"shared memory of {size} bytes that its other holders may shrink (no F_SEAL_SHRINK)")
-    if os.fstat(fd).st_size < size:
-        raise OSError(f"shared memory is smaller than announced ({os.fstat(fd).st_size} < {size} bytes)")
+    held = os.fstat(fd).st_size
+    if held < size:
+        raise OSError(f"shared memory is smaller than announced ({held} < {size} bytes)")
 
 
 def _map(fd: int, size: int) -> int:

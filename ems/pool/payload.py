@@ -94,6 +94,12 @@ _STALL_S = 0.005
 _MIN_RATE = 16 << 20
 
 
+def _flowing(start: float, moved: int, now: float) -> bool:
+    """Whether bytes moving since ``start`` (``moved`` of them by ``now``) still flow: worth
+    a short wait for the next ones rather than a return to the caller."""
+    return now - start < _STALL_S or moved / (now - start) >= _MIN_RATE
+
+
 class Arriving:
     """A value's raw bytes arriving on a server's connection, received as they come
     without holding a thread while they do not: :meth:`take` moves what has arrived into
@@ -121,8 +127,8 @@ class Arriving:
             if k:
                 self.got += k
                 continue
-            flowing = now - self._start < _STALL_S or self.got / (now - self._start) >= _MIN_RATE
-            if not flowing or not _readable(self.sock, min(_STALL_S, self.deadline - now)):
+            wait_s = min(_STALL_S, self.deadline - now)
+            if not _flowing(self._start, self.got, now) or not _readable(self.sock, wait_s):
                 return False
         return True
 
@@ -187,8 +193,8 @@ class Leaving:
                 if not len(self._parts[0]):
                     del self._parts[0]
                 continue
-            flowing = now - self._start < _STALL_S or self.sent / (now - self._start) >= _MIN_RATE
-            if not flowing or not _writable(self.sock, min(_STALL_S, self.deadline - now)):
+            wait_s = min(_STALL_S, self.deadline - now)
+            if not _flowing(self._start, self.sent, now) or not _writable(self.sock, wait_s):
                 return False
         return True
 
