@@ -211,8 +211,8 @@ class CacheManager:
         if not isinstance(cache, Cache):
             raise TypeError(f"cache must be a Cache, got {type(cache).__name__}")
         rec = self._registry.remove(cache.cache_id)
-        if rec is not None and rec.release is not None:
-            rec.release()
+        if rec is not None:
+            self._engine.give_back(rec.addrs.shape[0] * rec.tensor_size, rec.release)
         for key in [k for k in self._callbacks if k[0] == cache.cache_id]:
             del self._callbacks[key]
         self._forget_shapes(cache.cache_id)
@@ -234,8 +234,11 @@ class CacheManager:
         self._free(cache)
 
     def unregister_cache(self, cache_id: int) -> None:
-        """Forget a registered cache (the memory stays the caller's)."""
-        self._registry.remove(int_arg("cache_id", cache_id))
+        """Forget a registered cache (the memory stays the caller's); returns once no peer
+        copies into or out of it any more."""
+        rec = self._registry.remove(int_arg("cache_id", cache_id))
+        if rec is not None:
+            self._engine.give_back(rec.addrs.shape[0] * rec.tensor_size, rec.release)
         self._forget_shapes(cache_id)
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:

@@ -220,6 +220,10 @@ class Agent:
             with contextlib.suppress(queue.Empty):  # a stopped agent has closed it already
                 done.get(timeout=timeout)
 
+    def on_thread(self) -> bool:
+        """Whether the calling thread is the agent's (a user callback runs there)."""
+        return threading.current_thread() is self._thread
+
     # -- control from other threads -------------------------------------------------------
     def call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the agent thread (selector changes must happen there)."""
@@ -510,6 +514,8 @@ class Agent:
     def _serve_frame(self, link: Link, sock: socket.socket, frame: Optional[wire.Frame]) -> bool:
         """Serve one request of ``link``: ``frame`` as gathered, or (None) the one its socket
         holds next; False when it was handed off (the socket is not this thread's now)."""
+        inflight = self._requests.registry.inflight
+        serving = inflight.begin()  # before any epoch check: memory freed from now on waits for it
         try:
             self._requests.may_defer = self._watched > 1
             if frame is None:
@@ -521,8 +527,9 @@ class Agent:
                 rest, self._requests.deferred = self._requests.deferred, None
                 if rest is not None:
                     self._unregister(link)
-                    self._handoffs.start(Deferred(link, sock, rest, self._requests.payload,
-                                                  self._requests.payload_summed, scope.pop_all()))
+                    job = Deferred(link, sock, inflight.hand_off(serving, rest, scope), self._requests.payload,
+                                   self._requests.payload_summed, scope.pop_all())
+                    self._handoffs.start(job)
                     return False
                 if frame.cls is wire.Unlink:
                     # Forgotten before it is confirmed: once the peer's unlink returns, this
@@ -537,6 +544,8 @@ class Agent:
             self._failed(link, exc)
         finally:
             self._requests.payload = None
+            if not serving.handed:
+                inflight.end(serving)
         return True
 
     def _resume(self, link: Link) -> None:

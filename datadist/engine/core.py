@@ -9,6 +9,7 @@ keeps them by peer, hands them to the API layer and drops them.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -19,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Optional, Sequence, TypeVar, Union
 
-from . import cuda, exporter, npu, wire
+from . import cuda, exporter, fences, npu, wire
 from .agent import Agent
 from .errors import Fault, fail
 from .link import Link
@@ -316,6 +317,22 @@ class Engine:
             link.turns.release()
         self.drop_link(link, notify=False)
         return Fault.OK
+
+    def give_back(self, nbytes: int, release: Optional[Callable[[], None]]) -> None:
+        """Memory the registry forgot (its epoch moved) goes back through ``release`` (None:
+        registered memory, only waited for) once no peer copies into or out of it
+        (:mod:`.fences`); at most ``2 * sync_kv_timeout`` is waited for that, then it goes
+        back when the copies end.  On the agent thread (a user callback) the wait runs on
+        a thread of its own: the peers' answers may need this agent."""
+        registry = self.live_registry()
+        with self.links_lock:
+            links = list(self.links.values())
+        work = functools.partial(fences.free_after_peers, links, registry.inflight, registry.epoch, nbytes, release,
+                                 2 * self.timeout_ms)
+        if self.live_agent().on_thread():
+            threading.Thread(target=work, name="datadist-free", daemon=True).start()
+        else:
+            work()
 
     def drop_link(self, link: Link, notify: bool) -> None:
         """Forget ``link`` and close it (any thread; the agent calls it on UNLINK)."""

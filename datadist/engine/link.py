@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, NoReturn, Optional, Sequ
 
 from .errors import EngineError, Fault, fail
 from .transports.base import Prepared, RemoteCache, StaleLookup, Transport
-from .turns import Turns, Unserved
+from .turns import TurnEnds, Turns, Unserved
 from . import native, tls, wire
 from .polling import LOAD, SpinPolicy
 from .keys import CacheRef
@@ -65,7 +65,7 @@ class _Job(NamedTuple):
     start: float
 
 
-class Link(PeerLookups, LinkLife):
+class Link(PeerLookups, LinkLife, TurnEnds):
     """A link to one peer engine: this end's request stream (``req_sock``), the stream the
     agent serves the peer's requests on (``serve_sock``), the transport its plans move by,
     and the cache of the peer's lookups.  It is the :class:`~.transports.base.Channel`
@@ -78,7 +78,7 @@ class Link(PeerLookups, LinkLife):
                  on_broken: Optional[Callable[[int, str], None]] = None,
                  transport: Optional[Transport] = None, peer_epoch_addr: Optional[int] = None,
                  req_sock: Optional[socket.socket] = None, serve_sock: Optional[socket.socket] = None,
-                 attach_token: str = "", metrics: Optional[EngineMetrics] = None) -> None:
+                 attach_token: str = "", metrics: Optional[EngineMetrics] = None, may_map_here: bool = False) -> None:
         LinkLife.__init__(self, on_broken)  # ``on_broken``: told once when the link breaks
         self.local_cluster_id = local_cluster_id
         self.remote_cluster_id = remote_cluster_id
@@ -94,6 +94,10 @@ class Link(PeerLookups, LinkLife):
         self.collective: str = ""                # collective links: their process group's backend
         self.attach_token = attach_token         # what the client's ATTACH carried (the server's HELLO_ACK gave it)
         self.turns: Turns[_Job] = Turns(self._serve_jobs)
+        #: Whether the peer may copy into and out of this engine's memory itself (same host):
+        #: memory this engine frees waits for its copies (:mod:`.fences`).
+        self.may_map_here = may_map_here
+        TurnEnds.__init__(self)
         PeerLookups.__init__(self)
         self._release_when_idle = False  # closed while a transfer held the link: it releases
         self.req_spin = SpinPolicy(native.SPIN_US)   # waits for this end's replies (turn holder)
@@ -251,7 +255,7 @@ class Link(PeerLookups, LinkLife):
             self.meter.moved(op, done.nbytes, start)
             return done
         finally:
-            self._let_go()
+            self.let_go()
 
     def _queue(self, job: _Job) -> tuple[bool, Prepared]:
         """Wait in line for the link (:mod:`.turns`): whether the holder ran ``job`` (and
@@ -299,7 +303,7 @@ class Link(PeerLookups, LinkLife):
                 outcomes = [exc] * len(jobs)
             self.meter.settled(jobs, outcomes)
         finally:
-            self._let_go()
+            self.let_go()
         errors = [outcome for outcome in outcomes if not isinstance(outcome, Prepared)]
         if errors:
             raise errors[0]
@@ -371,15 +375,16 @@ class Link(PeerLookups, LinkLife):
         """Look ``key`` up and plan against it, moving nothing (errors as :meth:`transfer`
         would raise them); :meth:`transfer` runs the result as ``prepared``."""
         deadline = time.monotonic() + self.timeout_ms / 1000.0
-        self._acquire(deadline)
+        self.take_turn(deadline)
         try:
             self.check_alive()
             remote = key if isinstance(key, RemoteCache) else self.lookup(key, deadline)[0]
             return self._bind(remote, planner(remote), push)
         finally:
-            self._let_go()
+            self.let_go()
 
-    def _acquire(self, deadline: float) -> None:
+    def take_turn(self, deadline: float) -> None:
+        """Hold the link (in turn) before ``deadline``, else raise ``LLM_TIMEOUT``."""
         if not self.turns.acquire(blocking=False) and \
                 not self.turns.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise self._busy_error()
@@ -388,11 +393,12 @@ class Link(PeerLookups, LinkLife):
         return EngineError(Fault.TIMEOUT, f"link to cluster {self.remote_cluster_id} stayed busy with other "
                                           f"transfers for sync_kv_timeout ({self.timeout_ms} ms)")
 
-    def _let_go(self) -> None:
+    def let_go(self) -> None:
         """Let go of the link (serving the transfers queued behind it); a link closed
         while this thread held it is released now.  Every holder but :meth:`close` itself
         lets go through here."""
         self.turns.release()
+        self.turn_over()  # after release(): the rounds it served have moved too
         if self._release_when_idle:
             self.close(wait=False)
 
@@ -493,7 +499,7 @@ class Link(PeerLookups, LinkLife):
             except OSError as exc:
                 self._fail(exc)
         finally:
-            self._let_go()
+            self.let_go()
 
     def release_key(self, key: CacheRef) -> None:
         """Tell the owner that ``key`` was consumed (pull_cache through a CacheKey)."""
@@ -502,7 +508,7 @@ class Link(PeerLookups, LinkLife):
         try:
             reply = self.rpc(key.release_message(), deadline)
         finally:
-            self._let_go()
+            self.let_go()
         if not isinstance(reply, wire.Reply):
             self.protocol_error(reply)
 

@@ -223,6 +223,13 @@ class Linker:
                  "on" if shm.cma_ok else "off")
         return shm, mapped[0].local_base
 
+    def _may_map_here(self, peer: wire.Hello) -> bool:
+        """Whether ``peer`` may copy into and out of this engine's memory itself (a
+        same-host link that is not forced onto tcp nor collective: the peer decides for
+        its end as :meth:`_transport_to` does for this one)."""
+        return (peer.host == self.engine.host and "tcp" not in (self.engine.backend, peer.backend)
+                and self._collective(peer) is None)
+
     @staticmethod
     def _probe_cma(peer: wire.Hello) -> bool:
         got = np.zeros(1, dtype=np.uint64)
@@ -267,7 +274,7 @@ class Linker:
         link = Link(remote_cluster_id=msg.cluster_id, remote_role=msg.role, peer_pid=msg.pid,
                     timeout_ms=self.engine.timeout_ms, is_client=False, local_cluster_id=self.engine.cluster_id,
                     on_broken=self.engine.link_broken, transport=transport, peer_epoch_addr=epoch_addr, metrics=self.engine.metrics,
-                    serve_sock=sock, attach_token=secrets.token_hex(16))
+                    serve_sock=sock, attach_token=secrets.token_hex(16), may_map_here=self._may_map_here(msg))
         store_port = 0
         backend = self._collective(msg)
         if backend is not None:
@@ -393,7 +400,8 @@ class Linker:
             remote_cluster_id=remote_cluster_id, remote_role=ack.role, peer_pid=ack.pid,
             timeout_ms=self.engine.timeout_ms, is_client=True, local_cluster_id=self.engine.cluster_id,
             on_broken=self.engine.link_broken, transport=transport, peer_epoch_addr=epoch_addr, metrics=self.engine.metrics,
-            req_sock=hello_sock, serve_sock=attach_sock, attach_token=ack.attach_token)
+            req_sock=hello_sock, serve_sock=attach_sock, attach_token=ack.attach_token,
+            may_map_here=self._may_map_here(ack))
         backend = self._collective(ack)
         if ack.store_port and backend is not None:
             from torch._C._distributed_c10d import TCPStore  # torch.distributed's own, as its stubs export it

@@ -19,6 +19,7 @@ from numpy.typing import NDArray
 
 from .arrivals import ArrivalBoard, Notice
 from .errors import Fault, fail
+from .inflight import InFlight
 from .memory import Arena
 
 if TYPE_CHECKING:
@@ -104,6 +105,8 @@ class Registry:
         self._epoch = ctypes.c_uint64.from_address(self.page.base)
         ctypes.c_uint64.from_address(self.page.base + _NONCE_OFFSET).value = nonce
         self.nonce = nonce
+        #: The peers' requests being served, which freed memory waits for.
+        self.inflight = InFlight(lambda: self._epoch.value)
 
     # -- epoch -------------------------------------------------------------------------
     @property

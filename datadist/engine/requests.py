@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Union
 
 import numpy as np
 
-from . import native, wire
+from . import fences, native, wire
 from .arrivals import Notice
 from .errors import EngineError, Fault
 from .layout import Plan, tensor_span
@@ -40,7 +40,7 @@ __all__ = ["RequestHandler", "SERVED", "OK"]
 
 #: What a linked peer may send on its request stream.
 SERVED = (wire.MsgType.RESOLVE, wire.MsgType.RELEASE_KEY, wire.MsgType.PUSH, wire.MsgType.PULL,
-          wire.MsgType.SUM, wire.MsgType.UNLINK, wire.MsgType.NOTIFY, wire.MsgType.NOTE)
+          wire.MsgType.SUM, wire.MsgType.UNLINK, wire.MsgType.NOTIFY, wire.MsgType.NOTE, wire.MsgType.FENCE)
 
 
 #: The answer to a request that went through (sent as ``wire.OK_FRAME``).
@@ -114,6 +114,7 @@ class RequestHandler:
         self._table: dict[type[wire.Message], _Handler] = {
             wire.Resolve: self._resolve, wire.ReleaseKey: self._release_key, wire.Push: self._transfer,
             wire.Pull: self._transfer, wire.Sum: self._sum, wire.Unlink: self._unlink, wire.Notify: self._notify, wire.Note: self._note,
+            wire.Fence: self._fence,
         }
 
     def handle(self, link: Link, msg: wire.Message, sock: socket.socket,
@@ -349,6 +350,12 @@ class RequestHandler:
         return 0, "", device
 
     # -- one-way and closing -------------------------------------------------------------
+    def _fence(self, link: Link, msg: wire.Message, sock: socket.socket) -> Optional[wire.Message]:
+        """The peer freed memory: answered once no copy of this end's that may still be
+        using it is under way (one that is: answered off this thread, :mod:`.fences`)."""
+        self.deferred = fences.answer_fence(link, self.timeout_ms)
+        return wire.Reply() if self.deferred is None else None
+
     def _unlink(self, link: Link, msg: wire.Message, sock: socket.socket) -> wire.Message:
         link.mark_closing()  # the peer ends both streams next: expected, not a failure
         return wire.Reply()

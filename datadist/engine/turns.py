@@ -28,10 +28,11 @@ caller is a lock of its own (cheaper to make than an Event), bounded by its dead
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Any, Callable, Generic, Optional, TypeVar
 
-__all__ = ["Turns", "Unserved"]
+__all__ = ["Turns", "Unserved", "TurnEnds"]
 
 _J = TypeVar("_J")
 
@@ -185,3 +186,42 @@ class Turns(Generic[_J]):
             waiter.wake.release()
         else:
             self._lock.release()
+
+
+class TurnEnds:
+    """The link's count of turns let go, which a peer's fence waits on (a mixin of
+    :class:`~.link.Link`, whose ``turns`` it reads).  Letting go costs the holder an
+    increment; only a waiting fence adds a notify."""
+
+    turns: Turns[Any]
+
+    def __init__(self) -> None:
+        self.turns_ended = 0
+        self.fencing = False   # this end's own fence holds the turn (moving nothing)
+        self._turn_watchers = 0
+        self._turn_ended = threading.Condition(threading.Lock())
+
+    def turn_over(self) -> None:
+        """The holder let go of the link (after its last copy)."""
+        self.turns_ended += 1
+        if self._turn_watchers:
+            with self._turn_ended:
+                self._turn_ended.notify_all()
+
+    def after_turn(self, deadline: float) -> bool:
+        """Wait until the transfer holding the link now (if any) has let go of it: every
+        copy after that checks the peer's epoch anew.  False at ``deadline``."""
+        seen = self.turns_ended  # first: a turn that ends in between counts as over
+        if not self.turns.locked() or self.fencing:
+            return True
+        with self._turn_ended:
+            self._turn_watchers += 1
+            try:
+                while self.turns_ended == seen:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._turn_ended.wait(left)
+            finally:
+                self._turn_watchers -= 1
+        return True

@@ -28,7 +28,7 @@ from .codec import HEADER_SIZE, U64, Buffer, FrameFormat, WireError
 
 __all__ = [
     "VERSION", "U64", "MsgType", "Message", "Hello", "HelloAck", "Attach", "Resolve", "Resolved",
-    "ReleaseKey", "Push", "Pull", "Sum", "Summed", "Reply", "Unlink", "Notify", "Note", "encode", "read_message", "read_frame", "whole_frame", "Frame", "read_answer", "finish_answer", "OK", "OK_FRAME", "WireError",
+    "ReleaseKey", "Push", "Pull", "Sum", "Summed", "Reply", "Unlink", "Notify", "Note", "Fence", "encode", "read_message", "read_frame", "whole_frame", "Frame", "read_answer", "finish_answer", "OK", "OK_FRAME", "WireError",
     "PRE_LINK", "HEADER_SIZE", "parse_header", "decode_frame", "FORMAT",
 ]
 
@@ -36,7 +36,8 @@ MAGIC = b"DDKV"
 #: 4: ``PUSH`` and ``PULL`` carry ``summed`` (end-to-end checksums); peers of another
 #: version refuse to link.
 #: 5: ``SUM`` / ``SUMMED`` (checksums of one-sided copies).
-VERSION = 5
+#: 6: ``FENCE`` (memory freed waits for the same-host peer's copies: :mod:`.fences`).
+VERSION = 6
 _MAX_BODY = 16 << 20
 
 
@@ -55,6 +56,7 @@ class MsgType(IntEnum):
     NOTE = 12
     SUM = 13
     SUMMED = 14
+    FENCE = 15
 
 
 @dataclass
@@ -231,6 +233,15 @@ class Unlink(Message):
     cluster_id: U64 = 0
 
 
+@dataclass
+class Fence(Message):
+    """Memory of the sender was freed (its epoch moved): answered with a ``REPLY`` once no
+    copy of the receiver's into or out of the sender's memory that began before is under
+    way (:mod:`.fences`)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.FENCE
+
+
 #: Frames a peer may send before it is linked (the first frame of a connection).
 PRE_LINK = (MsgType.HELLO, MsgType.ATTACH)
 #: Largest body and array section of each message type, checked before anything is
@@ -245,7 +256,8 @@ _MAX_ARRAYS = 1 << 30
 FORMAT: FrameFormat[Message] = FrameFormat("datadist link", MAGIC, VERSION, MsgType, arrays="arrays",
                                            max_array_count=4)
 _LIMITS: dict[type[Message], tuple[int, int]] = {
-    **{cls: (_PRE_LINK_BODY, 0) for cls in (Hello, Attach, Unlink, Reply, Summed, Notify, Note, Resolve, ReleaseKey)},
+    **{cls: (_PRE_LINK_BODY, 0) for cls in (Hello, Attach, Unlink, Reply, Summed, Notify, Note, Resolve, ReleaseKey,
+                                            Fence)},
     HelloAck: (_MAX_BODY, 0),
     **{cls: (_MAX_BODY, _MAX_ARRAYS) for cls in (Resolved, Push, Pull, Sum)},
 }

@@ -174,12 +174,14 @@ class _Child:
         return [torch.zeros(tuple(d.shape), dtype=dtype, device=d.device) for _ in range(d.num_tensors)]
 
     def _byte_views(self, name: str) -> List[Any]:
+        if name in self.memory:
+            return self._byte_views_of(self.memory[name])
+        return self._byte_views_of(self.engine.cache_manager.get_cache_tensors(self.caches[name]))
+
+    @staticmethod
+    def _byte_views_of(tensors: Sequence[Any]) -> List[Any]:
         import torch
 
-        if name in self.memory:
-            tensors = self.memory[name]
-        else:
-            tensors = self.engine.cache_manager.get_cache_tensors(self.caches[name])
         return [t.reshape(-1).view(torch.uint8) for t in tensors]
 
     # commands
@@ -355,6 +357,70 @@ class _Child:
             if t.is_alive():
                 raise TimeoutError("a concurrent call did not return within 60 s")
         return errors
+
+    def op_keep_calling(self, method: str, args: Sequence[Any], kwargs: Dict[str, Any], stop_file: str,
+                        max_seconds: float) -> Dict[int, int]:
+        """Repeat a call, whatever it raises, until ``stop_file`` exists (at most
+        ``max_seconds``): how many ended with each status code (0: went through)."""
+        fn = getattr(self.engine.cache_manager, method)
+        args, kwargs = self._resolve(tuple(args)), self._resolve(kwargs)
+        end = time.monotonic() + max_seconds
+        counts: Dict[int, int] = {}
+        while not os.path.exists(stop_file) and time.monotonic() < end:
+            try:
+                fn(*args, **kwargs)
+                code = 0
+            except self.dd.LLMException as exc:
+                code = int(exc.status_code)
+            counts[code] = counts.get(code, 0) + 1
+        return counts
+
+    def op_free_under_pushes(self, name: str, bkey: Key, rounds: int, mark: int) -> Dict[str, Any]:
+        """Free blocks cache ``name`` (named by ``bkey``) while a peer pushes bytes
+        ``mark`` into it, allocate a probe cache of its size at once (the pool's first
+        fit: where the freed one was) and fill it, name a new cache by ``bkey``, and once
+        the peer's next push lands there (its previous one has ended then) count the
+        probe's bytes that changed.  Per round: whether the probe took the freed memory,
+        and its bytes overwritten."""
+        import torch
+
+        cm = self.engine.cache_manager
+        desc = self.caches[name].cache_desc
+        same, overwritten = [], []
+        for _ in range(rounds):
+            self._await_mark(name, mark)  # pushes are landing: one is under way now
+            freed = self.caches[name].tensor_addrs[0]
+            self.op_free(name)
+            probe = cm.allocate_blocks_cache(desc)
+            probe_bytes = cm.get_cache_tensors(probe)[0].view(-1).view(torch.uint8)
+            probe_bytes.fill_(0xA5)
+            self.caches[name] = cm.allocate_blocks_cache(desc, self._resolve(bkey))
+            self.kinds[name] = "blocks"
+            self._byte_views(name)[0].zero_()
+            self._await_mark(name, mark)
+            same.append(probe.tensor_addrs[0] == freed)
+            overwritten.append(int((probe_bytes != 0xA5).sum()))
+            cm.deallocate_blocks_cache(probe)
+        return {"same_address": same, "overwritten": overwritten}
+
+    def op_unregister_under_pushes(self, name: str, mark: int) -> None:
+        """Unregister cache ``name`` while a peer's push is landing in it, and zero its
+        memory at once (kept as ``name + "-kept"``, to read back once the peer stopped)."""
+        self._await_mark(name, mark)
+        tensors = self.memory[name]
+        self.op_free(name)  # returns once no peer copies into the memory any more
+        for view in self._byte_views_of(tensors):
+            view.zero_()
+        self.memory[name + "-kept"] = tensors
+
+    def _await_mark(self, name: str, mark: int, timeout: float = 20.0) -> None:
+        """Wait until the first byte of cache ``name`` is ``mark`` (a peer's push landed)."""
+        first = self._byte_views(name)[0][:1]
+        deadline = time.monotonic() + timeout
+        while int(first[0]) != mark:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no push into {name} within {timeout} s")
+            os.sched_yield()
 
     def op_finalize_under_load(self, method: str, args: Sequence[Any], kwargs: Dict[str, Any], threads: int,
                                bound_s: float) -> Dict[str, Any]:

@@ -60,6 +60,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
         "datadist.engine.registry", "datadist.engine.handshake", "datadist.engine.incoming",
         "datadist.engine.notes", "datadist.engine.arrivals", "datadist.engine.requests", "datadist.engine.linking",
         "datadist.engine.lookups", "datadist.engine.prepared", "datadist.engine.planning", "datadist.engine.peer_plans",
+        "datadist.engine.fences",
     )),
     ("transports and executors", (
         "datadist.engine.transports", "datadist.engine.transports.*",

@@ -118,27 +118,28 @@ def test_module_functions_keep_their_contracts() -> None:
 
 
 def test_link_frames_keep_their_byte_format() -> None:
-    """The link protocol's byte format (VERSION 5: 4 added ``summed`` to PUSH and PULL, 5
-    added SUM and SUMMED): header, fixed fields, length-prefixed text and JSON, then each
-    array as a count and its words."""
+    """The link protocol's byte format (VERSION 6: 4 added ``summed`` to PUSH and PULL, 5
+    added SUM and SUMMED, 6 FENCE): header, fixed fields, length-prefixed text and JSON,
+    then each array as a count and its words."""
     push = dw.Push(cache_id=-3, epoch=7, nbytes=1 << 63, via=1, summed=True, arrays=[np.array([5, 6], np.uint64)])
     body = struct.pack("<qQQq?", -3, 7, 1 << 63, 1, True)
     arrays = struct.pack("<QQQ", 2, 5, 6)
-    assert dw.encode(push) == struct.pack("<4sBBHII", b"DDKV", 5, 7, 0, len(body), len(arrays)) + body + arrays
+    assert dw.encode(push) == struct.pack("<4sBBHII", b"DDKV", 6, 7, 0, len(body), len(arrays)) + body + arrays
     reply = dw.Reply(status=5, message="né")
     body = struct.pack("<qI", 5, 3) + "né".encode()
-    assert dw.encode(reply) == struct.pack("<4sBBHII", b"DDKV", 5, 9, 0, len(body), 0) + body
+    assert dw.encode(reply) == struct.pack("<4sBBHII", b"DDKV", 6, 9, 0, len(body), 0) + body
     summed = dw.Summed(status=0, checksum=(1 << 64) - 1, message="")
     body = struct.pack("<qQI", 0, (1 << 64) - 1, 0)
-    assert dw.encode(summed) == struct.pack("<4sBBHII", b"DDKV", 5, 14, 0, len(body), 0) + body
+    assert dw.encode(summed) == struct.pack("<4sBBHII", b"DDKV", 6, 14, 0, len(body), 0) + body
     ask = dw.Sum(cache_id=2, epoch=9, nbytes=16, arrays=[np.array([5], np.uint64)])
     body = struct.pack("<qQQq?", 2, 9, 16, 0, False)
-    assert dw.encode(ask) == struct.pack("<4sBBHII", b"DDKV", 5, 13, 0, len(body), 16) + body + struct.pack("<QQ", 1, 5)
+    assert dw.encode(ask) == struct.pack("<4sBBHII", b"DDKV", 6, 13, 0, len(body), 16) + body + struct.pack("<QQ", 1, 5)
     assert dw.decode_frame(dw.Sum, dw.encode(ask)[16:], len(body)) == ask
     hello = dw.Hello(ctrl={"fd": 3}, arenas=[{"a": "é"}])
     raw = dw.encode(hello)
     assert b'\x08\x00\x00\x00{"fd":3}' in raw and b'[{"a":"\\u00e9"}]' in raw
-    assert dw.VERSION == 5 and ew.PROTOCOL_VERSION == 7
+    assert dw.encode(dw.Fence()) == struct.pack("<4sBBHII", b"DDKV", 6, 15, 0, 0, 0)
+    assert dw.VERSION == 6 and ew.PROTOCOL_VERSION == 7
 
 
 # ----------------------------------------------------------------------------- key lists and text

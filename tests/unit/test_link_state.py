@@ -65,5 +65,5 @@ def test_closing_a_busy_link_without_waiting_releases_it_when_the_holder_leaves(
     link.close("peer gone", wait=False)
     assert link.state is LinkState.BROKEN and link.broken == "peer gone"
     assert link.req_sock is not None and link.req_sock.fileno() >= 0  # still held: not given back yet
-    link._let_go()
+    link.let_go()
     assert link.state is LinkState.CLOSED and link.req_sock.fileno() == -1

@@ -1,0 +1,69 @@
+"""A cache freed while a peer still moves bytes into it: the memory goes back to the pool
+only once that transfer has ended, so the next cache placed there is never overwritten;
+registered memory is the caller's again only once nothing writes it.
+
+The prompt pushes into the decoder's blocks cache, call after call; the decoder frees the
+cache while a push is landing, at once allocates a probe cache of the same size (the pool's
+first fit puts it where the freed one was) and fills it, names a new cache with the key, and
+once the prompt's next push lands there (its previous one has ended then) reads the probe
+back.  Before the fence, a same-host push (a one-sided copy) or a socket push the agent was
+still receiving wrote its rest into the probe.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from harness import DECODER_ID, TRANSPORTS, Desc, Ref, blocks_key
+
+pytestmark = pytest.mark.timeout(120)
+
+#: 16 MiB: a push takes milliseconds, so a free lands inside one.
+BLOCKS = Desc(1, (64, 1 << 18), "uint8")
+MARK = 0x11
+ROUNDS = 12
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_cache_freed_under_a_push_gives_its_memory_back_after_it(peer_factory: Any, transport: str,
+                                                                   tmp_path: Any) -> None:
+    pair = peer_factory("pair", transport)
+    p, d = pair.peers()
+    p.alloc("src", BLOCKS, blocks=True)
+    p.write("src", [bytes([MARK]) * (64 << 18)])
+    d.alloc("dst", BLOCKS, blocks=True, bkey=blocks_key(DECODER_ID))
+    stop = tmp_path / "stop"
+    pushing = p.start_call("keep_calling", "push_blocks", [blocks_key(DECODER_ID), Ref("src")],
+                           {"src_blocks": list(range(64)), "dst_blocks": list(range(64))}, str(stop), 100.0)
+    try:
+        rounds = d.call("free_under_pushes", "dst", blocks_key(DECODER_ID), ROUNDS, MARK, timeout=90)
+    finally:
+        stop.touch()
+    outcomes = pushing.result(30)
+    assert outcomes.get(0, 0) >= ROUNDS, f"pushes that went through: {outcomes}"
+    assert any(rounds["same_address"]), f"the probe never took the freed memory: {rounds}"
+    assert rounds["overwritten"] == [0] * ROUNDS, f"bytes of the probe overwritten per round: {rounds}"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_unregistered_memory_is_written_no_more(peer_factory: Any, transport: str, tmp_path: Any) -> None:
+    """``unregister_cache`` returns once no peer's push writes the memory: zeroed right
+    after, it stays zero whatever the peer's push under way did."""
+    pair = peer_factory("pair", transport)
+    p, d = pair.peers()
+    p.alloc("src", BLOCKS, blocks=True)
+    p.write("src", [bytes([MARK]) * (64 << 18)])
+    d.register("user", BLOCKS, blocks=True, bkey=blocks_key(DECODER_ID))
+    stop = tmp_path / "stop"
+    pushing = p.start_call("keep_calling", "push_blocks", [blocks_key(DECODER_ID), Ref("src")],
+                           {"src_blocks": list(range(64)), "dst_blocks": list(range(64))}, str(stop), 100.0)
+    try:
+        d.call("unregister_under_pushes", "user", MARK)
+    finally:
+        stop.touch()
+    outcomes = pushing.result(30)
+    assert outcomes.get(0, 0) >= 1, f"no push went through: {outcomes}"
+    written = int(np.count_nonzero(d.read("user-kept")))
+    assert written == 0, f"{written} bytes written after unregister_cache returned"
