@@ -13,8 +13,8 @@ process (:mod:`.inflight`).
 
 A peer that cannot answer in time breaks its link, as any request would; the memory is
 then given back only if the peer's process is gone: one that lives on may still be in
-the middle of a copy, and the memory stays out of the pool rather than be overwritten
-later (logged, with its size).
+the middle of a copy, and the memory stays out of the pool (until the engine ends)
+rather than be overwritten later (logged, with its size).
 """
 from __future__ import annotations
 
@@ -76,8 +76,8 @@ def free_after_peers(links: Iterable["Link"], inflight: "InFlight", epoch: int, 
     deadline = time.monotonic() + timeout_ms / 1000.0
     kept = []
     for link in links:
-        if not link.may_map_here or link.broken is not None:
-            continue
+        if not link.may_map_here or link.broken is not None or link.req_sock is None:
+            continue  # a link not ready yet has carried no copy: the peer's starts with a lookup
         try:
             fence(link, deadline)
         except EngineError as exc:
@@ -86,7 +86,7 @@ def free_after_peers(links: Iterable["Link"], inflight: "InFlight", epoch: int, 
     if kept:
         log.error("%d bytes freed are kept out of the pool: same-host peers that did not answer a fence may still "
                   "copy into them: %s", nbytes, "; ".join(kept))
-        return
+        release = None
     inflight.release_after(epoch, release or _nothing, deadline)
 
 

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from harness import DECODER_ID, TRANSPORTS, Desc, Ref, blocks_key
+from datadist import LLMStatusCode as S
+from harness import DECODER_ID, PROMPT_ID, SYNC_KV_TIMEOUT_MS, TRANSPORTS, Desc, Ref, blocks_key, expect_llm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,3 +68,24 @@ def test_unregistered_memory_is_written_no_more(peer_factory: Any, transport: st
     assert outcomes.get(0, 0) >= 1, f"no push went through: {outcomes}"
     written = int(np.count_nonzero(d.read("user-kept")))
     assert written == 0, f"{written} bytes written after unregister_cache returned"
+
+
+def test_a_frozen_peer_holds_a_free_for_a_bounded_time_and_keeps_the_memory(peer_factory: Any) -> None:
+    """A same-host peer that cannot answer the fence (frozen: it might be mid-copy) breaks
+    its link after ``2 * sync_kv_timeout``; the free returns then, and the memory stays out
+    of the pool rather than be given to a cache the peer may still write into."""
+    pair = peer_factory("pair", "shm")
+    p, d = pair.peers()
+    d.alloc("dst", BLOCKS, blocks=True, bkey=blocks_key(DECODER_ID))
+    before = d.call("engine", "metrics")["pools"]
+    p.stop()
+    try:
+        _, took = d.timed_cm("deallocate_blocks_cache", Ref("dst"), timeout=30)
+    finally:
+        p.cont()
+    after = d.call("engine", "metrics")["pools"]
+    assert 1.5 < took < 2 * SYNC_KV_TIMEOUT_MS / 1000 + 3, f"the free took {took:.2f} s"
+    assert after == before, f"pools before the free {before}, after {after}"
+    d.alloc("again", BLOCKS, blocks=True)
+    with expect_llm(S.LLM_LINK_FAILED):  # the link that could not be fenced is broken
+        d.cm("pull_blocks", blocks_key(PROMPT_ID), Ref("again"), [0], [0])
