@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
 
+from ..engine.conn_owner import process_alive
+
 __all__ = ["PREFIX", "RUN_DIR", "Host", "Cluster", "unavailable", "sweep_stale", "leftovers", "enter",
            "inside", "rate_bits"]
 
@@ -160,15 +162,6 @@ def _remove_run(run: str) -> None:
     (RUN_DIR / run).unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def sweep_stale() -> List[str]:
     """Remove what runs whose owner process is gone left behind; returns those runs."""
@@ -181,7 +174,7 @@ def sweep_stale() -> List[str]:
                 runs[entry.name] = 0
     seen = {n[len(PREFIX):len(PREFIX) + 4] for n in _names("netns") + _names("link")
             if n.startswith(PREFIX) and len(n) > len(PREFIX) + 4}
-    stale = sorted(r for r in set(runs) | seen if runs.get(r, 0) <= 0 or not _alive(runs[r]))
+    stale = sorted(r for r in set(runs) | seen if runs.get(r, 0) <= 0 or not process_alive(runs[r]))
     for run in stale:
         _remove_run(run)
     return stale

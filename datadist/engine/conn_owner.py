@@ -25,7 +25,7 @@ import socket
 import sys
 from typing import List, Optional, Tuple
 
-__all__ = ["holds_other_end"]
+__all__ = ["holds_other_end", "process_alive"]
 
 
 def _proc_forms(addr: Tuple[str, int]) -> List[Tuple[str, str]]:
@@ -77,3 +77,14 @@ def holds_other_end(pid: int, sock: socket.socket) -> bool:
         except OSError:
             continue
     return False
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -19,11 +19,11 @@ rather than be overwritten later (logged, with its size).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from . import wire
+from .conn_owner import process_alive
 from .errors import EngineError, Fault, fail
 
 if TYPE_CHECKING:
@@ -81,23 +81,13 @@ def free_after_peers(links: Iterable["Link"], inflight: "InFlight", epoch: int, 
         try:
             fence(link, deadline)
         except EngineError as exc:
-            if _alive(link.peer_pid):
+            if process_alive(link.peer_pid):
                 kept.append(f"cluster {link.remote_cluster_id} ({exc})")
     if kept:
         log.error("%d bytes freed are kept out of the pool: same-host peers that did not answer a fence may still "
                   "copy into them: %s", nbytes, "; ".join(kept))
         release = None
     inflight.release_after(epoch, release or _nothing, deadline)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def _nothing() -> None:

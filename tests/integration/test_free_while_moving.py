@@ -11,13 +11,13 @@ still receiving wrote its rest into the probe.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Dict, Tuple, TypeVar
 
 import numpy as np
 import pytest
 
 from datadist import LLMStatusCode as S
-from harness import DECODER_ID, PROMPT_ID, SYNC_KV_TIMEOUT_MS, TRANSPORTS, Desc, Ref, blocks_key, expect_llm
+from harness import DECODER_ID, PROMPT_ID, SYNC_KV_TIMEOUT_MS, TRANSPORTS, Desc, Peer, Ref, blocks_key, expect_llm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,23 +26,34 @@ BLOCKS = Desc(1, (64, 1 << 18), "uint8")
 MARK = 0x11
 ROUNDS = 12
 
+_T = TypeVar("_T")
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_cache_freed_under_a_push_gives_its_memory_back_after_it(peer_factory: Any, transport: str,
-                                                                   tmp_path: Any) -> None:
-    pair = peer_factory("pair", transport)
-    p, d = pair.peers()
+
+def _under_pushes(peer_factory: Any, transport: str, tmp_path: Any, prepare: Callable[[Peer], None],
+                  work: Callable[[Peer], _T]) -> Tuple[_T, Dict[int, int], Peer]:
+    """Run ``work`` on the decoder (its cache named ``blocks_key(DECODER_ID)`` made by
+    ``prepare``) while the prompt pushes bytes ``MARK`` into that cache, call after call;
+    ``work``'s result, the pushes' outcomes by status code, and the decoder."""
+    p, d = peer_factory("pair", transport).peers()
     p.alloc("src", BLOCKS, blocks=True)
     p.write("src", [bytes([MARK]) * (64 << 18)])
-    d.alloc("dst", BLOCKS, blocks=True, bkey=blocks_key(DECODER_ID))
+    prepare(d)
     stop = tmp_path / "stop"
     pushing = p.start_call("keep_calling", "push_blocks", [blocks_key(DECODER_ID), Ref("src")],
                            {"src_blocks": list(range(64)), "dst_blocks": list(range(64))}, str(stop), 100.0)
     try:
-        rounds = d.call("free_under_pushes", "dst", blocks_key(DECODER_ID), ROUNDS, MARK, timeout=90)
+        done = work(d)
     finally:
         stop.touch()
-    outcomes = pushing.result(30)
+    return done, pushing.result(30), d
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_cache_freed_under_a_push_gives_its_memory_back_after_it(peer_factory: Any, transport: str,
+                                                                   tmp_path: Any) -> None:
+    rounds, outcomes, _ = _under_pushes(
+        peer_factory, transport, tmp_path, lambda d: d.alloc("dst", BLOCKS, blocks=True, bkey=blocks_key(DECODER_ID)),
+        lambda d: d.call("free_under_pushes", "dst", blocks_key(DECODER_ID), ROUNDS, MARK, timeout=90))
     assert outcomes.get(0, 0) >= ROUNDS, f"pushes that went through: {outcomes}"
     assert any(rounds["same_address"]), f"the probe never took the freed memory: {rounds}"
     assert rounds["overwritten"] == [0] * ROUNDS, f"bytes of the probe overwritten per round: {rounds}"
@@ -52,19 +63,9 @@ def test_a_cache_freed_under_a_push_gives_its_memory_back_after_it(peer_factory:
 def test_unregistered_memory_is_written_no_more(peer_factory: Any, transport: str, tmp_path: Any) -> None:
     """``unregister_cache`` returns once no peer's push writes the memory: zeroed right
     after, it stays zero whatever the peer's push under way did."""
-    pair = peer_factory("pair", transport)
-    p, d = pair.peers()
-    p.alloc("src", BLOCKS, blocks=True)
-    p.write("src", [bytes([MARK]) * (64 << 18)])
-    d.register("user", BLOCKS, blocks=True, bkey=blocks_key(DECODER_ID))
-    stop = tmp_path / "stop"
-    pushing = p.start_call("keep_calling", "push_blocks", [blocks_key(DECODER_ID), Ref("src")],
-                           {"src_blocks": list(range(64)), "dst_blocks": list(range(64))}, str(stop), 100.0)
-    try:
-        d.call("unregister_under_pushes", "user", MARK)
-    finally:
-        stop.touch()
-    outcomes = pushing.result(30)
+    _, outcomes, d = _under_pushes(
+        peer_factory, transport, tmp_path, lambda d: d.register("user", BLOCKS, blocks=True, bkey=blocks_key(DECODER_ID)),
+        lambda d: d.call("unregister_under_pushes", "user", MARK))
     assert outcomes.get(0, 0) >= 1, f"no push went through: {outcomes}"
     written = int(np.count_nonzero(d.read("user-kept")))
     assert written == 0, f"{written} bytes written after unregister_cache returned"
