@@ -4,8 +4,10 @@ build runs once per run, not once per module that imports it), and a private
 ``ems-server`` for tests that run client code as a user would."""
 import os
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 from typing import Iterator
 
 import pytest
@@ -14,6 +16,24 @@ from fake_npu_env import npu_env, npu_peers
 from harness import pair, pair_holder, peer_factory
 
 __all__ = ["pair", "pair_holder", "peer_factory", "npu_env", "npu_peers", "ems_pool_dir"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_sockets_in_a_folder_of_the_run() -> Iterator[None]:
+    """vLLM's processes make their ZeroMQ sockets in ``VLLM_RPC_BASE_PATH`` (the temp
+    folder by default) and leave them behind when stopped or killed: the run's go into a
+    folder of its own, removed at its end."""
+    folder = tempfile.mkdtemp(prefix="vllm-rpc-")
+    before = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = folder
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        else:
+            os.environ["VLLM_RPC_BASE_PATH"] = before
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
