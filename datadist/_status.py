@@ -38,16 +38,21 @@ _BASE = 0x5010B000
 
 
 class LLMStatusCode(IntEnum):
-    """Status codes, with the values of CANN's ``llm_datadist``."""
+    """Status codes, with the values (and member order) of CANN's ``llm_datadist``.
+
+    ``LLM_DEVICE_MEM_ERROR`` and ``LLM_SUSPECT_REMOTE_ERROR`` are the ACL runtime's
+    ``ACL_ERROR_RT_DEVICE_MEM_ERROR`` (507053) and ``ACL_ERROR_RT_SUSPECT_REMOTE_ERROR``
+    (507057), which CANN passes through; this library does not raise them itself.
+    ``str()`` (and an f-string) of a member is ``"LLMStatusCode.NAME"``, as in CANN.
+    """
 
     LLM_SUCCESS = 0
     LLM_FAILED = 0xFFFFFFFF
-    LLM_UNKNOWN_ERROR = -1
+    LLM_PARAM_INVALID = _BASE + 5
     LLM_WAIT_PROCESS_TIMEOUT = _BASE + 1
     LLM_KV_CACHE_NOT_EXIST = _BASE + 2
     LLM_REPEAT_REQUEST = _BASE + 3
     LLM_REQUEST_ALREADY_COMPLETED = _BASE + 4
-    LLM_PARAM_INVALID = _BASE + 5
     LLM_ENGINE_FINALIZED = _BASE + 6
     LLM_NOT_YET_LINK = _BASE + 7
     LLM_ALREADY_LINK = _BASE + 8
@@ -67,6 +72,12 @@ class LLMStatusCode(IntEnum):
     LLM_TIMEOUT = _BASE + 26
     LLM_LINK_BUSY = _BASE + 27
     LLM_OUT_OF_MEMORY = _BASE + 28
+    LLM_DEVICE_MEM_ERROR = 507053
+    LLM_SUSPECT_REMOTE_ERROR = 507057
+    LLM_UNKNOWN_ERROR = -1
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
 
 
 def to_status_code(value: Union[int, LLMStatusCode]) -> LLMStatusCode:
@@ -83,9 +94,10 @@ def to_status_code(value: Union[int, LLMStatusCode]) -> LLMStatusCode:
 
 
 class LLMException(RuntimeError):
-    """A failed library call. ``status_code`` says why (default ``LLM_FAILED``)."""
+    """A failed library call. ``status_code`` says why.  The library always gives one; an
+    exception made without it reports ``LLM_SUCCESS``, CANN's default."""
 
-    def __init__(self, *args: object, status_code: Union[int, LLMStatusCode] = LLMStatusCode.LLM_FAILED):
+    def __init__(self, *args: object, status_code: Union[int, LLMStatusCode] = LLMStatusCode.LLM_SUCCESS):
         super().__init__(*args)
         self._status_code = to_status_code(status_code)
 

@@ -17,18 +17,26 @@ __all__ = ["LLMRole", "Placement", "DataType", "RegisterMemStatus", "Memtype"]
 
 
 class LLMRole(IntEnum):
-    """Role of an engine: PROMPT pushes, DECODER pulls, MIX does both."""
+    """Role of an engine: PROMPT pushes, DECODER pulls, MIX does both.  ``str()`` of a
+    member is ``"LLMRole.NAME"``, as in CANN."""
 
     PROMPT = 1
     DECODER = 2
     MIX = 3
 
+    def __str__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
 
 class Placement(IntEnum):
-    """Where a cache's memory lives."""
+    """Where a cache's memory lives.  ``str()`` of a member is ``"Placement.NAME"``, as in
+    CANN."""
 
     HOST = 0
     DEVICE = 1
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
 
 
 class RegisterMemStatus(Enum):

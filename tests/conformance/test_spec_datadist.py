@@ -87,8 +87,25 @@ def test_status_code_table() -> None:
              19: "LLM_BLOCKS_OUT_OF_MEMORY", 24: "LLM_EXIST_LINK", 25: "LLM_FEATURE_NOT_ENABLED",
              26: "LLM_TIMEOUT", 27: "LLM_LINK_BUSY", 28: "LLM_OUT_OF_MEMORY"}
     expected = {name: 0x5010B000 + n for n, name in table.items()}
-    expected.update(LLM_SUCCESS=0, LLM_FAILED=0xFFFFFFFF, LLM_UNKNOWN_ERROR=-1)
+    expected.update(LLM_SUCCESS=0, LLM_FAILED=0xFFFFFFFF, LLM_UNKNOWN_ERROR=-1,
+                    LLM_DEVICE_MEM_ERROR=507053, LLM_SUSPECT_REMOTE_ERROR=507057)
     assert {m.name: int(m) for m in LLMStatusCode} == expected
+
+
+def test_enum_str_is_class_dot_member() -> None:
+    """str() and f-strings of LLMStatusCode, LLMRole and Placement members read
+    "ClassName.MEMBER", as CANN's do; repr and int value are the enum's."""
+    assert str(LLMStatusCode.LLM_TIMEOUT) == "LLMStatusCode.LLM_TIMEOUT"
+    assert f"{LLMStatusCode.LLM_SUCCESS}" == "LLMStatusCode.LLM_SUCCESS"
+    assert str(LLMRole.PROMPT) == "LLMRole.PROMPT" and f"{LLMRole.MIX}" == "LLMRole.MIX"
+    assert str(Placement.DEVICE) == "Placement.DEVICE" and f"{Placement.HOST}" == "Placement.HOST"
+    assert repr(LLMRole.DECODER) == "<LLMRole.DECODER: 2>" and LLMRole.DECODER == 2
+    assert "%d" % LLMStatusCode.LLM_PARAM_INVALID == str(0x5010B005)
+
+
+def test_llm_exception_default_code_is_success() -> None:
+    """LLMException made without status_code reports LLM_SUCCESS, as CANN's does."""
+    assert LLMException("x").status_code is LLMStatusCode.LLM_SUCCESS
 
 
 def test_llm_exception_shape() -> None:

@@ -55,7 +55,9 @@ def test_status_code_values_match_spec():
     assert C.LLM_UNKNOWN_ERROR == -1
     for name, n in SPEC_CODES.items():
         assert C[name] == 0x5010B000 + n, name
-    assert len(C) == len(SPEC_CODES) + 3
+    # ACL runtime codes CANN's LLMStatusCode passes through
+    assert C.LLM_DEVICE_MEM_ERROR == 507053 and C.LLM_SUSPECT_REMOTE_ERROR == 507057
+    assert len(C) == len(SPEC_CODES) + 5
 
 
 def test_cann_cpp_codes_spot_check():
@@ -78,7 +80,7 @@ def test_to_status_code():
 def test_llm_exception_default_and_custom_code():
     exc = LLMException("boom")
     assert isinstance(exc, RuntimeError)
-    assert exc.status_code is C.LLM_FAILED
+    assert exc.status_code is C.LLM_SUCCESS  # CANN's default
     assert str(exc) == "boom"
     exc = LLMException("a", "b", status_code=C.LLM_TIMEOUT)
     assert exc.args == ("a", "b") and exc.status_code is C.LLM_TIMEOUT
