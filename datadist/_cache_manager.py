@@ -430,7 +430,7 @@ class CacheManager:
 
         src = self._local(src_cache)
         eng = self._engine
-        return start_task(eng.get_link, eng.timeout_ms, src, src_cache.is_blocks_cache, lambda: self._local(src_cache),
+        return start_task(eng.get_link, src, src_cache.is_blocks_cache, lambda: self._local(src_cache),
                           layer_synchronizer, transfer_configs, src_block_indices, dst_block_indices,
                           dst_block_memory_size)
 

@@ -7,20 +7,23 @@ layer i+1.  A layer is 2 consecutive tensors (K, V), as in CANN, where this call
 
 Threads of one task (daemon threads; all end with the task):
 
-* the *synchronizer thread* calls ``synchronize_layer(i, sync_kv_timeout)`` for each source
-  layer that some config sends, in ascending order, and publishes each answer as a future;
-* the *coordinator* waits for each answer, at most ``sync_kv_timeout`` per layer, turns it
-  into a verdict (send it; ``LLM_PARAM_INVALID`` for False; ``LLM_TIMEOUT`` when no answer
-  came in time; the status of what the synchronizer raised) and hands the layer with its
-  verdict to the worker of every destination link;
+* the *coordinator* calls ``synchronize_layer(i, None)`` for each source layer that some
+  config sends, in ascending order, as CANN does (no timeout: it waits as long as the
+  caller's synchronizer takes), turns the answer into a verdict (send it;
+  ``LLM_PARAM_INVALID`` for False; the status of what the synchronizer raised, e.g.
+  ``LLM_TIMEOUT`` for a ``TimeoutError``) and hands the layer with its verdict to the
+  worker of every destination link;
 * one *link worker* per destination link sends the layer to each of that link's configs
   that contains it (``Link.transfer``: its own ``sync_kv_timeout`` deadline per send).
   Workers of different links run at the same time, so several decoders receive a layer
   concurrently, and a slow or dead one delays no other.
 
-The synchronizer has a thread of its own so that one that overruns its timeout cannot hold
-the task: the coordinator stops waiting and reports the layer.  A config fails at its first
-failed layer (its later layers are not sent) and never stops the other configs.  Each
+A synchronizer that never answers leaves its configs running: ``CacheTask.synchronize`` /
+``get_results`` report ``LLM_TIMEOUT`` for them after the timeout they are given, and the
+task's threads wait on.  Nothing joins them, so neither ``finalize`` nor interpreter exit
+waits for such a task; a layer answered after ``finalize`` fails its configs with
+``LLM_ENGINE_FINALIZED`` when its worker looks at the source cache.  A config fails at its
+first failed layer (its later layers are not sent) and never stops the other configs.  Each
 config's result is a ``concurrent.futures.Future`` resolved to an :class:`LLMStatusCode`
 once final; :class:`CacheTask` waits on those futures.
 
@@ -110,9 +113,9 @@ class LayerSynchronizer(abc.ABC):
     def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
         """Wait until layer ``layer_index`` of the source cache holds its final bytes, then
         return True; return False if it never will (the configs that send the layer fail with
-        ``LLM_PARAM_INVALID``).  Should return within ``timeout_in_millis`` (the engine's
-        ``sync_kv_timeout``): after that the task stops waiting and those configs fail with
-        ``LLM_TIMEOUT``, as they do when this raises ``TimeoutError``."""
+        ``LLM_PARAM_INVALID``).  ``transfer_cache_async`` passes ``timeout_in_millis=None``
+        (no timeout), as CANN does, and waits as long as this takes; an exception fails the
+        configs that send the layer with its status (``LLM_TIMEOUT`` for ``TimeoutError``)."""
 
 
 class TransferConfig(_Value):
@@ -438,20 +441,18 @@ class _Route:
 class _Task:
     """The threads of one task; see the module docstring."""
 
-    def __init__(self, routes: List[_Route], synchronizer: LayerSynchronizer, timeout_ms: int, src: _Source,
+    def __init__(self, routes: List[_Route], synchronizer: LayerSynchronizer, src: _Source,
                  check_src: Callable[[], object]) -> None:
         self._sync = synchronizer
-        self._timeout_ms = timeout_ms
         self._src = src
         self._check_src = check_src
+        self._routes = routes
         self._layers = sorted(set().union(*(r.layers for r in routes)))
-        self._answers: Dict[int, "Future[bool]"] = {i: Future() for i in self._layers}
         by_cluster: Dict[int, List[_Route]] = {}
         for r in routes:
             by_cluster.setdefault(r.link.remote_cluster_id, []).append(r)
         self._inboxes: List[Tuple[_Inbox, List[_Route]]] = [(queue.SimpleQueue(), group)
                                                              for group in by_cluster.values()]
-        self._finished = threading.Event()
 
     def start(self) -> None:
         """Start the threads: workers first, so every layer handed out has a taker."""
@@ -459,54 +460,44 @@ class _Task:
                                     name=f"datadist-async-link-{group[0].link.remote_cluster_id}")
                    for inbox, group in self._inboxes]
         threads.append(threading.Thread(target=self._coordinate, daemon=True, name="datadist-async-coordinator"))
-        threads.append(threading.Thread(target=self._ask, daemon=True, name="datadist-async-synchronizer"))
         started = 0
         try:
             for t in threads:
                 t.start()
                 started += 1
-        except RuntimeError as exc:  # the process is out of threads
-            self._finished.set()  # a started coordinator stops at its next layer
+        except RuntimeError as exc:  # the process is out of threads (the coordinator, last, did not start)
             for inbox, _ in self._inboxes:
                 inbox.put(None)  # started workers leave, failing their configs
             raise_error(_S.LLM_FAILED, f"transfer_cache_async could not start its threads "
                                        f"({started} of {len(threads)} started): {exc}")
 
-    def _ask(self) -> None:
-        for i in self._layers:
-            if self._finished.is_set():
-                return  # the coordinator is done (it gave up waiting for an earlier answer)
-            answer = self._answers[i]
-            try:
-                answer.set_result(bool(self._sync.synchronize_layer(i, self._timeout_ms)))
-            except Exception as exc:  # the layer's verdict, reported by the coordinator
-                answer.set_exception(exc)
+    def _verdict(self, layer: int) -> LLMStatusCode:
+        """Ask the synchronizer about ``layer`` (no timeout, as CANN: it takes as long as it
+        takes) and say whether the layer may be sent."""
+        try:
+            if self._sync.synchronize_layer(layer, None):
+                return _S.LLM_SUCCESS
+            verdict, why = _S.LLM_PARAM_INVALID, "synchronize_layer returned False"
+        except Exception as exc:  # the layer's verdict: what the synchronizer raised
+            verdict, why = status_of(exc), f"synchronize_layer raised {exc!r}"
+        log.warning("transfer_cache_async: layer %d not sent: %s", layer, why)
+        return verdict
 
     def _coordinate(self) -> None:
         try:
             for i in self._layers:
-                if self._finished.is_set():
-                    return
-                answer = self._answers[i]
-                try:
-                    verdict = _S.LLM_SUCCESS if answer.result(self._timeout_ms / 1000.0) else _S.LLM_PARAM_INVALID
-                    why = "synchronize_layer returned False"
-                except Exception as exc:  # no answer in time (TimeoutError), or what the synchronizer raised
-                    verdict = status_of(exc)
-                    why = (f"synchronize_layer raised {exc!r}" if answer.done()
-                           else f"no answer from synchronize_layer within {self._timeout_ms} ms")
-                if verdict != _S.LLM_SUCCESS:
-                    log.warning("transfer_cache_async: layer %d not sent: %s", i, why)
+                if all(r.result.done() for r in self._routes if i in r.layers):
+                    continue  # every config sending it already failed: nobody needs the layer
+                verdict = self._verdict(i)
                 for inbox, _ in self._inboxes:
                     inbox.put((i, verdict))
         finally:
-            self._finished.set()
             for inbox, _ in self._inboxes:
                 inbox.put(None)
 
     def _send(self, inbox: _Inbox, routes: List[_Route]) -> None:
-        # The coordinator bounds this wait: it hands out a layer at least every
-        # sync_kv_timeout and always ends with None.
+        # The coordinator always ends with None: this ends once it has (an unanswered
+        # synchronizer keeps both waiting; they are daemon threads nobody joins).
         try:
             while (item := self._next(inbox, routes)) is not None:
                 items, more = [item], True
@@ -556,7 +547,7 @@ class _Task:
             route.result.set_result(_S.LLM_SUCCESS)
 
 
-def start_task(get_link: Callable[[int], Link], timeout_ms: int, src_side: Side, src_is_blocks: bool,
+def start_task(get_link: Callable[[int], Link], src_side: Side, src_is_blocks: bool,
                check_src: Callable[[], object], layer_synchronizer: LayerSynchronizer,
                transfer_configs: Sequence[Union[TransferConfig, TransferWithCacheKeyConfig]],
                src_block_indices: Optional[BlockList], dst_block_indices: Optional[BlockList],
@@ -574,5 +565,5 @@ def start_task(get_link: Callable[[int], Link], timeout_ms: int, src_side: Side,
         raise_error(_S.LLM_PARAM_INVALID, "transfer_configs is empty")
     src = _Source(src_side, src_is_blocks, src_block_indices, dst_block_indices, dst_block_memory_size)
     routes = [_Route(i, config, src, get_link) for i, config in enumerate(transfer_configs)]
-    _Task(routes, layer_synchronizer, timeout_ms, src, check_src).start()
+    _Task(routes, layer_synchronizer, src, check_src).start()
     return CacheTask([r.result for r in routes])

@@ -417,14 +417,16 @@ class ComputedLayers(LayerSynchronizer):
 
     def abandon(self) -> None:
         """Answer False for every layer not computed yet (the compute loop failed): the
-        task then fails those layers at once instead of waiting out its deadline."""
+        task then fails those layers at once instead of waiting for them (it gives
+        ``synchronize_layer`` no timeout, as CANN does)."""
         for event in self._answered:
             event.set()
 
     def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
         timeout = None if timeout_in_millis is None else timeout_in_millis / 1000
         if not self._answered[layer_index].wait(timeout):
-            # Not False, which would say the layer never will be: the task reports LLM_TIMEOUT.
+            # Only with a timeout (the task passes None). Not False, which would say the layer
+            # never will be: the task reports LLM_TIMEOUT.
             raise TimeoutError(f"layer {layer_index} was not computed within {timeout_in_millis} ms")
         return self._computed[layer_index]
 

@@ -97,13 +97,15 @@ def _plain(value: Any) -> Any:
 class _Gate:
     """The layer synchronizer of the async tests (registered as a ``LayerSynchronizer``):
     ``synchronize_layer(i)`` blocks until the test opens layer i, then answers what the test
-    chose for it (True: computed, False: never will be).  Like a compute step that overruns,
-    it ignores the timeout it is given; a layer never opened raises ``TimeoutError`` after
-    :data:`GATE_HOLD_S`, so its thread ends even if a test forgets it."""
+    chose for it (True: computed, False: never will be).  It records the timeout each call
+    is given (:attr:`timeouts`) and otherwise ignores it; a layer never opened raises
+    ``TimeoutError`` after :data:`GATE_HOLD_S`, so its thread ends even if a test forgets it."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._answers: Dict[int, bool] = {}
+        #: ``(layer_index, timeout_in_millis)`` of every call, in call order.
+        self.timeouts: List[Tuple[int, Optional[int]]] = []
 
     def open(self, layers: Sequence[int], answer: bool) -> None:
         with self._cond:
@@ -112,6 +114,7 @@ class _Gate:
 
     def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
         with self._cond:
+            self.timeouts.append((layer_index, timeout_in_millis))
             if not self._cond.wait_for(lambda: layer_index in self._answers, GATE_HOLD_S):
                 raise TimeoutError(f"layer {layer_index} was never opened")
             return self._answers[layer_index]
@@ -501,6 +504,11 @@ class _Child:
     def op_open_layers(self, name: str, layers: Sequence[int], answer: bool = True) -> None:
         """Let task ``name``'s synchronizer answer ``answer`` for ``layers``."""
         self.tasks[name][1].open(layers, answer)
+
+    def op_gate_calls(self, name: str) -> List[Tuple[int, Optional[int]]]:
+        """``(layer_index, timeout_in_millis)`` of each call task ``name`` made to its gate."""
+        with self.tasks[name][1]._cond:
+            return list(self.tasks[name][1].timeouts)
 
     def op_task(self, name: str, method: str, timeout_ms: Optional[int]) -> Dict[str, Any]:
         """``synchronize`` or ``get_results`` of task ``name``; statuses as ints, and the

@@ -9,6 +9,7 @@ its bytes.  A frozen and a killed decoder use processes of their own.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.timeout(120)
 
 TRANSPORTS = ("shm", "tcp")
 DECODER2_ID = 3
-#: sync_kv_timeout of these engines: also how long a task waits for one synchronizer answer.
+#: sync_kv_timeout of these engines (a task waits for its synchronizer without a timeout).
 TIMEOUT_MS = 3000
 #: How long the test waits for what a task does in the background.
 WAIT_S = 20
@@ -173,19 +174,49 @@ def test_refused_layer_fails_only_the_configs_that_send_it(trio: Trio) -> None:
     np.testing.assert_array_equal(trio.decoder.read("dst"), want)
 
 
-def test_synchronizer_that_overruns_times_out_its_layer(trio: Trio) -> None:
-    """No answer for layer 3 within sync_kv_timeout: the config sending layer 3 fails with
-    LLM_TIMEOUT, the others succeed, and the task ends without waiting for the answer."""
+def test_synchronizer_is_waited_for_without_a_timeout(trio: Trio) -> None:
+    """As in CANN, synchronize_layer gets timeout_in_millis=None and the task waits as long
+    as it takes: layer 3 unanswered for longer than sync_kv_timeout leaves the config that
+    sends it running (LLM_TIMEOUT from get_results/synchronize with a timeout, as for any
+    config still running) while the other succeeds; once layer 3 is answered, it is sent
+    and the config succeeds."""
     c = _blocks_caches(trio, 30)
     key = blocks_key(DECODER_ID, 1)
     _start(trio.prompt, [key_config(key, range(0, 2), range(0, 2)), key_config(key, range(1, 4), range(1, 4))],
            src_block_indices=SRC_BLOCKS, dst_block_indices=DST_BLOCKS)
     _open(trio.prompt, [0, 1, 2])
-    out = trio.prompt.call("task", "task", "get_results", TIMEOUT_MS + WAIT_MS)
+    until(lambda: _results(trio.prompt, 0)[0] == S.LLM_SUCCESS, WAIT_S, "the first config finished", every=PACED)
+    out = trio.prompt.call("task", "task", "get_results", TIMEOUT_MS + 500)  # longer than sync_kv_timeout
     assert out["result"] == [S.LLM_SUCCESS, S.LLM_TIMEOUT], out
-    assert out["elapsed"] < TIMEOUT_MS / 1000 + WAIT_S / 2, out
+    assert out["elapsed"] >= TIMEOUT_MS / 1000, out
+    assert _synchronize(trio.prompt, 0) == S.LLM_TIMEOUT
     np.testing.assert_array_equal(trio.decoder.read("dst"), _sent_blocks(c, range(0, 3)))
-    _open(trio.prompt, [3])  # lets the synchronizer thread finish
+    _open(trio.prompt, [3])
+    assert _results(trio.prompt, WAIT_MS) == [S.LLM_SUCCESS, S.LLM_SUCCESS]
+    assert _synchronize(trio.prompt, 0) == S.LLM_SUCCESS
+    np.testing.assert_array_equal(trio.decoder.read("dst"), _sent_blocks(c, ALL))
+    calls = [tuple(call) for call in trio.prompt.call("gate_calls", "task")]
+    assert calls == [(layer, None) for layer in ALL], calls
+
+
+def test_unanswered_synchronizer_holds_neither_finalize_nor_exit(own_trio: Any) -> None:
+    """A synchronizer that does not answer keeps its task running, but finalize returns at
+    once and the process exits cleanly (the gate would hold the layer for GATE_HOLD_S,
+    longer than the teardown's exit timeout).  The task stays incomplete (LLM_TIMEOUT with
+    a timeout); a layer answered after finalize fails its config with LLM_ENGINE_FINALIZED."""
+    t = own_trio("shm")
+    _blocks_caches(t, 35)
+    config = [key_config(blocks_key(DECODER_ID, 1), ALL, ALL)]
+    _start(t.prompt, config, name="late", src_block_indices=SRC_BLOCKS, dst_block_indices=DST_BLOCKS)
+    _start(t.prompt, config, name="never", src_block_indices=SRC_BLOCKS, dst_block_indices=DST_BLOCKS)
+    t0 = time.monotonic()
+    t.prompt.call("finalize", timeout=WAIT_S)
+    assert time.monotonic() - t0 < WAIT_S / 4
+    assert _synchronize(t.prompt, 0, name="never") == S.LLM_TIMEOUT
+    assert _results(t.prompt, 0, name="late") == [S.LLM_TIMEOUT]
+    _open(t.prompt, list(ALL), name="late")
+    assert _results(t.prompt, WAIT_MS, name="late") == [S.LLM_ENGINE_FINALIZED]
+    assert _results(t.prompt, 0, name="never") == [S.LLM_TIMEOUT]
 
 
 def test_task_timeout_argument_is_checked(trio: Trio) -> None:
