@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from ._cache_manager import CacheManager
 from ._comm import CommDomain, parse_comm_args
@@ -46,7 +46,12 @@ class LLMDataDist:
     ``init(options)`` starts it (pools, agent thread, listener when
     ``llm.listenIpInfo`` is set); ``finalize()`` releases everything and is idempotent;
     an engine still initialized at interpreter exit is finalized then.
+    ``LLMDataDist.llm_engine_instance`` is the initialized engine of this process (None
+    while there is none), as in CANN.
     """
+
+    #: The initialized engine of this process, or None (CANN's class attribute).
+    llm_engine_instance: Optional["LLMDataDist"] = None
 
     def __init__(self, role: LLMRole, cluster_id: int) -> None:
         self._role = _role_arg(role)
@@ -72,7 +77,27 @@ class LLMDataDist:
 
     @property
     def cache_manager(self) -> CacheManager:
+        """The engine's :class:`CacheManager`.  As in CANN, only while the engine is
+        initialized: ``LLM_FAILED`` before ``init``, ``LLM_ENGINE_FINALIZED`` after
+        ``finalize`` (both ``RuntimeError``s, as CANN raises)."""
+        self._engine_or_raise()
         return self._cache_manager
+
+    @property
+    def kv_cache_manager(self) -> Any:
+        """CANN's KvCacheManager of the mode without ``llm.EnableCacheManager``, which this
+        library does not have: raises as CANN does in CacheManager mode
+        (``LLM_PARAM_INVALID``; before ``init`` / after ``finalize`` as
+        :attr:`cache_manager`)."""
+        self._engine_or_raise()
+        _cache_manager_mode_only("kv_cache_manager")
+
+    def check_link_status(self, remote_cluster_id: int) -> None:
+        """CANN's link check of the mode without ``llm.EnableCacheManager``: raises as
+        CANN does in CacheManager mode (``LLM_PARAM_INVALID``; before ``init`` / after
+        ``finalize`` as :attr:`cache_manager`)."""
+        self._engine_or_raise()
+        _cache_manager_mode_only("check_link_status")
 
     def _engine_or_raise(self) -> Engine:
         if self._engine is None:
@@ -116,6 +141,7 @@ class LLMDataDist:
             self._options = parsed
             self._finalized = False  # CANN lets a finalized engine be initialized again
             _active = weakref.ref(self)
+            LLMDataDist.llm_engine_instance = self
         atexit.register(self.finalize)
 
     def finalize(self) -> None:
@@ -134,6 +160,8 @@ class LLMDataDist:
         with _active_lock:
             if _active is not None and _active() is self:
                 _active = None
+            if LLMDataDist.llm_engine_instance is self:
+                LLMDataDist.llm_engine_instance = None
         atexit.unregister(self.finalize)
 
     # -- links -----------------------------------------------------------------------------
@@ -310,6 +338,14 @@ class LLMDataDist:
         if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or not 0 <= timeout_ms <= 3_600_000:
             raise_error(LLMStatusCode.LLM_PARAM_INVALID, f"timeout_ms = {timeout_ms!r} must be an int in [0, 3600000]")
         return self._engine_or_raise().notes.take(timeout_ms / 1000.0)
+
+
+def _cache_manager_mode_only(what: str) -> NoReturn:
+    """Refuse a call of CANN's mode without ``llm.EnableCacheManager`` (CacheManager mode
+    is this library's only mode), with CANN's message."""
+    raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                f"{what} is not supported when llm.EnableCacheManager is configured "
+                "(this library runs CacheManager mode only)")
 
 
 def _role_arg(role: object) -> LLMRole:

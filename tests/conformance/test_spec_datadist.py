@@ -363,15 +363,39 @@ def test_create_tensors_views_raw_addresses() -> None:
 
 
 def test_engine_properties_before_init() -> None:
-    """LLMDataDist(role, cluster_id): .cluster_id, .role and .cache_manager exist before init;
-    a call before init raises LLMException."""
+    """LLMDataDist(role, cluster_id): .cluster_id and .role exist before init; a call before
+    init, and .cache_manager (as in CANN), raise LLMException, a RuntimeError."""
     engine = LLMDataDist(LLMRole.MIX, 77)
     assert engine.cluster_id == 77 and engine.role == LLMRole.MIX
-    assert engine.cache_manager is not None
-    with pytest.raises(LLMException):
-        engine.cache_manager.allocate_cache(CacheDesc(1, [2, 2], DataType.DT_INT8))
-    with pytest.raises(LLMException):
-        engine.link_clusters([LLMClusterInfo()])
+    for touch in (lambda: engine.cache_manager, lambda: engine.link_clusters([LLMClusterInfo()]),
+                  lambda: engine.check_link_status(1), lambda: engine.kv_cache_manager):
+        with pytest.raises(LLMException) as info:
+            touch()
+        assert isinstance(info.value, RuntimeError) and info.value.status_code == LLMStatusCode.LLM_FAILED
     engine.finalize()
     engine.finalize()
+
+
+def test_cache_manager_mode_only() -> None:
+    """As CANN in CacheManager mode (this library's only mode): check_link_status and
+    kv_cache_manager raise LLM_PARAM_INVALID naming llm.EnableCacheManager; the class
+    attribute llm_engine_instance is the initialized engine, None otherwise; cache_manager
+    raises again after finalize."""
+    assert LLMDataDist.llm_engine_instance is None
+    engine = LLMDataDist(LLMRole.PROMPT, 78)
+    engine.init(LLMConfig().generate_options())
+    try:
+        assert LLMDataDist.llm_engine_instance is engine
+        cm = engine.cache_manager
+        assert cm is engine.cache_manager
+        for touch in (lambda: engine.check_link_status(1), lambda: engine.kv_cache_manager):
+            with pytest.raises(LLMException, match="llm.EnableCacheManager is configured") as info:
+                touch()
+            assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    finally:
+        engine.finalize()
+    assert LLMDataDist.llm_engine_instance is None
+    with pytest.raises(LLMException) as after:
+        engine.cache_manager
+    assert after.value.status_code == LLMStatusCode.LLM_ENGINE_FINALIZED
 
