@@ -6,9 +6,11 @@ Validation follows ``llm_datadist``: a wrong Python type is a ``TypeError``; an
 out-of-domain value is a :class:`~datadist._status.ParamInvalidError` (both a
 ``ValueError`` and an ``LLMException(LLM_PARAM_INVALID)``).
 
-Keys and descs are immutable values (equality, hash, ``repr`` that reads back as the
-constructor call). A :class:`Cache` is an entity made by the cache manager: equality is
-identity.
+Keys are immutable values (equality, hash, ``repr`` that reads back as the constructor
+call). A :class:`CacheDesc` is a value too, but, as in CANN, ``update_dim`` changes one
+dim of its shape: its hash leaves the dims' values out (so it never changes and equal
+descs still hash alike) and a :class:`Cache` keeps a copy of the desc it was made with.
+A :class:`Cache` is an entity made by the cache manager: equality is identity.
 """
 from __future__ import annotations
 
@@ -114,7 +116,11 @@ class CacheDesc(_Value):
     Raises:
         TypeError: an argument of the wrong type.
         ParamInvalidError: ``num_tensors < 1``, an empty shape, a dim <= 0, a dim index
-            out of range.
+            out of range, a ``data_type`` without an element size (``DT_STRING``).
+
+    Equality compares every field; :meth:`update_dim` changes a dim in place (as in
+    CANN), so the hash covers every field but the dims' values.  A cache made from the
+    desc keeps the shape it was made with (:attr:`Cache.cache_desc` is a copy).
     """
 
     __slots__ = ("_num_tensors", "_shape", "_data_type", "_placement", "_batch_dim_index",
@@ -134,6 +140,9 @@ class CacheDesc(_Value):
         _check_type("shape", shape, (list, tuple))
         dims = tuple(_as_int(f"shape[{i}]", d) for i, d in enumerate(shape))
         _check_type("data_type", data_type, DataType)
+        if not data_type.has_element_size:
+            raise ParamInvalidError(f"data_type = {data_type.name} has no element size; a cache tensor "
+                                    "needs a fixed-size element type")
         _check_type("placement", placement, Placement)
         batch_dim_index = _as_int("batch_dim_index", batch_dim_index)
         seq_len_dim_index = _as_int("seq_len_dim_index", seq_len_dim_index)
@@ -153,11 +162,7 @@ class CacheDesc(_Value):
             raise ParamInvalidError(
                 f"seq_len_dim_index = {seq_len_dim_index} is invalid, must be -1 or in [0, {len(dims)}) "
                 f"for shape {list(dims)}")
-        numel = 1
-        for d in dims:
-            numel *= d
-        if numel * data_type.element_size > _INT64_MAX:
-            raise ParamInvalidError(f"shape = {list(dims)} of {data_type.name} is too large for one tensor")
+        _check_tensor_bytes(dims, data_type)
 
         self._num_tensors = num_tensors
         self._shape = dims
@@ -171,13 +176,50 @@ class CacheDesc(_Value):
         return (self._num_tensors, self._shape, self._data_type, self._placement, self._batch_dim_index,
                 self._seq_len_dim_index, self._kv_tensor_format)
 
+    def __hash__(self) -> int:
+        # Every field but the dims' values, which update_dim changes: the hash of a desc
+        # never changes, and descs that are equal (all fields) hash alike.
+        return hash((type(self).__name__, self._num_tensors, len(self._shape), self._data_type, self._placement,
+                     self._batch_dim_index, self._seq_len_dim_index, self._kv_tensor_format))
+
+    def update_dim(self, dim_index: int, dim_value: int) -> None:
+        """Set dim ``dim_index`` of :attr:`shape` to ``dim_value``, in place (CANN's call).
+
+        ``dim_index`` indexes the shape as a Python list does (``-1``: the last dim);
+        ``dim_value`` must be > 0.  :attr:`size` and :attr:`batch_size` follow the new
+        shape.  Caches already made from this desc keep their shape.
+
+        Raises:
+            TypeError: a non-int argument.
+            ParamInvalidError: ``dim_index`` outside the shape, ``dim_value <= 0``, or a
+                tensor that would be too large; the desc is unchanged then.
+        """
+        index = _as_int("dim_index", dim_index)
+        value = _as_int("dim_value", dim_value)
+        n = len(self._shape)
+        if not -n <= index < n:
+            raise ParamInvalidError(f"dim_index = {index} is out of range [{-n}, {n}) for shape {list(self._shape)}")
+        if not 0 < value <= _INT64_MAX:
+            raise ParamInvalidError(f"dim_value = {value} is invalid, every dim must be > 0")
+        dims = list(self._shape)
+        dims[index] = value
+        _check_tensor_bytes(dims, self._data_type)
+        self._shape = tuple(dims)
+
+    def _copy(self) -> "CacheDesc":
+        """An equal desc that shares no mutable state with this one (no re-validation)."""
+        clone = object.__new__(CacheDesc)
+        for slot in CacheDesc.__slots__:
+            object.__setattr__(clone, slot, getattr(self, slot))
+        return clone
+
     @property
     def num_tensors(self) -> int:
         return self._num_tensors
 
     @property
     def shape(self) -> List[int]:
-        """Dims of one tensor (a new list each time; the desc itself is immutable)."""
+        """Dims of one tensor (a new list each time: change a dim with :meth:`update_dim`)."""
         return list(self._shape)
 
     @property
@@ -224,23 +266,33 @@ class CacheDesc(_Value):
         return self.numel * self._data_type.element_size
 
 
+def _check_tensor_bytes(dims: Sequence[int], data_type: DataType) -> None:
+    numel = 1
+    for d in dims:
+        numel *= d
+    if numel * data_type.element_size > _INT64_MAX:
+        raise ParamInvalidError(f"shape = {list(dims)} of {data_type.name} is too large for one tensor")
+
+
 class CacheKey(_Value):
     """A row of an allocated cache on its owner: ``(prompt_cluster_id, req_id, model_id,
     prefix_id)``. ``req_id == INVALID_ID`` marks an empty row.
 
     ``cluster_id=`` is accepted in place of ``prompt_cluster_id=`` (``llm_datadist``
     accepts both). All ids are uint64: ``TypeError`` for a non-int,
-    :class:`ParamInvalidError` out of range.
+    :class:`ParamInvalidError` out of range.  As in CANN, a missing cluster id or
+    ``req_id``, or more than 4 arguments, is :class:`ParamInvalidError` too.
     """
 
     __slots__ = ("_prompt_cluster_id", "_req_id", "_model_id", "_prefix_id")
     _fields = ("prompt_cluster_id", "req_id", "model_id", "prefix_id")
 
     def __init__(self, prompt_cluster_id: Optional[int] = None, req_id: Optional[int] = None,
-                 model_id: int = 0, prefix_id: int = INVALID_ID, *, cluster_id: Optional[int] = None):
+                 model_id: int = 0, prefix_id: int = INVALID_ID, *extra: object, cluster_id: Optional[int] = None):
+        _no_extra("CacheKey", 4, extra)
         prompt_cluster_id = _one_cluster_id("CacheKey", prompt_cluster_id, cluster_id)
         if req_id is None:
-            raise TypeError("CacheKey() missing required argument 'req_id'")
+            raise ParamInvalidError("CacheKey: Param req_id is required (CacheKey(cluster_id, req_id, ...))")
         self._prompt_cluster_id = _int_in("prompt_cluster_id", prompt_cluster_id, 0, _UINT64_MAX)
         self._req_id = _int_in("req_id", req_id, 0, _UINT64_MAX)
         self._model_id = _int_in("model_id", model_id, 0, _UINT64_MAX)
@@ -297,13 +349,15 @@ class CacheKeyByIdAndIndex(_Value):
 
 class BlocksCacheKey(_Value):
     """A remote blocks cache (paged KV) by owner cluster and model id; ``cluster_id=`` is
-    accepted in place of ``prompt_cluster_id=``. Both uint64."""
+    accepted in place of ``prompt_cluster_id=``. Both uint64.  As in CANN, a missing
+    cluster id or more than 2 arguments is :class:`ParamInvalidError`."""
 
     __slots__ = ("_prompt_cluster_id", "_model_id")
     _fields = ("prompt_cluster_id", "model_id")
 
-    def __init__(self, prompt_cluster_id: Optional[int] = None, model_id: int = 0, *,
+    def __init__(self, prompt_cluster_id: Optional[int] = None, model_id: int = 0, *extra: object,
                  cluster_id: Optional[int] = None):
+        _no_extra("BlocksCacheKey", 2, extra)
         prompt_cluster_id = _one_cluster_id("BlocksCacheKey", prompt_cluster_id, cluster_id)
         self._prompt_cluster_id = _int_in("prompt_cluster_id", prompt_cluster_id, 0, _UINT64_MAX)
         self._model_id = _int_in("model_id", model_id, 0, _UINT64_MAX)
@@ -327,8 +381,15 @@ def _one_cluster_id(owner: str, prompt_cluster_id: Optional[int], cluster_id: Op
         raise TypeError(f"{owner}() got both prompt_cluster_id and cluster_id; pass one")
     value = prompt_cluster_id if prompt_cluster_id is not None else cluster_id
     if value is None:
-        raise TypeError(f"{owner}() missing required argument 'prompt_cluster_id'")
+        raise ParamInvalidError(f"{owner}: Param prompt_cluster_id or cluster_id is required")
     return value
+
+
+def _no_extra(owner: str, most: int, extra: Tuple[object, ...]) -> None:
+    """CANN's arity check: positional arguments past the ``most`` a key takes."""
+    if extra:
+        raise ParamInvalidError(f"{owner}: Param num is over limit ({most + len(extra)} arguments, "
+                                f"at most {most})")
 
 
 class MemInfo(_Value):
@@ -440,7 +501,7 @@ class Cache:
                  is_blocks_cache: bool = False, is_registered: bool = False, handle: Any = None):
         _check_type("cache_desc", cache_desc, CacheDesc)
         self._cache_id = _int_in("cache_id", cache_id, _INT64_MIN, _INT64_MAX)
-        self._cache_desc = cache_desc
+        self._cache_desc = cache_desc._copy()  # the shape the memory was made for, whatever update_dim does later
         self._tensor_addrs = tuple(_as_int("tensor_addrs[]", a) for a in tensor_addrs)
         if len(self._tensor_addrs) != cache_desc.num_tensors:
             raise ParamInvalidError(f"tensor_addrs has {len(self._tensor_addrs)} entries, "
@@ -486,7 +547,9 @@ class Cache:
 
     @property
     def cache_desc(self) -> CacheDesc:
-        return self._cache_desc
+        """The desc the cache was made with (a copy each time, equal to the one given:
+        ``update_dim`` on it, or on the desc given, does not change the cache)."""
+        return self._cache_desc._copy()
 
     @property
     def tensor_addrs(self) -> List[int]:

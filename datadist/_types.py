@@ -69,19 +69,29 @@ class DataType(Enum):
     DT_UINT64 = 10
     DT_DOUBLE = 11
     DT_BOOL = 12
+    DT_STRING = 13
     DT_BF16 = 27
 
     @property
+    def has_element_size(self) -> bool:
+        """Whether elements have a fixed size (all but ``DT_STRING``, which CANN lists but
+        no cache can hold)."""
+        return self in _ELEMENT_SIZE
+
+    @property
     def element_size(self) -> int:
-        """Bytes per element."""
-        return _ELEMENT_SIZE[self]
+        """Bytes per element; :class:`ParamInvalidError` for ``DT_STRING``."""
+        size = _ELEMENT_SIZE.get(self)
+        if size is None:
+            raise ParamInvalidError(f"{self.name} has no element size")
+        return size
 
     def to_torch(self) -> "torch.dtype":
         """The torch dtype with the same element layout (``DT_UINT16/32/64`` map to
         ``torch.uint16/32/64``, which torch supports for storage and copies)."""
         found = _torch_maps()[0].get(self)
-        if found is None:  # pragma: no cover - torch < 2.3 lacks uint16/32/64
-            raise ParamInvalidError(f"{self.name} has no torch dtype in this torch version")
+        if found is None:  # DT_STRING; uint16/32/64 with torch < 2.3
+            raise ParamInvalidError(f"{self.name} has no torch dtype (in this torch version)")
         return found
 
     @classmethod

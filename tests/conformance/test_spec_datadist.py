@@ -72,7 +72,16 @@ def test_data_type_maps_to_torch_and_sizes(name: str, tdtype: torch.dtype) -> No
     assert DataType.from_torch(tdtype) is dt
     assert dt.element_size == torch.empty((), dtype=tdtype).element_size()
     assert CacheDesc(1, [3, 5], dt).size == 15 * dt.element_size
-    assert len(DataType) == len(DTYPES)
+    assert len(DataType) == len(DTYPES) + 1  # and DT_STRING
+
+
+def test_data_type_dt_string_is_refused_by_cache_desc() -> None:
+    """DataType.DT_STRING = 13, as in CANN; it has no element size, so CacheDesc refuses it
+    with LLM_PARAM_INVALID naming the dtype."""
+    assert DataType.DT_STRING.value == 13
+    with pytest.raises(LLMException, match="DT_STRING") as info:
+        CacheDesc(2, [4, 8], DataType.DT_STRING)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
 def test_status_code_table() -> None:
@@ -260,6 +269,21 @@ def test_cache_desc_properties() -> None:
                   seq_len_dim_index=0, kv_tensor_format="BSND")
     assert e.batch_size == 3 and e.size == 16 * 3 * 8 and e.placement == Placement.HOST
     assert (e.seq_len_dim_index, e.kv_tensor_format) == (0, "BSND")
+
+
+def test_cache_desc_update_dim() -> None:
+    """CacheDesc.update_dim(dim_index, dim_value), as in CANN: the shape and size follow."""
+    d = CacheDesc(2, [4, 16, 8], DataType.DT_FLOAT16, Placement.DEVICE, 0, 1)
+    d.update_dim(1, 32)
+    assert d.shape == [4, 32, 8] and d.size == 4 * 32 * 8 * 2
+
+
+def test_key_arity_is_param_invalid() -> None:
+    """CacheKey(1) and BlocksCacheKey(1, 2, 3) raise LLMException(LLM_PARAM_INVALID), as CANN's."""
+    for make in (lambda: CacheKey(1), lambda: BlocksCacheKey(1, 2, 3)):  # type: ignore[call-arg]
+        with pytest.raises(LLMException) as info:
+            make()
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
 @pytest.mark.parametrize("args", [

@@ -144,10 +144,19 @@ def test_enum_values():
 def test_datatype_members_and_ge_values():
     assert {m.name for m in DataType} == {
         "DT_FLOAT", "DT_FLOAT16", "DT_BF16", "DT_INT8", "DT_INT16", "DT_UINT16", "DT_UINT8",
-        "DT_INT32", "DT_INT64", "DT_UINT32", "DT_UINT64", "DT_BOOL", "DT_DOUBLE"}
+        "DT_INT32", "DT_INT64", "DT_UINT32", "DT_UINT64", "DT_BOOL", "DT_DOUBLE", "DT_STRING"}
     # ge::DataType numbers, as llm_datadist uses them
     assert DataType.DT_FLOAT.value == 0 and DataType.DT_FLOAT16.value == 1
     assert DataType.DT_BF16.value == 27 and DataType.DT_INT32.value == 3
+    assert DataType.DT_STRING.value == 13
+
+
+def test_dt_string_has_no_element_size():
+    """DT_STRING exists (as in CANN) but no cache or tensor can be made of it."""
+    assert not DataType.DT_STRING.has_element_size and DataType.DT_FLOAT.has_element_size
+    for call in (lambda: DataType.DT_STRING.element_size, DataType.DT_STRING.to_torch):
+        with pytest.raises(ParamInvalidError, match="DT_STRING"):
+            call()
 
 
 EXPECTED = [

@@ -65,7 +65,7 @@ def test_cache_desc_batch_dim_and_seq_dim():
     assert desc.size == 16 * 8 * 5 * 2
 
 
-def test_cache_desc_is_immutable():
+def test_cache_desc_changes_only_through_update_dim():
     shape = [4, 16]
     desc = CacheDesc(2, shape, DataType.DT_INT8)
     shape[0] = 99
@@ -73,6 +73,47 @@ def test_cache_desc_is_immutable():
     assert desc.shape == [4, 16] and desc.batch_size == 4
     with pytest.raises(AttributeError):
         desc.num_tensors = 3
+
+
+def test_cache_desc_update_dim():
+    """update_dim(dim_index, dim_value), as CANN's: in place, Python-style index; size and
+    batch_size follow; a bad index or value raises LLM_PARAM_INVALID and changes nothing."""
+    desc = CacheDesc(2, [4, 16, 8], DataType.DT_FLOAT16, Placement.DEVICE, 0, 1)
+    before = hash(desc)
+    desc.update_dim(1, 32)
+    assert desc.shape == [4, 32, 8] and desc.size == 4 * 32 * 8 * 2
+    desc.update_dim(-3, 6)
+    assert desc.shape == [6, 32, 8] and desc.batch_size == 6
+    assert hash(desc) == before  # the hash leaves the dims' values out: it never changes
+    assert desc == CacheDesc(2, [6, 32, 8], DataType.DT_FLOAT16, Placement.DEVICE, 0, 1)
+    assert hash(desc) == hash(CacheDesc(2, [6, 32, 8], DataType.DT_FLOAT16, Placement.DEVICE, 0, 1))
+    for index, value in ((3, 4), (-4, 4), (0, 0), (0, -1), (0, 2**62)):
+        with pytest.raises(ValueError) as info:
+            desc.update_dim(index, value)
+        assert_param_invalid(info)
+    with pytest.raises(TypeError):
+        desc.update_dim(0, 2.0)
+    assert desc.shape == [6, 32, 8]
+
+
+def test_cache_desc_in_a_set_survives_update_dim():
+    desc = CacheDesc(2, [4, 16], DataType.DT_INT8)
+    seen = {desc}
+    desc.update_dim(1, 8)
+    assert desc in seen and CacheDesc(2, [4, 8], DataType.DT_INT8) in seen
+    assert CacheDesc(2, [4, 16], DataType.DT_INT8) not in seen
+
+
+def test_cache_keeps_the_desc_it_was_made_with():
+    """A Cache copies its desc: update_dim on the desc given (or on cache.cache_desc) does
+    not change the cache's shape."""
+    desc = CacheDesc(2, [2, 4], DataType.DT_FLOAT, Placement.HOST)
+    owners = [torch.zeros(8) for _ in range(2)]
+    cache = Cache.create_cpu_cache(desc, owners)
+    desc.update_dim(0, 64)
+    cache.cache_desc.update_dim(0, 128)
+    assert cache.cache_desc == CacheDesc(2, [2, 4], DataType.DT_FLOAT, Placement.HOST)
+    assert cache.cache_desc.size == 32
 
 
 def test_cache_desc_accepts_int_likes():
@@ -174,10 +215,11 @@ def test_cache_key_equality_hash_repr():
 
 
 def test_cache_key_errors():
-    with pytest.raises(TypeError):
-        CacheKey(1)
-    with pytest.raises(TypeError):
-        CacheKey(req_id=1)
+    # arity, as CANN: LLMException(LLM_PARAM_INVALID)
+    for args, kwargs in (((1,), {}), ((), {"req_id": 1}), ((1, 2, 3, 4, 5), {})):
+        with pytest.raises(ValueError) as info:
+            CacheKey(*args, **kwargs)
+        assert_param_invalid(info)
     with pytest.raises(TypeError):
         CacheKey(1, 2, prompt_cluster_id=1)  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -221,8 +263,10 @@ def test_blocks_cache_key():
     assert repr(key) == "BlocksCacheKey(prompt_cluster_id=3, model_id=0)"
     assert eval(repr(key)) == key
     assert len({key, BlocksCacheKey(3), BlocksCacheKey(4)}) == 2
-    with pytest.raises(TypeError):
-        BlocksCacheKey()
+    for args in ((), (1, 2, 3)):  # arity, as CANN: LLMException(LLM_PARAM_INVALID)
+        with pytest.raises(ValueError) as info:
+            BlocksCacheKey(*args)
+        assert_param_invalid(info)
     with pytest.raises(TypeError):
         BlocksCacheKey("3")
     with pytest.raises(ValueError) as info:
