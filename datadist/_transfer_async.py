@@ -61,8 +61,8 @@ from numpy.typing import NDArray
 from ._planning import cache_ref
 from .engine.planning import (BlockList, Side, block_list_arg, blocks_plan, int_arg, layer_range_arg,
                               row_blocks_plan, row_plan, row_size_arg)
-from ._objects import _UINT32_MAX, _UINT64_MAX, BlocksCacheKey, CacheKeyByIdAndIndex, _check_type, _int_in, _Value
-from ._status import LLMStatusCode, ParamInvalidError, api_class, raise_error, status_of
+from ._status import LLMStatusCode, api_class, raise_error, status_of
+from ._transfer_configs import TransferConfig, TransferWithCacheKeyConfig, check_push_ranges
 from .engine.keys import CacheRef
 from .engine.layout import Plan
 from .engine.link import Link
@@ -87,18 +87,6 @@ _Inbox = queue.SimpleQueue[Optional[Tuple[int, LLMStatusCode]]]
 _Blocks = NDArray[np.integer]
 
 
-def _range_arg(name: str, value: object, alternatives: str = "") -> range:
-    if not isinstance(value, range):
-        raise TypeError(f"{name} must be a range{alternatives}, got {type(value).__name__}")
-    if value.step != 1 or not 0 <= value.start < value.stop:
-        raise ParamInvalidError(f"{name} = {value} is invalid: step must be 1 and 0 <= start < stop")
-    return value
-
-
-def _optional_range_arg(name: str, value: object) -> Optional[range]:
-    return None if value is None else _range_arg(name, value, " or None")
-
-
 # ------------------------------------------------------------------------ public objects
 
 
@@ -116,99 +104,6 @@ class LayerSynchronizer(abc.ABC):
         ``LLM_PARAM_INVALID``).  ``transfer_cache_async`` passes ``timeout_in_millis=None``
         (no timeout), as CANN does, and waits as long as this takes; an exception fails the
         configs that send the layer with its status (``LLM_TIMEOUT`` for ``TimeoutError``)."""
-
-
-class TransferConfig(_Value):
-    """Push to raw addresses of cluster ``dst_cluster_id``.
-
-    ``dst_addrs``: one address per destination tensor of the layers sent (2 per layer: K, V),
-    in the peer's address space.  Into a contiguous destination they point at the
-    destination row (offset to it by the caller, as in CANN); into a blocks destination
-    (``dst_block_indices`` given to ``transfer_cache_async``) at block 0 of each tensor.
-    ``src_layer_range``: the source layers to send (None: all); ``src_batch_index``: the
-    source row when the source is contiguous.
-
-    Raises ``TypeError`` for a wrong type and :class:`ParamInvalidError` (a ``ValueError``
-    and an ``LLMException(LLM_PARAM_INVALID)``) for an out-of-domain value or range.
-    """
-
-    __slots__ = ("_dst_cluster_id", "_dst_addrs", "_src_layer_range", "_src_batch_index")
-    _fields = ("dst_cluster_id", "dst_addrs", "src_layer_range", "src_batch_index")
-
-    def __init__(self, dst_cluster_id: int, dst_addrs: Sequence[int], src_layer_range: Optional[range] = None,
-                 src_batch_index: int = 0):
-        self._dst_cluster_id = _int_in("dst_cluster_id", dst_cluster_id, 0, _UINT64_MAX)
-        _check_type("dst_addrs", dst_addrs, (list, tuple))
-        if not dst_addrs:
-            raise ParamInvalidError("dst_addrs is empty: give one address per destination tensor")
-        self._dst_addrs = tuple(_int_in(f"dst_addrs[{i}]", a, 1, _UINT64_MAX) for i, a in enumerate(dst_addrs))
-        self._src_layer_range = _optional_range_arg("src_layer_range", src_layer_range)
-        self._src_batch_index = _int_in("src_batch_index", src_batch_index, 0, _UINT32_MAX)
-
-    def _values(self) -> Tuple[Any, ...]:
-        return (self._dst_cluster_id, self._dst_addrs, self._src_layer_range, self._src_batch_index)
-
-    @property
-    def dst_cluster_id(self) -> int:
-        return self._dst_cluster_id
-
-    @property
-    def dst_addrs(self) -> List[int]:
-        return list(self._dst_addrs)
-
-    @property
-    def src_layer_range(self) -> Optional[range]:
-        return self._src_layer_range
-
-    @property
-    def src_batch_index(self) -> int:
-        return self._src_batch_index
-
-
-class TransferWithCacheKeyConfig(_Value):
-    """Push into the peer cache that ``cache_key`` names (a ``BlocksCacheKey`` or a
-    ``CacheKeyByIdAndIndex``, whose ``batch_index`` is the destination row of a contiguous
-    cache), like ``push_blocks``/``push_cache``.
-
-    Source layers ``src_layer_range`` go to destination layers ``dst_layer_range``, which must
-    be the same range (as for every push).  ``src_batch_index``: the source row when the
-    source is contiguous; 0 with a ``BlocksCacheKey``.
-
-    Raises ``TypeError`` for a wrong type and :class:`ParamInvalidError` for an invalid or
-    unequal range or a row with a ``BlocksCacheKey``.
-    """
-
-    __slots__ = ("_cache_key", "_src_layer_range", "_dst_layer_range", "_src_batch_index")
-    _fields = ("cache_key", "src_layer_range", "dst_layer_range", "src_batch_index")
-
-    def __init__(self, cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex], src_layer_range: range,
-                 dst_layer_range: range, src_batch_index: int = 0):
-        _check_type("cache_key", cache_key, (BlocksCacheKey, CacheKeyByIdAndIndex))
-        self._cache_key = cache_key
-        self._src_layer_range = _range_arg("src_layer_range", src_layer_range)
-        self._dst_layer_range = _range_arg("dst_layer_range", dst_layer_range)
-        if src_layer_range != dst_layer_range:
-            raise ParamInvalidError(f"a push needs the same layer range on both sides, got "
-                                    f"src_layer_range={src_layer_range} and dst_layer_range={dst_layer_range}")
-        self._src_batch_index = _int_in("src_batch_index", src_batch_index, 0, _UINT32_MAX)
-        if isinstance(cache_key, BlocksCacheKey) and self._src_batch_index:
-            raise ParamInvalidError(f"src_batch_index = {self._src_batch_index} with a BlocksCacheKey; it must be 0")
-
-    @property
-    def cache_key(self) -> Union[BlocksCacheKey, CacheKeyByIdAndIndex]:
-        return self._cache_key
-
-    @property
-    def src_layer_range(self) -> range:
-        return self._src_layer_range
-
-    @property
-    def dst_layer_range(self) -> range:
-        return self._dst_layer_range
-
-    @property
-    def src_batch_index(self) -> int:
-        return self._src_batch_index
 
 
 @api_class
@@ -366,6 +261,7 @@ class _Route:
         #: The peer cache by key, or raw peer addresses described as a cache.
         self.target: Union[CacheRef, RemoteCache]
         if isinstance(config, TransferWithCacheKeyConfig):
+            check_push_ranges(name, config, self.layers)
             self.target = cache_ref(config.cache_key)
             cluster = config.cache_key.cluster_id
         else:

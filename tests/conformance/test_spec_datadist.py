@@ -7,16 +7,16 @@ engine errors are covered by tests/integration.  Each test's docstring quotes th
 from __future__ import annotations
 
 import pickle
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import pytest
 import torch
 
 import datadist
 from datadist import (BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex,
-                      DataType, LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole,
-                      LLMStatusCode, MemInfo, Memtype, Placement, RegisterMemStatus, Status,
-                      create_tensors)
+                      DataType, LayerSynchronizer, LLMClusterInfo, LLMConfig, LLMDataDist, LLMException,
+                      LLMRole, LLMStatusCode, MemInfo, Memtype, Placement, RegisterMemStatus, Status,
+                      TransferConfig, TransferWithCacheKeyConfig, create_tensors)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -423,3 +423,83 @@ def test_cache_manager_mode_only() -> None:
         engine.cache_manager
     assert after.value.status_code == LLMStatusCode.LLM_ENGINE_FINALIZED
 
+
+
+# ------------------------------------------------------------------ transfer configs
+
+
+def test_transfer_config_setters() -> None:
+    """TransferConfig: every field has a checking setter, as CANN's; dst_layer_range is an
+    attribute (None until set); equality is identity (the config is mutable)."""
+    c = TransferConfig(1, [0x1000, 0x2000])
+    assert c.dst_layer_range is None
+    c.dst_cluster_id = 2
+    c.dst_addrs = [0x3000, 0x4000]
+    c.src_layer_range = range(0, 1)
+    c.src_batch_index = 3
+    c.dst_layer_range = range(0, 1)
+    assert (c.dst_cluster_id, c.dst_addrs, c.src_layer_range, c.src_batch_index, c.dst_layer_range) == \
+        (2, [0x3000, 0x4000], range(0, 1), 3, range(0, 1))
+    assert repr(c) == ("TransferConfig(dst_cluster_id=2, dst_addrs=[12288, 16384], src_layer_range=range(0, 1), "
+                       "src_batch_index=3)")
+    for field, bad in (("dst_cluster_id", -1), ("dst_addrs", []), ("src_layer_range", range(2, 1)),
+                       ("src_batch_index", 2**32), ("dst_layer_range", range(0, 4, 2))):
+        with pytest.raises(LLMException) as info:
+            setattr(c, field, bad)
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID, field
+    with pytest.raises(TypeError):
+        c.dst_addrs = 0x1000  # type: ignore[assignment]
+    assert c.dst_addrs == [0x3000, 0x4000] and c.src_batch_index == 3
+    assert c != TransferConfig(2, [0x3000, 0x4000], range(0, 1), 3) and c == c
+
+
+def test_transfer_with_cache_key_config_setters() -> None:
+    """TransferWithCacheKeyConfig: setters for cache_key, src/dst_layer_range (None allowed,
+    as CANN) and src_batch_index; dst_cluster_id is the key's cluster; a row with a
+    BlocksCacheKey is refused."""
+    c = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(7, 1), range(0, 1), range(0, 1), 2)
+    assert c.dst_cluster_id == 7
+    c.src_layer_range = range(1, 2)
+    c.dst_layer_range = range(1, 2)
+    c.src_batch_index = 0
+    c.cache_key = BlocksCacheKey(8)
+    assert (c.cache_key, c.src_layer_range, c.dst_layer_range, c.dst_cluster_id) == \
+        (BlocksCacheKey(8), range(1, 2), range(1, 2), 8)
+    c.src_layer_range = None
+    c.dst_layer_range = None
+    with pytest.raises(LLMException) as info:
+        c.src_batch_index = 1  # a row with a BlocksCacheKey
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    with pytest.raises(TypeError):
+        c.cache_key = CacheKey(1, 2)  # type: ignore[assignment]
+    row = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(7, 1), range(0, 1), range(0, 1), 2)
+    with pytest.raises(LLMException):
+        row.cache_key = BlocksCacheKey(7)  # its row 2 would go with a BlocksCacheKey
+    assert row.cache_key == CacheKeyByIdAndIndex(7, 1)
+
+
+def test_unequal_push_ranges_set_later_are_refused_when_the_task_starts() -> None:
+    """Ranges changed one by one may differ meanwhile; transfer_cache_async refuses configs
+    whose ranges differ (LLM_PARAM_INVALID) before it looks for the link."""
+
+    class Ready(LayerSynchronizer):
+        def synchronize_layer(self, layer_index: int, timeout_in_millis: Optional[int]) -> bool:
+            return True
+
+    engine = LLMDataDist(LLMRole.PROMPT, 79)
+    engine.init(LLMConfig().generate_options())
+    try:
+        desc = CacheDesc(4, [2, 8], DataType.DT_FLOAT)
+        cache = engine.cache_manager.register_blocks_cache(desc, [torch.zeros(16) for _ in range(4)])
+        config = TransferWithCacheKeyConfig(BlocksCacheKey(5), range(0, 1), range(0, 1))
+        config.dst_layer_range = range(1, 2)
+        with pytest.raises(LLMException, match="same layer range") as info:
+            engine.cache_manager.transfer_cache_async(cache, Ready(), [config])
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        config.src_layer_range = range(1, 2)
+        with pytest.raises(LLMException) as unlinked:
+            engine.cache_manager.transfer_cache_async(cache, Ready(), [config])
+        assert unlinked.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
+        engine.cache_manager.unregister_cache(cache.cache_id)
+    finally:
+        engine.finalize()
