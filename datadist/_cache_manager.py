@@ -105,6 +105,23 @@ def _registered_memory(addrs: Sequence[Any], desc: CacheDesc, engine_device: str
     return ints, tensors, device, cuda.export_regions(ints, desc.size)
 
 
+def _check_kind(cache: Cache, blocks: bool) -> None:
+    """The deallocate call matches the kind of ``cache`` (CANN's check and words)."""
+    if not isinstance(cache, Cache):
+        raise TypeError(f"cache must be a Cache, got {type(cache).__name__}")
+    if cache.is_blocks_cache != blocks:
+        raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                    "param check failed, cache should be blocks cache: use deallocate_cache for it" if blocks else
+                    "param check failed, cache can not be blocks cache: use deallocate_blocks_cache for it")
+
+
+def _forget_addrs(cache: Cache) -> None:
+    """A freed manager cache reports no tensor addresses, as in CANN (a cache of
+    ``Cache.create_cpu_cache``, which no manager frees, keeps them)."""
+    if cache.cache_id >= 0:
+        cache._tensor_addrs = ()
+
+
 @api_class
 class CacheManager:
     """Allocates, registers and moves caches for one engine (``LLMDataDist.cache_manager``)."""
@@ -143,10 +160,11 @@ class CacheManager:
         eng = self._engine
         host = desc.placement == Placement.HOST
         pool = eng.pools.get("host" if host else "device")
-        if pool is None:
+        if pool is None:  # LLM_PARAM_INVALID with CANN's words, as CANN reports it
             opt = "host_mem_pool_cfg" if host else "mem_pool_cfg"
-            raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                        f"allocating a {desc.placement.name} cache needs a pool: set LLMConfig.{opt}")
+            raise_error(LLMStatusCode.LLM_PARAM_INVALID,
+                        "you should config memory pool firstly and then set placement that matches it: "
+                        f"allocating a {desc.placement.name} cache needs a pool, set LLMConfig.{opt}")
         try:
             base = pool.alloc(desc.size * desc.num_tensors)
         except PoolExhausted as exc:
@@ -226,12 +244,20 @@ class CacheManager:
                 prepared.release()
 
     def deallocate_cache(self, cache: Cache) -> None:
-        """Free a cache from ``allocate_cache``; no-op if already freed."""
+        """Free a cache from ``allocate_cache``; no-op if already freed.  As in CANN, a
+        blocks cache is ``LLM_PARAM_INVALID`` (``deallocate_blocks_cache`` frees it) and
+        the freed cache's ``tensor_addrs`` is empty afterwards."""
+        _check_kind(cache, blocks=False)
         self._free(cache)
+        _forget_addrs(cache)
 
     def deallocate_blocks_cache(self, cache: Cache) -> None:
-        """Free a cache from ``allocate_blocks_cache``; no-op if already freed."""
+        """Free a cache from ``allocate_blocks_cache``; no-op if already freed.  As in
+        CANN, a cache that is not a blocks cache is ``LLM_PARAM_INVALID`` and the freed
+        cache's ``tensor_addrs`` is empty afterwards."""
+        _check_kind(cache, blocks=True)
         self._free(cache)
+        _forget_addrs(cache)
 
     def unregister_cache(self, cache_id: int) -> None:
         """Forget a registered cache (the memory stays the caller's); returns once no peer

@@ -503,3 +503,31 @@ def test_unequal_push_ranges_set_later_are_refused_when_the_task_starts() -> Non
         engine.cache_manager.unregister_cache(cache.cache_id)
     finally:
         engine.finalize()
+
+
+def test_allocation_and_deallocation_as_cann() -> None:
+    """Without a pool for the placement, allocation is LLM_PARAM_INVALID ("you should config
+    memory pool firstly"); deallocate_cache refuses a blocks cache and deallocate_blocks_cache
+    a contiguous one (LLM_PARAM_INVALID); a freed cache's tensor_addrs is []."""
+    cfg = LLMConfig()
+    cfg.mem_pool_cfg = '{"memory_size": 1048576}'
+    engine = LLMDataDist(LLMRole.PROMPT, 80)
+    engine.init(cfg.generate_options())
+    try:
+        cm = engine.cache_manager
+        with pytest.raises(LLMException, match="config memory pool firstly") as info:
+            cm.allocate_cache(CacheDesc(2, [2, 8], DataType.DT_FLOAT, Placement.HOST))
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        rows = cm.allocate_cache(CacheDesc(2, [2, 8], DataType.DT_FLOAT))
+        blocks = cm.allocate_blocks_cache(CacheDesc(2, [4, 8], DataType.DT_FLOAT))
+        for wrong in (lambda: cm.deallocate_cache(blocks), lambda: cm.deallocate_blocks_cache(rows)):
+            with pytest.raises(LLMException) as kind:
+                wrong()
+            assert kind.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        assert len(rows.tensor_addrs) == 2 and len(blocks.tensor_addrs) == 2
+        cm.deallocate_cache(rows)
+        cm.deallocate_blocks_cache(blocks)
+        assert rows.tensor_addrs == [] and blocks.tensor_addrs == []
+        cm.deallocate_cache(rows)  # again: a no-op
+    finally:
+        engine.finalize()

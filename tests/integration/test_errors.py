@@ -373,15 +373,15 @@ def test_unlink_removes_both_ends(peer_factory: Any, transport: str) -> None:
 # ------------------------------------------------------------------ lifecycle, pools
 
 
-def test_feature_not_enabled(peer_factory: Any) -> None:
-    """Allocation without the matching pool option: LLM_FEATURE_NOT_ENABLED naming it;
+def test_allocation_without_pool(peer_factory: Any) -> None:
+    """Allocation without the matching pool option: LLM_PARAM_INVALID (as CANN) naming it;
     registration still works without pools."""
     peer = peer_factory("peer", "solo", "PROMPT", PROMPT_ID,
                         base_config("shm", mem_pool_cfg=None, host_mem_pool_cfg=None))
-    with expect_llm(S.LLM_FEATURE_NOT_ENABLED) as caught:
+    with expect_llm(S.LLM_PARAM_INVALID) as caught:
         peer.alloc("a", Desc(2, (4, 16), "fp16", "DEVICE"))
     assert "mem_pool_cfg" in caught[0].message or "llm.MemPoolConfig" in caught[0].message
-    with expect_llm(S.LLM_FEATURE_NOT_ENABLED) as caught:
+    with expect_llm(S.LLM_PARAM_INVALID) as caught:
         peer.alloc("b", Desc(2, (4, 16), "fp16", "HOST"), blocks=True)
     assert ("host_mem_pool_cfg" in caught[0].message
             or "llm.HostMemPoolConfig" in caught[0].message), caught[0].message
