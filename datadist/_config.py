@@ -94,11 +94,12 @@ class _Option:
     CANN's default while unset, and how the value is written under its option key."""
 
     def __init__(self, key: str, *types: type, default: Any = None, doc: str = "",
-                 empty_is_unset: bool = False) -> None:
+                 empty_is_unset: bool = False, always: bool = False) -> None:
         self.key = key
         self.types = types
         self.default = default
         self.empty_is_unset = empty_is_unset  # CANN skips "" for these
+        self.always = always  # CANN emits the default while unset
         self.__doc__ = f"{doc} (option ``{key}``)"
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -122,6 +123,8 @@ class _Option:
 
     def emit(self, obj: Any, options: Dict[str, str]) -> None:
         value = obj.__dict__.get(self.attr)
+        if value is None and self.always:
+            value = self.default
         if value is None or (self.empty_is_unset and value == ""):
             return
         if isinstance(value, bool):
@@ -156,7 +159,7 @@ class LLMConfig:
     """
 
     device_id = _Option(OPTION_DEVICE_ID, int, list, tuple,
-                        doc="Accelerator index: an int, or a list/tuple of one int")
+                        doc="Accelerator index: an int, or a list/tuple of ints (CANN's form; an engine runs on one)")
     sync_kv_timeout = _Option(OPTION_SYNC_KV_TIMEOUT, int, str, doc="Transfer deadline in ms; default 1000")
     listen_ip_info = _Option(OPTION_LISTEN_IP_INFO, str, default="", empty_is_unset=True,
                              doc='"ip:port" this engine listens on for links')
@@ -176,8 +179,8 @@ class LLMConfig:
                              doc="Local communication resources JSON; accepted and kept")
     rdma_traffic_class = _Option(OPTION_RDMA_TRAFFIC_CLASS, int, doc="RDMA traffic class, [0, 255], multiple of 4")
     rdma_service_level = _Option(OPTION_RDMA_SERVICE_LEVEL, int, doc="RDMA service level, [0, 7]")
-    transfer_backend = _Option(OPTION_TRANSFER_BACKEND, str, default="auto",
-                               doc="auto (default), shm, tcp, gloo, nccl or hccl")
+    transfer_backend = _Option(OPTION_TRANSFER_BACKEND, str, default="",
+                               doc='auto, shm, tcp, gloo, nccl or hccl; reads "" while unset, as in CANN ("" is auto)')
     device_type = _Option(OPTION_DEVICE_TYPE, str, default="auto", doc="auto (default), npu, cuda or cpu")
     # CANN's fields without an effect here; accepted and checked (docs/migration.md).
     deploy_res_path = _Option(OPTION_DEPLOY_RES_PATH, str, default="", empty_is_unset=True,
@@ -187,8 +190,9 @@ class LLMConfig:
     output_max_size = _Option(OPTION_OUTPUT_MAX_SIZE, int, doc="CANN offline output size; no effect here")
     enable_switch_role = _Option(OPTION_ENABLE_SWITCH_ROLE, bool, default=False,
                                  doc="Accepted; switch_role is always available")
-    mem_utilization = _Option(OPTION_MEMORY_UTILIZATION, int, float, default=0.95,
-                              doc="CANN device memory share, [0, 1]; no effect here (pools are sized explicitly)")
+    mem_utilization = _Option(OPTION_MEMORY_UTILIZATION, int, float, default=0.95, always=True,
+                              doc="CANN device memory share, [0, 1], emitted always (0.95 while unset, as CANN "
+                                  "does); no effect here (pools are sized explicitly)")
     buf_pool_cfg = _Option(OPTION_BUF_POOL_CFG, str, default="", empty_is_unset=True,
                            doc="CANN transfer buffer pool JSON; no effect here")
     global_resource_config = _Option(OPTION_GLOBAL_RESOURCE_CONFIG, str, default="",
@@ -248,7 +252,10 @@ class LLMConfig:
 
     def generate_options(self) -> Dict[str, str]:
         """The options dict for ``LLMDataDist.init``: ``ge_options``, then every property
-        that was set, as a string under its CANN key.
+        that was set, as a string under its CANN key, as CANN's ``generate_options``:
+        ``llm.MemoryUtilization`` always (``"0.95"`` while unset), and with ``device_id``
+        also ``ge.session_device_id`` (the first id of a list, which ``ge.exec.deviceId``
+        joins with ";"; ``LLMDataDist.init`` refuses more than one).
 
         Raises:
             ParamInvalidError: a value out of its domain; the message names the property,
@@ -257,8 +264,9 @@ class LLMConfig:
         options: Dict[str, str] = dict(self._ge_options)
         for option in self._OPTIONS:
             option.emit(self, options)
-        if isinstance(self.device_id, int) and OPTION_DEVICE_ID in options:
-            options.setdefault(OPTION_SESSION_DEVICE_ID, options[OPTION_DEVICE_ID])  # as CANN emits both
+        device = self.device_id
+        if device is not None and OPTION_DEVICE_ID in options and (isinstance(device, int) or device):
+            options[OPTION_SESSION_DEVICE_ID] = str(device if isinstance(device, int) else device[0])  # as CANN
         parse_options(options)  # one validator for generated and hand-written dicts
         self._options = options
         return dict(options)

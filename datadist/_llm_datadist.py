@@ -126,6 +126,10 @@ class LLMDataDist:
             log.info("engine of cluster %d is already initialized; init ignored", self._cluster_id)
             return
         parsed = parse_options(options)
+        if len(parsed.device_ids) > 1:
+            raise_error(LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                        f"ge.exec.deviceId names {len(parsed.device_ids)} devices {list(parsed.device_ids)}: an engine "
+                        "runs on one device here; give one id (LLMConfig.device_id)")
         with _active_lock:
             other = _active() if _active is not None else None
             if other is not None and other._engine is not None:

@@ -78,12 +78,14 @@ class EngineOptions:
     """Everything the engine reads from the options dict, typed and validated.
 
     Attributes:
-        device_id: accelerator index (``ge.exec.deviceId``); ignored on CPU.
+        device_id: accelerator index (``ge.exec.deviceId``; the first of several); ignored on CPU.
+        device_ids: every id ``ge.exec.deviceId`` names (CANN joins several with ";"; an
+            engine runs on one, so ``init`` refuses more); () when unset.
         sync_kv_timeout_ms: deadline of every pull/push/copy, ms, in [1, 2**31-1].
         listen_ip, listen_port: the server address from ``llm.listenIpInfo`` ("ip:port";
             port 0 lets the system pick), or both None for a client-only engine.
         mem_pool, host_mem_pool: pools for ``allocate_*`` with DEVICE / HOST placement;
-            None: that allocation raises ``LLM_FEATURE_NOT_ENABLED``.
+            None: that allocation raises ``LLM_PARAM_INVALID`` (as CANN).
         link_total_time_s: link deadline in seconds. CANN's default applies when the
             option is unset or 0: ``HCCL_CONNECT_TIMEOUT`` from the environment, else 120.
         link_retry_count: link attempts within that deadline, in [1, 100], default 1.
@@ -117,6 +119,7 @@ class EngineOptions:
     """
 
     device_id: int = 0
+    device_ids: Tuple[int, ...] = ()
     sync_kv_timeout_ms: int = DEFAULT_SYNC_KV_TIMEOUT_MS
     listen_ip: Optional[str] = None
     listen_port: Optional[int] = None
@@ -139,6 +142,7 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         self._check_int("device_id", 0, INT32_MAX)
+        self._check_device_ids()
         self._check_int("sync_kv_timeout_ms", 1, INT32_MAX, unit=" ms")
         if (self.listen_ip is None) != (self.listen_port is None):
             self._bad("listen_ip", f"listen_ip={self.listen_ip!r} and listen_port={self.listen_port!r} "
@@ -179,6 +183,11 @@ class EngineOptions:
         self._check_collective()
 
         self._check_optional_int("metrics_port", 0, 65535)
+
+    def _check_device_ids(self) -> None:
+        self._check_type("device_ids", tuple)
+        if any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= INT32_MAX for d in self.device_ids):
+            self._bad("device_ids", f"every id must be an int in [0, {INT32_MAX}]")
 
     def _check_collective(self) -> None:
         """A collective backend moves payloads through torch.distributed, past TLS and past
@@ -297,6 +306,8 @@ def _to_choice(choices: Tuple[str, ...]) -> Callable[[Any], str]:
 
 
 def _to_backend(raw: Any) -> str:
+    if isinstance(raw, str) and not raw.strip():
+        return "auto"  # CANN's LLMConfig reads "" while unset
     if isinstance(raw, str) and raw.strip().lower() in TRANSFER_BACKEND_ALIASES:
         return TRANSFER_BACKEND_ALIASES[raw.strip().lower()]
     try:
@@ -362,14 +373,14 @@ def _metrics_address(raw: Any) -> Dict[str, Any]:
     return {"metrics_host": host or None, "metrics_port": int(port)}
 
 
-def _to_device_id(raw: Any) -> int:
-    # CANN joins several device ids with ";" but supports one per process; so do we.
-    if isinstance(raw, str) and ";" in raw:
-        ids = [part for part in raw.split(";") if part.strip()]
-        if len(ids) != 1:
-            raise Bad("exactly one device id per engine is supported")
-        raw = ids[0]
-    return _to_int(raw)
+def _to_device_ids(raw: Any) -> Tuple[int, Tuple[int, ...]]:
+    """``(first id, all ids)``: CANN joins several device ids with ";" (an engine here runs
+    on one: ``LLMDataDist.init`` refuses more)."""
+    parts = [part for part in raw.split(";") if part.strip()] if isinstance(raw, str) and ";" in raw else [raw]
+    if not parts:
+        raise Bad("names no device id")
+    ids = tuple(_to_int(part) for part in parts)
+    return ids[0], ids
 
 
 def _to_pool(raw: Any) -> PoolConfig:
@@ -452,7 +463,7 @@ def _fields(*names: str, convert: Callable[[Any], Any]) -> Callable[[Any], Dict[
 
 
 _PARSERS: Dict[str, Callable[[Any], Dict[str, Any]]] = {
-    OPTION_DEVICE_ID: _fields("device_id", convert=_to_device_id),
+    OPTION_DEVICE_ID: _fields("device_id", "device_ids", convert=_to_device_ids),
     OPTION_SYNC_KV_TIMEOUT: _fields("sync_kv_timeout_ms", convert=_to_int),
     OPTION_LISTEN_IP_INFO: _fields("listen_ip", "listen_port", convert=_split_ip_port),
     OPTION_ENABLE_CACHE_MANAGER: _fields("enable_cache_manager", convert=_to_bool),

@@ -531,3 +531,44 @@ def test_allocation_and_deallocation_as_cann() -> None:
         cm.deallocate_cache(rows)  # again: a no-op
     finally:
         engine.finalize()
+
+
+# ------------------------------------------------------------------ generate_options as CANN
+
+
+def test_generate_options_as_cann() -> None:
+    """LLMConfig.generate_options emits what CANN's does: llm.MemoryUtilization always
+    ("0.95" while unset), a device id list joined with ";" and ge.session_device_id its
+    first id; transfer_backend reads "" while unset ("" means auto)."""
+    cfg = LLMConfig()
+    assert cfg.transfer_backend == "" and cfg.mem_utilization == 0.95
+    cfg.device_id = 0
+    cfg.sync_kv_timeout = 5000
+    cfg.listen_ip_info = "127.0.0.1:26000"
+    cfg.enable_cache_manager = True
+    cfg.mem_pool_cfg = '{"memory_size": 1048576}'
+    assert cfg.generate_options() == {
+        "ge.exec.deviceId": "0", "ge.session_device_id": "0", "llm.EnableCacheManager": "1",
+        "llm.MemPoolConfig": '{"memory_size": 1048576}', "llm.MemoryUtilization": "0.95",
+        "llm.SyncKvCacheWaitTime": "5000", "llm.listenIpInfo": "127.0.0.1:26000"}
+    multi = LLMConfig()
+    multi.device_id = [0, 1]
+    assert multi.generate_options() == {"ge.exec.deviceId": "0;1", "ge.session_device_id": "0",
+                                        "llm.MemoryUtilization": "0.95"}
+    other = LLMConfig()
+    other.mem_utilization = 0.9
+    other.transfer_backend = "hixl"
+    assert other.generate_options() == {"llm.MemoryUtilization": "0.9", "llm.TransferBackend": "hixl"}
+
+
+def test_init_refuses_several_devices() -> None:
+    """An engine runs on one device: init with ge.exec.deviceId naming two refuses it
+    (LLM_FEATURE_NOT_ENABLED, naming the ids) and leaves the engine uninitialized."""
+    cfg = LLMConfig()
+    cfg.device_id = [0, 1]
+    engine = LLMDataDist(LLMRole.DECODER, 81)
+    with pytest.raises(LLMException, match=r"\[0, 1\]") as info:
+        engine.init(cfg.generate_options())
+    assert info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    assert LLMDataDist.llm_engine_instance is None
+    engine.finalize()

@@ -224,13 +224,14 @@ def test_generate_options_keys():
         "llm.RdmaServiceLevel": "4",
         "llm.TransferBackend": "gloo",
         "llm.DeviceType": "cpu",
+        "llm.MemoryUtilization": "0.95",  # CANN emits it always
     }
 
 
 def test_generate_then_parse_round_trip():
     opts = parse_options(full_config().generate_options())
     assert opts == EngineOptions(
-        device_id=3, sync_kv_timeout_ms=2500, listen_ip="10.0.0.5", listen_port=26000,
+        device_id=3, device_ids=(3,), sync_kv_timeout_ms=2500, listen_ip="10.0.0.5", listen_port=26000,
         mem_pool=PoolConfig(1073741824, 16), host_mem_pool=PoolConfig(4096, 16),
         link_total_time_s=30.0, link_retry_count=4, transfer_backend="gloo", device_type="cpu",
         enable_cache_manager=True, enable_remote_cache_accessible=False,
@@ -240,13 +241,13 @@ def test_generate_then_parse_round_trip():
 def test_empty_config_and_aliases():
     cfg = LlmConfig()
     assert LlmConfig is LLMConfig
-    assert cfg.generate_options() == {} == cfg.gen_options()
+    assert cfg.generate_options() == {"llm.MemoryUtilization": "0.95"} == cfg.gen_options()  # as CANN
     # getters report CANN's defaults for unset values
     assert cfg.device_id is None and cfg.sync_kv_timeout is None
     assert cfg.listen_ip_info == "" and cfg.mem_pool_cfg == "" and cfg.host_mem_pool_cfg == ""
     assert cfg.link_total_time == 0 and cfg.link_retry_count == 1
     assert cfg.enable_cache_manager is False and cfg.local_comm_res == ""
-    assert cfg.transfer_backend == "auto" and cfg.device_type == "auto"
+    assert cfg.transfer_backend == "" and cfg.device_type == "auto"  # CANN's "" (auto)
     assert cfg.ge_options == {}
 
 
@@ -271,9 +272,17 @@ def test_device_id_forms():
     assert cfg.generate_options()["ge.exec.deviceId"] == "1"
     cfg.device_id = (2,)
     assert parse_options(cfg.generate_options()).device_id == 2
-    cfg.device_id = [0, 1]
-    with pytest.raises(ParamInvalidError, match="device_id"):
-        cfg.generate_options()
+    cfg.device_id = [0, 1]  # CANN's multi-device form: generated, refused by init
+    opts = cfg.generate_options()
+    assert (opts["ge.exec.deviceId"], opts["ge.session_device_id"]) == ("0;1", "0")
+    assert parse_options(opts).device_ids == (0, 1) and parse_options(opts).device_id == 0
+
+
+def test_transfer_backend_empty_is_auto():
+    cfg = LLMConfig()
+    cfg.transfer_backend = ""
+    opts = cfg.generate_options()
+    assert opts["llm.TransferBackend"] == "" and parse_options(opts).transfer_backend == "auto"
 
 
 def test_sync_kv_timeout_as_str():
@@ -294,9 +303,11 @@ def test_pool_cfg_from_dict_and_choice_normalized():
 def test_ge_options_pass_through_and_override():
     cfg = LLMConfig()
     cfg.ge_options = {"ge.session_device_id": "0", "ge.exec.deviceId": "5"}
-    assert cfg.generate_options() == {"ge.session_device_id": "0", "ge.exec.deviceId": "5"}
+    assert cfg.generate_options() == {"ge.session_device_id": "0", "ge.exec.deviceId": "5",
+                                      "llm.MemoryUtilization": "0.95"}
     cfg.device_id = 1
     assert cfg.generate_options()["ge.exec.deviceId"] == "1"
+    assert cfg.generate_options()["ge.session_device_id"] == "1"  # as CANN: the property wins
 
 
 def test_ge_options_with_bad_known_key_fails_at_generate():
@@ -365,7 +376,7 @@ def test_empty_strings_mean_unset_like_cann():
     cfg = LLMConfig()
     cfg.listen_ip_info = ""
     cfg.mem_pool_cfg = ""
-    assert cfg.generate_options() == {}
+    assert cfg.generate_options() == {"llm.MemoryUtilization": "0.95"}
 
 
 # ---------------------------------------------------------------------- parse_options
@@ -530,7 +541,7 @@ def test_unknown_config_attribute_is_kept_and_warned_once():
 
 BAD_PARSE_VALUES = [
     ("ge.exec.deviceId", "-1"), ("ge.exec.deviceId", "zero"), ("ge.exec.deviceId", True),
-    ("ge.exec.deviceId", "0;1"), ("ge.exec.deviceId", [0]),
+    ("ge.exec.deviceId", ";"), ("ge.exec.deviceId", "0;x"), ("ge.exec.deviceId", [0]),
     ("llm.SyncKvCacheWaitTime", "0"), ("llm.SyncKvCacheWaitTime", 1.5), ("llm.SyncKvCacheWaitTime", None),
     ("llm.listenIpInfo", "1.2.3.4:port"), ("llm.listenIpInfo", 1234),
     ("llm.EnableCacheManager", "maybe"), ("llm.EnableCacheManager", 2),
