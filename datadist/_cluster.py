@@ -40,15 +40,22 @@ def ip_to_int(ip: Union[str, int]) -> int:
 
 
 class IpInfo(NamedTuple):
-    """One ``(ip, port)`` entry of :class:`LLMClusterInfo`; ``ip`` is a dotted quad.
-    (``llm_datadist`` stores ``(ip_int, port)`` tuples; :attr:`ip_int` gives that form.)"""
+    """One ``(ip, port)`` entry of :class:`LLMClusterInfo`, as ``llm_datadist`` stores it:
+    ``ip`` in CANN's int form (the address bytes read as a little-endian uint32, see
+    :func:`ip_to_str`); :attr:`ip_str` gives the dotted quad.  Equal to the plain tuple."""
 
-    ip: str
+    ip: int
     port: int
 
     @property
+    def ip_str(self) -> str:
+        """The address as a dotted quad."""
+        return ip_to_str(self.ip)
+
+    @property
     def ip_int(self) -> int:
-        return ip_to_int(self.ip)
+        """Alias of :attr:`ip` (CANN's int form)."""
+        return self.ip
 
 
 # --------------------------------------------------------------------- cluster info
@@ -59,7 +66,9 @@ class LLMClusterInfo:
     addresses (the server's ``listen_ip_info`` goes in ``remote_ip_info``).
 
     A mutable builder, as in ``llm_datadist``; ``remote_cluster_id`` and
-    ``remote_role_type`` may also be given to the constructor.
+    ``remote_role_type`` may also be given to the constructor.  The ip lists hold
+    ``(ip, port)`` entries with ``ip`` in CANN's int form, as ``llm_datadist`` stores them
+    (:class:`IpInfo`, whose ``ip_str`` is the dotted quad).
     """
 
     def __init__(self, remote_cluster_id: Optional[int] = None,
@@ -117,4 +126,4 @@ def _ip_info(ip: Union[str, int], port: int) -> IpInfo:
     if not isinstance(ip, (str, int)) or isinstance(ip, bool):
         raise TypeError(f"ip must be str or int, got {type(ip).__name__}")
     port = _int_in("port", port, 0, _UINT16_MAX)
-    return IpInfo(ip_to_str(ip), port)
+    return IpInfo(ip_to_int(ip), port)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, NoReturn, Optional, Sequence,
 from ._cache_manager import CacheManager
 from ._comm import CommDomain, parse_comm_args
 from ._config import EngineOptions, parse_options
-from ._cluster import LLMClusterInfo
+from ._cluster import LLMClusterInfo, ip_to_str
 from ._status import LLMStatusCode, api_class, raise_error, status_code_of_fault, status_of, to_status_code
 from ._types import LLMRole, RegisterMemStatus
 from .engine.core import MAX_LINK_CLUSTERS, Engine
@@ -373,9 +373,9 @@ def _listen_on(agent: "Agent", listen: Tuple[str, int]) -> Tuple[str, int]:
 
 
 def _link_one(engine: Engine, cluster: LLMClusterInfo, deadline: float) -> Fault:
-    ip, port = cluster.remote_ip_info_list[0]
+    ip, port = cluster.remote_ip_info_list[0]  # ip in CANN's int form, as llm_datadist stores it
     assert cluster.remote_cluster_id is not None  # checked by link_clusters
-    return engine.link(cluster.remote_cluster_id, ip, port, deadline)
+    return engine.link(cluster.remote_cluster_id, ip_to_str(ip), port, deadline)
 
 
 def _unlink_one(engine: Engine, cluster_id: Optional[int], deadline: float, force: bool) -> Fault:

@@ -352,7 +352,8 @@ def test_cluster_info_ip_forms() -> None:
     assert ci.remote_cluster_id == 11 and ci.remote_role_type == LLMRole.PROMPT
     assert len(ci.local_ip_info_list) == 1 and len(ci.remote_ip_info_list) == 1
     ip, port = ci.remote_ip_info_list[0]
-    assert port == 26000 and ip in ("10.0.0.3", as_int)
+    assert (ip, port) == (as_int, 26000)  # CANN's int form, as llm_datadist stores it
+    assert ci.local_ip_info_list == [(int.from_bytes(bytes([10, 0, 0, 2]), "little"), 0)]
 
 
 def test_cache_is_not_made_by_users() -> None:

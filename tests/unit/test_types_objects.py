@@ -422,12 +422,13 @@ def test_cluster_info():
     info.append_remote_ip_info(0x0100007F, 26000)  # CANN int form of 127.0.0.1
     info.append_remote_ip_info("192.168.0.9", 26001)
     assert info.remote_cluster_id == 7 and info.remote_role_type is LLMRole.PROMPT
-    assert info.local_ip_info_list == [IpInfo("10.0.0.2", 0)]
-    assert info.remote_ip_info_list == [("127.0.0.1", 26000), ("192.168.0.9", 26001)]
+    # stored as llm_datadist stores them: (ip in CANN's little-endian int form, port)
+    assert info.local_ip_info_list == [IpInfo(ip_to_int("10.0.0.2"), 0)]
+    assert info.remote_ip_info_list == [(0x0100007F, 26000), (ip_to_int("192.168.0.9"), 26001)]
     ip, port = info.remote_ip_info_list[0]
-    assert (ip, port) == ("127.0.0.1", 26000)
-    assert info.remote_ip_info_list[0].ip_int == 0x0100007F
-    assert "remote_cluster_id=7" in repr(info) and "127.0.0.1" in repr(info)
+    assert (ip, port) == (0x0100007F, 26000)
+    assert info.remote_ip_info_list[0].ip_str == "127.0.0.1" and info.remote_ip_info_list[0].ip_int == ip
+    assert "remote_cluster_id=7" in repr(info) and str(0x0100007F) in repr(info)
     assert LLMClusterInfo(3, LLMRole.DECODER).remote_cluster_id == 3
 
 
