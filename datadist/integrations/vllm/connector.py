@@ -22,7 +22,9 @@ A prefill instance's blocks may be smaller than the decode instance's by a whole
 other (each decode rank joins or splits the KV heads, :mod:`.heads`), in the layouts where
 blocks split (:mod:`.blocks`); any other difference refuses the load.
 
-A pull that fails reports the request's blocks through ``get_block_ids_with_load_errors``
+The decode scheduler checks ``kv_transfer_params`` first (:mod:`.params`): malformed ones
+make the prompt computed locally.  A pull that fails, or that too few remote blocks would
+leave partly unwritten, reports the request's blocks through ``get_block_ids_with_load_errors``
 (vLLM then fails or recomputes the request, per ``kv_load_failure_policy``); other
 requests go on.  Pulls run on threads of the worker (``max_concurrent_pulls`` of them):
 the engine loop never waits on a peer, and a slow or dead peer holds one thread only.
@@ -48,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 from .base import SplitConnector
+from .params import RemoteParams, parse_remote
 from .stats import DATADIST_METRICS, ConnectorStats
 from .worker import DatadistWorker, Endpoint, RecvJob, Settings
 
@@ -62,10 +65,6 @@ if TYPE_CHECKING:
 __all__ = ["DatadistConnector", "DatadistConnectorMetadata", "DatadistHandshake"]
 
 log = logging.getLogger("datadist.vllm")
-
-#: kv_transfer_params keys a decode request must carry for a remote prefill.
-_REMOTE_KEYS = ("remote_block_ids", "remote_request_id", "remote_host", "remote_port", "remote_cluster_ids")
-
 
 # vLLM is not installed where mypy runs (ignore_missing_imports): its metadata bases are Any.
 @dataclass
@@ -129,16 +128,6 @@ def _settings(vllm_config: "VllmConfig") -> Settings:
                     engine_id=str(cfg.engine_id), transfer_checksum=_flag(extra, "transfer_checksum"))
 
 
-def _lease(params: dict[str, Any]) -> float:
-    """The prefill side's lease from ``kv_transfer_params`` (0: none, nothing to renew);
-    it came through the proxy, so it is bounded before the renewal thread paces on it."""
-    try:
-        lease = float(params.get("kv_lease_duration") or 0.0)
-    except (TypeError, ValueError):
-        return 0.0
-    return min(lease, 3600.0) if lease >= 0.1 else 0.0
-
-
 class DatadistConnector(SplitConnector["_Scheduler", DatadistWorker]):
     """vLLM KV connector over datadist (see the module docstring)."""
 
@@ -192,34 +181,39 @@ class _Scheduler:
         self._send: dict[str, float] = {}
 
     @staticmethod
-    def _remote(params: Optional[dict[str, Any]]) -> bool:
-        if not params:
-            return False
-        return all(params.get(k) is not None for k in _REMOTE_KEYS)
+    def _remote(request: "Request") -> Optional[RemoteParams]:
+        """The request's remote prefill, if it asks for one and its ``kv_transfer_params``
+        are sound; malformed ones are logged and dropped (the prompt is computed here; the
+        prefill side, whose address is not trusted then, frees its blocks at the lease's end)."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        try:
+            return parse_remote(params)
+        except ValueError as exc:
+            params["do_remote_prefill"] = False  # judged once
+            log.warning("request %s: kv_transfer_params for a remote prefill are unusable (%s); its prompt is "
+                        "computed here", request.request_id, exc)
+            return None
 
     def matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill") and self._remote(params):
+        if self._remote(request) is not None:
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
                 return count, True  # loaded between steps; vLLM recomputes the last token itself
         return 0, False
 
     def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        remote = self._remote(request)
+        if remote is None:
             return
-        params["do_remote_prefill"] = False  # one transfer per request
-        if not self._remote(params):
-            log.warning("request %s: kv_transfer_params lack %s; its prompt is computed here",
-                        request.request_id, [k for k in _REMOTE_KEYS if params.get(k) is None])
-            return
+        request.kv_transfer_params["do_remote_prefill"] = False  # one transfer per request
         # Blocks the local prefix cache already holds are not pulled again; the remote
         # list is clipped to match (both end with the prompt's last block).
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        remote_size = params.get("remote_block_size", self.block_size)
+        remote_size = self.block_size if remote.block_size is None else remote.block_size
         ratio = self._ratio(remote_size)
-        job = self._job(params, local, awaited=num_external_tokens > 0, ratio=ratio or 1)
+        job = self._job(remote, local, awaited=num_external_tokens > 0, ratio=ratio or 1)
         if not ratio:
             # A remote block would not fill whole parts of a local block: refuse the load
             # (vLLM fails or recomputes the request, per its policy) rather than scramble it.
@@ -234,22 +228,27 @@ class _Scheduler:
         return self.block_size // remote_size if self.block_size % remote_size == 0 else 0
 
     @staticmethod
-    def _job(params: dict[str, Any], local: list[int], awaited: bool, ratio: int = 1) -> RecvJob:
-        # Both lists end with the prompt's last block; ``ratio`` remote blocks fill one of
-        # ours, and the local prefix-cache hit (the local blocks not given) is skipped.
-        remote = list(params["remote_block_ids"])
+    def _job(remote: RemoteParams, local: list[int], awaited: bool, ratio: int = 1) -> RecvJob:
+        """The pull of ``remote``'s blocks into ``local``.  Both lists end with the prompt's
+        last block; ``ratio`` remote blocks fill one of ours, and the remote blocks of a
+        local prefix-cache hit (the leading ones no local block is given for) are skipped.
+        Too few remote blocks to fill every local one is refused: vLLM counted all of them
+        as loaded, so the load fails (their blocks reported as load errors) rather than
+        leave some unwritten."""
+        blocks = list(remote.block_ids)
+        refused = ""
         if local:
-            hit = -(-len(remote) // ratio) - len(local)
-            remote = remote[ratio * max(hit, 0):]
-            local = local[:-(-len(remote) // ratio)]
+            filled = -(-len(blocks) // ratio)
+            if filled < len(local):
+                refused = (f"kv_transfer_params name {len(blocks)} prefill blocks, which fill {filled} of this "
+                           f"instance's blocks; the prompt's KV takes {len(local)}")
+            else:
+                blocks = blocks[ratio * (filled - len(local)):]
         else:
-            remote = []
-        clusters = [int(c) for c in params["remote_cluster_ids"]]
-        hosts = list(params.get("remote_hosts") or [params["remote_host"]] * len(clusters))
-        ports = list(params.get("remote_ports") or [params["remote_port"]] * len(clusters))
-        return RecvJob(local_blocks=local, remote_blocks=remote, remote_request_id=str(params["remote_request_id"]),
-                       peers=[Endpoint(str(h), int(p), c) for h, p, c in zip(hosts, ports, clusters)],
-                       awaited=awaited, lease_s=_lease(params) if awaited else 0.0, ratio=ratio)
+            blocks = []
+        return RecvJob(local_blocks=list(local), remote_blocks=blocks, remote_request_id=remote.request_id,
+                       peers=list(remote.peers), awaited=awaited, lease_s=remote.lease_s if awaited else 0.0,
+                       refused=refused, ratio=ratio)
 
     def build_meta(self) -> DatadistConnectorMetadata:
         meta = DatadistConnectorMetadata(reqs_to_recv=self._recv, reqs_to_send=self._send)
@@ -264,9 +263,10 @@ class _Scheduler:
             return False, None
         if params.get("do_remote_prefill"):
             # Finished before it was scheduled (aborted): tell the prefill side to free.
+            remote = self._remote(request)
             params["do_remote_prefill"] = False
-            if self._remote(params):
-                self._recv[request.request_id] = self._job(params, [], awaited=False)
+            if remote is not None:
+                self._recv[request.request_id] = self._job(remote, [], awaited=False)
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
