@@ -28,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Optional
 
 from ... import (BlocksCacheKey, Cache, LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode,
                   TransferHandle)
@@ -92,6 +92,10 @@ class RecvJob:
     ratio: int = 1             # local block size / the prefill side's (its blocks fill parts of ours)
 
 
+class _Refused(ValueError):
+    """A pull that cannot be done with these caches (nothing moved)."""
+
+
 class DatadistWorker:
     def __init__(self, vllm_config: "VllmConfig", settings: Settings,
                  kv_cache_config: Optional["KVCacheConfig"], attention: Optional[str] = None) -> None:
@@ -145,6 +149,7 @@ class DatadistWorker:
         self._failed: set[str] = set()
         self._errors: set[int] = set()
         self._idle = False  # this step computes nothing
+        self._lease_warned = False  # a prefill lease no longer than a pull may take was reported
 
     # -- setup ---------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, "torch.Tensor"]) -> None:
@@ -219,11 +224,28 @@ class DatadistWorker:
             self._pending.update(to_recv)
         if any(0 < job.lease_s / 6 < self._pace for job in to_recv.values()):
             self._wake.set()  # a shorter lease than the renewal thread paces itself on
+        self._check_leases(to_recv.values())
         for req_id, job in to_recv.items():
             if job.local_blocks and not job.refused:
                 for peer in self._targets(job):
                     self._link_soon(peer)
             self._pool.submit(self._pull, req_id, job)
+
+    def _check_leases(self, jobs: Iterable[RecvJob]) -> None:
+        """Warn once when a prefill instance's lease is no longer than a pull may take here.
+        A pull renews its peer's leases as it begins and not while it runs (a renewal on
+        its link would wait behind it), so a pull that runs longer than the lease may read
+        blocks the prefill instance has freed and reused."""
+        if self._lease_warned:
+            return
+        limit_s = self.settings.timeout_ms / 1000.0
+        short = [job.lease_s for job in jobs if job.local_blocks and 0 < job.lease_s <= limit_s]
+        if short:
+            self._lease_warned = True
+            log.warning("a prefill instance holds blocks for %.1f s (its kv_lease_duration), no longer than a pull "
+                        "may take here (sync_kv_timeout_ms=%d): a pull that slow could read blocks it has freed; "
+                        "raise its kv_lease_duration above this instance's sync_kv_timeout_ms, or lower that",
+                        min(short), self.settings.timeout_ms)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(freed on the prefill side, loads done, loads failed) since the last call."""
@@ -306,16 +328,30 @@ class DatadistWorker:
     def _pull(self, req_id: str, job: RecvJob) -> None:
         """Pull ``job`` and tell the prefill ranks: all of them after a pull or a refusal
         (nothing moved, nobody will pull those blocks again), after a failure those still
-        linked (a dead peer is not linked again to be told)."""
-        error: Optional[Exception] = None
+        linked (a dead peer is not linked again to be told).  Whatever goes wrong, the
+        request is reported (a failure: its blocks are load errors) and leaves the leases
+        this worker renews: nothing an exception skips keeps it waiting for ever."""
+        error: Optional[BaseException] = None
         refused = False
-        peer = None
+        try:
+            refused, error = self._load(req_id, job)
+        except BaseException as exc:  # reported below, then raised on (the pool's future holds it)
+            error = exc
+            raise
+        finally:
+            try:
+                self._tell_all(job, error is None or refused)
+            finally:
+                self._report(req_id, job, error is not None)
+
+    def _load(self, req_id: str, job: RecvJob) -> tuple[bool, Optional[Exception]]:
+        """The pull of ``job``: (refused, the error; None when its blocks arrived)."""
+        peer: Optional[Endpoint] = None
         try:
             try:
                 plan = self._plan(job)
-            except ValueError:
-                refused = True
-                raise
+            except ValueError as exc:
+                raise _Refused(str(exc)) from exc
             if job.local_blocks:
                 started = time.perf_counter()
                 moved = 0
@@ -325,22 +361,38 @@ class DatadistWorker:
                 self.stats.record("transfer_duration", time.perf_counter() - started)
                 self.stats.record("num_blocks", len(job.local_blocks))
                 self.stats.record("bytes_transferred", moved)
-        except (LLMException, OSError, ValueError) as exc:
-            error = exc
+            return False, None
+        except Exception as exc:  # any failure is this request's failed load; the others go on
             self.stats.record("num_failed_transfers")
-            log.warning("request %s: pulling %d blocks from %s failed: %s", req_id, len(job.local_blocks),
-                        peer or "the prefill instance", exc)
+            where = peer or "the prefill instance"
+            if isinstance(exc, (LLMException, OSError, _Refused)):
+                log.warning("request %s: pulling %d blocks from %s failed: %s", req_id, len(job.local_blocks),
+                            where, exc)
+            else:
+                log.exception("request %s: pulling %d blocks from %s failed", req_id, len(job.local_blocks), where)
             if peer is not None and isinstance(exc, LLMException):
                 self._forget(peer.cluster_id)
-        count = readers(len(job.peers), self.tp_size)
-        for target in self._targets(job):
-            if error is None or refused or target.cluster_id in self._linked:
-                self._tell_pulled(target, job.remote_request_id, count)
+            return isinstance(exc, _Refused), exc
+
+    def _tell_all(self, job: RecvJob, everyone: bool) -> None:
+        """Tell the prefill ranks of ``job`` that its blocks are done with: ``everyone``,
+        or those still linked (a failed peer is not linked again to be told)."""
+        try:
+            count = readers(len(job.peers), self.tp_size)
+            for target in self._targets(job):
+                if everyone or target.cluster_id in self._linked:
+                    self._tell_pulled(target, job.remote_request_id, count)
+        except Exception:  # the prefill side frees the blocks when their lease runs out
+            log.exception("could not tell the prefill instance that request %s is done with", job.remote_request_id)
+
+    def _report(self, req_id: str, job: RecvJob, failed: bool) -> None:
+        """The request's load is over: reported at the next ``finished`` (with its blocks
+        as load errors when ``failed``), and its lease no longer renewed."""
         with self._lock:
             self._pending.pop(req_id, None)
             if job.awaited:
                 self._received.add(req_id)
-            if error is not None and job.awaited:
+            if failed and job.awaited:
                 self._failed.add(req_id)
                 self._errors.update(job.local_blocks)
 
@@ -505,10 +557,12 @@ class DatadistWorker:
         try:
             self._link(peer)
             self._engine().send_notification(peer.cluster_id, pulled_note([remote_request_id], count))
-        except LLMException as exc:
+        except Exception as exc:  # never fatal to the pull thread: the lease frees the blocks
             log.warning("could not tell %s:%d that request %s is pulled (%s); it frees the blocks when "
-                        "their lease runs out", peer.host, peer.port, remote_request_id, exc)
-            self._forget(peer.cluster_id)
+                        "their lease runs out", peer.host, peer.port, remote_request_id, exc,
+                        exc_info=not isinstance(exc, (LLMException, RuntimeError)))
+            if isinstance(exc, LLMException):
+                self._forget(peer.cluster_id)
 
     # -- teardown ------------------------------------------------------------------------
     def close(self) -> None:
