@@ -30,13 +30,13 @@ requests go on.  Pulls run on threads of the worker (``max_concurrent_pulls`` of
 the engine loop never waits on a peer, and a slow or dead peer holds one thread only.
 
 Configuration (``kv_connector_extra_config``): ``host`` (address the prefill worker
-listens on and advertises; default ``$DATADIST_VLLM_HOST`` or 127.0.0.1), ``port`` (0:
-any free port; else port + tensor-parallel rank), ``transfer_backend`` (``auto``),
-``sync_kv_timeout_ms`` (10000), ``kv_lease_duration`` (30 s), ``max_concurrent_pulls`` (4:
+listens on and advertises; default ``$DATADIST_VLLM_HOST`` or 127.0.0.1), ``port`` (0..65535;
+0: any free port; else port + tensor-parallel rank), ``transfer_backend`` (``auto``),
+``sync_kv_timeout_ms`` (10000; 1..3600000), ``kv_lease_duration`` (30 s), ``max_concurrent_pulls`` (4:
 pulls in flight per worker), ``link_secret_file``, ``transfer_checksum`` (false: true
 sums every pulled payload on both ends and fails a pull whose checksums differ, whose
 blocks are then reported as load errors; ``datadist.TransferChecksum``),
-``idle_wait_ms`` (10: on a step that computes nothing while blocks wait for their pull,
+``idle_wait_ms`` (10, 0..1000: on a step that computes nothing while blocks wait for their pull,
 the prefill worker waits this long for the decode side's notification instead of letting
 vLLM's engine loop spin; a notification ends the wait at once).
 """
@@ -94,10 +94,13 @@ def _positive(extra: dict[str, Any], key: str, default: float) -> float:
     return value
 
 
-def _count(extra: dict[str, Any], key: str, default: int) -> int:
+def _bounded(extra: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
+    """``extra[key]`` (``default`` when absent), an integer ``low..high``; else ``ValueError``
+    at startup (a value the engine would refuse mid-serving is refused before serving)."""
     value = extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
-        raise ValueError(f"DatadistConnector: kv_connector_extra_config {key}={value!r} must be an integer 1..64")
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"DatadistConnector: kv_connector_extra_config {key}={value!r} must be an integer "
+                         f"{low}..{high}")
     return value
 
 
@@ -117,12 +120,12 @@ def _settings(vllm_config: "VllmConfig") -> Settings:
     if unknown:
         raise ValueError(f"DatadistConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
     return Settings(host=str(extra.get("host") or os.environ.get("DATADIST_VLLM_HOST") or "127.0.0.1"),
-                    port=int(extra.get("port", 0)),
+                    port=_bounded(extra, "port", 0, 0, 65535),
                     transfer_backend=str(extra.get("transfer_backend", "auto")),
-                    timeout_ms=int(extra.get("sync_kv_timeout_ms", 10000)),
+                    timeout_ms=_bounded(extra, "sync_kv_timeout_ms", 10000, 1, 3_600_000),
                     lease_s=_positive(extra, "kv_lease_duration", 30.0),
-                    max_pulls=_count(extra, "max_concurrent_pulls", 4),
-                    idle_wait_ms=int(extra.get("idle_wait_ms", 10)),
+                    max_pulls=_bounded(extra, "max_concurrent_pulls", 4, 1, 64),
+                    idle_wait_ms=_bounded(extra, "idle_wait_ms", 10, 0, 1000),
                     link_secret_file=extra.get("link_secret_file"),
                     producer=bool(cfg.is_kv_producer), consumer=bool(cfg.is_kv_consumer),
                     engine_id=str(cfg.engine_id), transfer_checksum=_flag(extra, "transfer_checksum"))

@@ -13,7 +13,8 @@ the blocks saved and those found evicted as vLLM's KV events (see ``events``).
 
 Configuration (``kv_connector_extra_config``): ``server`` (the pool address; default as the
 SDK: ``$EMS_SERVER`` or the node's daemon), ``timeout_ms`` (load and save, 5000),
-``lookup_timeout_ms`` (the scheduler's ``exists``, 1000: a slow pool reads as a miss),
+``lookup_timeout_ms`` (the scheduler's ``exists``, 1000: a slow pool reads as a miss; both
+1..3600000),
 ``model_id`` (the key namespace; default the model's name and a digest of the layout).
 Use ``kv_role="kv_both"``.  A load that fails is reported through
 ``get_block_ids_with_load_errors``; ``kv_load_failure_policy="recompute"`` makes vLLM
@@ -63,14 +64,25 @@ class EmsConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM's
     saves: dict[str, list[BlockJob]] = field(default_factory=dict)
 
 
+def _milliseconds(extra: dict[str, Any], key: str, default: int) -> int:
+    """``extra[key]`` (``default`` when absent): an integer from 1 ms to an hour, checked at
+    startup.  The pool client reads 0 as no deadline at all (a hung pool would hold the
+    engine loop) and refuses a negative one (in vLLM's scheduler, ending the engine)."""
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 3_600_000:
+        raise ValueError(f"EmsConnector: kv_connector_extra_config {key}={value!r} must be an integer "
+                         "1..3600000 (milliseconds)")
+    return value
+
+
 def _settings(vllm_config: "VllmConfig") -> Settings:
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     known = {"server", "timeout_ms", "lookup_timeout_ms", "model_id"}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ValueError(f"EmsConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
-    return Settings(server=extra.get("server"), timeout_ms=int(extra.get("timeout_ms", 5000)),
-                    lookup_timeout_ms=int(extra.get("lookup_timeout_ms", 1000)), model_id=extra.get("model_id"))
+    return Settings(server=extra.get("server"), timeout_ms=_milliseconds(extra, "timeout_ms", 5000),
+                    lookup_timeout_ms=_milliseconds(extra, "lookup_timeout_ms", 1000), model_id=extra.get("model_id"))
 
 
 class EmsConnector(SplitConnector["_Scheduler", EmsWorker]):
