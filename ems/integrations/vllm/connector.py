@@ -16,7 +16,9 @@ SDK: ``$EMS_SERVER`` or the node's daemon), ``timeout_ms`` (load and save, 5000)
 ``lookup_timeout_ms`` (the scheduler's ``exists``, 1000: a slow pool reads as a miss; both
 1..3600000),
 ``model_id`` (the key namespace; default the model's name and a digest of the layout).
-Use ``kv_role="kv_both"``.  A load that fails is reported through
+Use ``kv_role="kv_both"``.  vLLM frees a preempted request's blocks at once: before the
+next forward may overwrite them, the worker waits for that request's saves still running
+(``handle_preemptions``; at most ``timeout_ms``).  A load that fails is reported through
 ``get_block_ids_with_load_errors``; ``kv_load_failure_policy="recompute"`` makes vLLM
 compute those blocks instead of failing the request.
 """
@@ -62,6 +64,9 @@ class EmsHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
 class EmsConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM's base is Any (above)
     loads: dict[str, BlockJob] = field(default_factory=dict)
     saves: dict[str, list[BlockJob]] = field(default_factory=dict)
+    #: requests vLLM preempted since the last step: it freed their blocks, which this
+    #: step's forward may write for other requests (``handle_preemptions``)
+    preempted: set[str] = field(default_factory=set)
 
 
 def _milliseconds(extra: dict[str, Any], key: str, default: int) -> int:
@@ -111,6 +116,13 @@ class EmsConnector(SplitConnector["_Scheduler", EmsWorker]):
 
     def wait_for_save(self) -> None:
         self._worker_half.save(self._meta().saves)  # whole blocks, after the step's forward
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward that may overwrite a preempted request's freed blocks, let
+        the saves still copying them finish (a save the pool committed afterwards would
+        hold another request's bytes under this prompt's keys)."""
+        if isinstance(kv_connector_metadata, EmsConnectorMetadata) and kv_connector_metadata.preempted:
+            self._worker_half.wait_saves(kv_connector_metadata.preempted)
 
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
         if self._worker is None or self._worker.identity is None:
@@ -211,8 +223,13 @@ class _Scheduler:
         req.saved = start + count
 
     def build_meta(self, out: "SchedulerOutput") -> EmsConnectorMetadata:
-        meta = EmsConnectorMetadata(loads=self._loads)
+        meta = EmsConnectorMetadata(loads=self._loads, preempted=set(getattr(out, "preempted_req_ids", None) or ()))
         self._loads = {}
+        for req_id in meta.preempted:
+            self._pending.pop(req_id, None)
+            req = self._reqs.get(req_id)
+            if req is not None:
+                req.blocks = []  # freed; it gets blocks anew when it resumes
         for new in out.scheduled_new_reqs:
             req = self._reqs.get(new.req_id)
             if req is not None:

@@ -13,7 +13,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 from datadist.integrations.paged import PagedLayout, block_views, paged_layout
 from datadist.integrations.vllm.stats import ConnectorStats
@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 __all__ = ["Settings", "BlockJob", "PoolIdentity", "EmsWorker", "init_pool"]
 
 log = logging.getLogger("ems.vllm")
+
+#: How much longer than a save's own deadline a preemption waits for it (the deadline is
+#: checked between the steps of a save, so it may overrun by one of them).
+_SAVE_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,26 @@ class EmsWorker:
                     self.stats.record("bytes_saved", len(job.block_ids) * self._block_bytes)
                 except EmsException as exc:  # a save that fails is a later miss, nothing worse
                     log.warning("request %s: save of %d blocks refused: %s", req_id, len(job.block_ids), exc)
+
+    def wait_saves(self, req_ids: Iterable[str]) -> None:
+        """Wait until the saves of ``req_ids`` have stopped reading their blocks (vLLM
+        preempted them and freed the blocks, which the next forward may overwrite).  A
+        save copies in the pool client's threads and then commits, with no way to stop it
+        in between, so it is waited for: each ends by its own deadline (``timeout_ms``
+        after it was sent), so this waits at most that long, and a save that fails is a
+        later miss."""
+        limit = time.monotonic() + self.settings.timeout_ms / 1000.0 + _SAVE_GRACE_S
+        for req_id in req_ids:
+            saving = self._saves.get(req_id)
+            for future in saving.futures if saving is not None else ():
+                try:
+                    future.result(max(0.0, limit - time.monotonic()))
+                except EmsException as exc:
+                    if future.done():
+                        log.info("request %s: save failed (%s); a later miss", req_id, exc)
+                    else:
+                        log.error("request %s: preempted while a save of its blocks runs past its deadline; the "
+                                  "pool may hold other bytes under its keys", req_id)
 
     def _fail(self, req_id: str, blocks: list[int]) -> None:
         self.stats.record("num_failed_loads")
