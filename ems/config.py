@@ -175,8 +175,10 @@ class EmsConfig(_Checked):
     Vendor fields: ``cc_config`` / ``cc_config_v1`` (exactly one; either field takes either
     config class), ``access_id`` (1..512 printable ASCII characters without white space or
     path separators) and ``access_key`` (32..256 of ``[0-9A-Za-z+/=]``, or empty: no
-    credential, for a pool without tenants), given together or not at all.  Fields may be
-    set after construction; :meth:`ems.Ems.init` checks them again.
+    credential, for a pool without tenants); an ``access_id`` needs an ``access_key``.  An
+    empty ``access_id`` is the same as none: with an empty or absent ``access_key`` it
+    means "no tenant" (a pool with tenants refuses it at init).  Fields may be set after
+    construction; :meth:`ems.Ems.init` checks them again.
 
     Our fields:
         server: ``"auto"`` (default; env ``EMS_SERVER`` overrides the default), a socket
@@ -224,15 +226,21 @@ class EmsConfig(_Checked):
             raise invalid("cc_config", "give cc_config or cc_config_v1, not both")
 
     def _check_credentials(self) -> None:
-        """``access_id`` and ``access_key``: both or neither, each well formed."""
-        if self.access_id is not None:
+        """``access_id`` and ``access_key``: each well formed; an ``access_id`` comes with an
+        ``access_key`` (which may be empty).  An empty or absent ``access_id`` with an empty
+        or absent ``access_key`` means "no tenant" (SPEC section 1: the serving adapters pass
+        empty strings by default); a pool with tenants refuses it at init."""
+        if self.access_id is not None and self.access_id != "":
             _ident("access_id", self.access_id)
         if self.access_key is not None and (not isinstance(self.access_key, str)
                                             or (self.access_key and not _KEY_RE.fullmatch(self.access_key))):
             raise invalid("access_key", "must be empty or 32..256 characters of [0-9A-Za-z+/=]")
-        if (self.access_id is None) != (self.access_key is None):
-            raise invalid("access_key" if self.access_key is None else "access_id",
-                          "access_id and access_key go together")
+        if not self.access_id:
+            if self.access_key:
+                raise invalid("access_id", f"access_key is given but access_id is {self.access_id!r}: "
+                              "access_id and access_key go together")
+        elif self.access_key is None:
+            raise invalid("access_key", "access_id and access_key go together")
 
     def _check_pool(self) -> None:
         """Our fields: how to reach the pool and use it."""

@@ -49,7 +49,7 @@ class Ems:
                     if Ems._config == config:
                         return
                     raise invalid("config", "Ems is already initialized with another config")
-                pool = PoolClient(config.server_address(), config.access_id, config.access_key,
+                pool = PoolClient(config.server_address(), config.access_id or None, config.access_key,
                                   config.connect_timeout, max_idle=config.max_inflight + 4,
                                   secret=config.pool_secret(), tls=config.pool_tls())
                 try:

@@ -52,7 +52,8 @@ def test_cc_config_v1_defaults_and_types():
     (dict(access_id="bad\\id", access_key=KEY), "access_id"), (dict(access_id="a" * 513, access_key=KEY), "access_id"),
     (dict(access_id="ok", access_key="short"), "access_key"), (dict(access_id="ok", access_key="k" * 257), "access_key"),
     (dict(access_id="ok", access_key="k" * 31 + "!"), "access_key"), (dict(access_id="ok"), "access_key"),
-    (dict(access_key=KEY), "access_id"), (dict(cc_config="x"), "cc_config"),
+    (dict(access_key=KEY), "access_id"), (dict(access_id="", access_key=KEY), "access_id"),
+    (dict(access_id=0, access_key=""), "access_id"), (dict(cc_config="x"), "cc_config"),
     (dict(server=""), "server"), (dict(connect_timeout=0), "connect_timeout"),
 ])
 def test_ems_config_fields(kwargs, name):
@@ -64,6 +65,15 @@ def test_ems_config_both_cc_configs_rejected():
     _bad(lambda: EmsConfig(cc_config=c, cc_config_v1=CcConfig_v1(rank_id=0, device_id=0, model_id="m")), "cc_config")
     assert EmsConfig(cc_config_v1=c).cc() is c
     EmsConfig(access_id="tenant.a-1_x", access_key="A+/=" * 8)
+
+
+@pytest.mark.parametrize("kwargs", [dict(access_id="", access_key=""), dict(access_id=""),
+                                    dict(access_key=""), dict(access_id="cc_kvstore@_@ds_default_ns_001", access_key="")])
+def test_empty_credentials_mean_no_tenant(kwargs):
+    """SPEC section 1: an empty access_id (and access_key) is "no tenant", as the serving
+    adapters pass by default; an empty access_key goes with any access_id."""
+    c = CcConfig(rank_id=0, device_id=0, model_id="m")
+    assert EmsConfig(cc_config=c, **kwargs).validate().access_id == kwargs.get("access_id")
 
 
 def test_option_validation_and_mutation():
