@@ -106,6 +106,20 @@ def int_array(name: str, value: Any, allow_empty: bool = False) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def mask_array(value: Any) -> np.ndarray:
+    """``mask`` as int64 0/1: a flat list / tuple / ndarray / tensor of bools (the vendor
+    describes it as a False prefix and a True suffix) or of ints (its samples pass 0/1)."""
+    value = _to_numpy(value)
+    if isinstance(value, (list, tuple, np.ndarray)):
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError):  # ragged: int_array names the problem
+            arr = None
+        if arr is not None and arr.dtype.kind == "b":
+            value = arr.astype(np.int64)
+    return int_array("mask", value)
+
+
 def hash_list(name: str, value: Any, allow_empty: bool = False) -> List[HashId]:
     """A list of hashes (ints of any size, or bytes)."""
     value = _to_numpy(value)
@@ -243,7 +257,7 @@ def _token_form(bound: Dict[str, Any], layout: KvLayout) -> Tuple[List[HashId], 
         raise invalid("token_ids", f"has {len(tokens)} tokens but slot_mapping has {len(slots)} slots")
     mask = bound.get("mask")
     if mask is not None:
-        mask = int_array("mask", mask)
+        mask = mask_array(mask)
         if len(mask) != len(tokens):
             raise invalid("mask", f"has {len(mask)} entries for {len(tokens)} tokens")
         if not np.isin(mask, (0, 1)).all():

@@ -77,6 +77,21 @@ def test_token_form(layout):
     bad(layout, "token_ids", slot_mapping=list(range(8)), token_ids=list(range(7)))
 
 
+@pytest.mark.parametrize("mask", [
+    [False] * 4 + [True] * 6, (False,) * 4 + (True,) * 6, np.array([False] * 4 + [True] * 6),
+    torch.tensor([False] * 4 + [True] * 6), torch.tensor([0] * 4 + [1] * 6)])
+def test_token_form_mask_of_bools(layout, mask):
+    """The vendor describes mask as a False prefix and a True suffix: bools are 0 and 1."""
+    req = parse(layout, slot_mapping=list(range(10)), token_ids=list(range(100, 110)), mask=mask)
+    assert req.keys == NS.hash_keys(token_chain_hashes(np.arange(100, 110), 4)[1:2])
+
+
+def test_token_form_mask_of_bools_still_checked(layout):
+    bad(layout, "mask", slot_mapping=list(range(8)), token_ids=list(range(8)), mask=[True, False] * 4)
+    bad(layout, "mask", slot_mapping=list(range(8)), token_ids=list(range(8)), mask=[True] * 7)
+    bad(layout, "mask", slot_mapping=list(range(8)), token_ids=list(range(8)), mask=[[True]] * 8)
+
+
 def test_token_hashes_are_chained_and_deterministic():
     a = token_chain_hashes(np.array([1, 2, 3, 4, 5, 6, 7, 8]), 4)
     b = token_chain_hashes(np.array([9, 2, 3, 4, 5, 6, 7, 8]), 4)
