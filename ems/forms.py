@@ -139,6 +139,19 @@ def hash_list(name: str, value: Any, allow_empty: bool = False) -> List[HashId]:
     return out
 
 
+def _unique(hashes: List[HashId]) -> List[HashId]:
+    """``hashes`` when no hash repeats; otherwise the first repeat is refused, as the
+    vendor refuses a repeated key (one key cannot take two values in one call)."""
+    if len(set(hashes)) == len(hashes):  # the common case, at C speed
+        return hashes
+    first: Dict[HashId, int] = {}
+    for i, h in enumerate(hashes):
+        if h in first:
+            raise invalid(f"hashes[{i}]", f"duplicate hash {h!r} (also hashes[{first[h]}])")
+        first[h] = i
+    return hashes
+
+
 def _form(bound: Dict[str, Any]) -> str:
     given = {k for k, v in bound.items() if v is not None and k != "option"}
     if given & _FORM_ARGS[V0]:
@@ -237,7 +250,7 @@ def _v0_value(name: str, bufs: Any, devices: Set[str]) -> ValuePlan:
 
 def _hash_form(bound: Dict[str, Any], layout: KvLayout) -> Tuple[List[HashId], List[np.ndarray]]:
     slots = int_array("slot_mapping", bound["slot_mapping"])
-    hashes = hash_list("hashes", bound["hashes"])
+    hashes = _unique(hash_list("hashes", bound["hashes"]))
     offsets = int_array("offsets", bound["offsets"])
     if len(offsets) != len(hashes):
         raise invalid("offsets", f"has {len(offsets)} entries for {len(hashes)} hashes")
@@ -278,7 +291,7 @@ def _token_form(bound: Dict[str, Any], layout: KvLayout) -> Tuple[List[HashId], 
 
 
 def _chunk_form(bound: Dict[str, Any], layout: KvLayout) -> Tuple[List[HashId], List[List[Tuple[int, int]]]]:
-    hashes = hash_list("hashes", bound["hashes"])
+    hashes = _unique(hash_list("hashes", bound["hashes"]))
     descs = bound["chunk_descs"]
     if not isinstance(descs, (list, tuple)):
         raise invalid("chunk_descs", "must be a list (layer groups) of lists of (start_slot, length)")

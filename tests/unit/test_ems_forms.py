@@ -92,6 +92,19 @@ def test_token_form_mask_of_bools_still_checked(layout):
     bad(layout, "mask", slot_mapping=list(range(8)), token_ids=list(range(8)), mask=[[True]] * 8)
 
 
+def test_a_hash_repeated_in_one_call_is_refused(layout):
+    """As V0 refuses a repeated key: one key cannot take two values in one call."""
+    for hashes in ([5, 5], [7, 5, 5], np.array([3, 3]), [b"\x01", 2, b"\x01"]):
+        with pytest.raises(InvalidArgument) as ei:
+            parse(layout, slot_mapping=list(range(4 * len(hashes))), hashes=hashes, offsets=[4] * len(hashes))
+        i = len(hashes) - 1
+        assert f"'hashes[{i}]'" in str(ei.value) and repr(list(np.asarray(hashes, dtype=object).tolist())[i]) in str(ei.value), str(ei.value)
+    with pytest.raises(InvalidArgument, match=r"'hashes\[1\]'.*duplicate hash 9"):
+        parse_transfer("load", (), dict(hashes=[9, 9], chunk_descs=[[(0, 4), (4, 4)], [(8, 2), (10, 3)]]),
+                       NS, layout)
+    assert parse(layout, slot_mapping=list(range(8)), hashes=[1, b"\x01"], offsets=[4, 4]).total == 2
+
+
 def test_token_hashes_are_chained_and_deterministic():
     a = token_chain_hashes(np.array([1, 2, 3, 4, 5, 6, 7, 8]), 4)
     b = token_chain_hashes(np.array([9, 2, 3, 4, 5, 6, 7, 8]), 4)
