@@ -103,6 +103,15 @@ def _cuda_device_memory(addr: int) -> bool:
         return False
 
 
+def _is_tensor(value: object) -> bool:
+    """Whether ``value`` is a ``torch.Tensor`` (never imports torch: a tensor exists only
+    where torch was imported already)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 class _Tensor(Protocol):
     """What :meth:`KvBufferWrapper.locate` uses of the tensor whose bound ``data_ptr`` was
     given (a ``torch.Tensor``; torch is not imported here)."""
@@ -113,6 +122,13 @@ class _Tensor(Protocol):
     def numel(self) -> int: ...
 
     def element_size(self) -> int: ...
+
+    def is_contiguous(self) -> bool: ...
+
+    @property
+    def shape(self) -> Any: ...
+
+    def stride(self) -> Any: ...
 
     def data_ptr(self) -> int: ...
 
@@ -142,26 +158,26 @@ class KvBufferWrapper:
         in: ``"cpu"``, or the device of the tensor whose bound ``data_ptr`` was given
         (``cuda:N``, ``npu:N``; then copied to and from the pool by the torch executor).
 
-        A bare address is host memory: on a CUDA machine one the driver reports as device
-        memory, and in a process that uses an NPU any, are refused
+        The tensor of a bound ``tensor.data_ptr`` (on any device, CPU included) bounds the
+        buffer: ``length`` over its bytes, or a tensor that is not contiguous, is refused
+        (``EMS_INVALID_ARGUMENT``), since a load would write past it or between its
+        elements.  A bare address is host memory: on a CUDA machine one the driver reports
+        as device memory, and in a process that uses an NPU any, are refused
         (``EMS_INVALID_ARGUMENT``) rather than read as host memory: pass the device
         tensor's ``data_ptr`` method instead."""
         owner: Optional[_Tensor] = getattr(self.data_ptr, "__self__", None)
         device = getattr(owner, "device", None)
+        if owner is not None and _is_tensor(owner):
+            self._check_tensor(owner)
         if owner is not None and device is not None and getattr(device, "type", "cpu") != "cpu":
             if device.type not in ("cuda", "npu"):
                 raise invalid("data_ptr", f"is memory of {device}; this build moves host, CUDA and NPU buffers")
-            nbytes = owner.numel() * owner.element_size()
-            if self.length > nbytes:
-                raise invalid("length", f"{self.length} exceeds the {nbytes} bytes of the {device} tensor")
             if device.type == "npu":
                 from datadist.engine import npu
 
                 npu.track(owner)  # the torch executor reaches NPU memory through its tensors
             return int(owner.data_ptr()), str(device)
-        ptr = self.data_ptr() if callable(self.data_ptr) else self.data_ptr
-        if not _is_int(ptr) or ptr <= 0:
-            raise invalid("data_ptr", f"resolved to {ptr!r}, not an address > 0")
+        ptr = self._resolve()
         if _cuda_device_memory(ptr):
             raise invalid("data_ptr", f"{ptr:#x} is a bare address of CUDA device memory; pass the tensor's "
                                       "data_ptr method (tensor.data_ptr) so its device is known")
@@ -169,6 +185,25 @@ class KvBufferWrapper:
             raise invalid("data_ptr", f"{ptr:#x} is a bare address in a process that uses an NPU, where it may be "
                                       "device memory; pass the tensor's data_ptr method (tensor.data_ptr)")
         return ptr, "cpu"
+
+    def _check_tensor(self, owner: _Tensor) -> None:
+        """The buffer lies within ``owner``, the tensor whose ``data_ptr`` was given:
+        contiguous, and at least ``length`` bytes."""
+        nbytes = owner.numel() * owner.element_size()
+        if self.length > nbytes:
+            raise invalid("length", f"{self.length} exceeds the {nbytes} bytes of the {owner.device} tensor "
+                                    "whose data_ptr was given")
+        if not owner.is_contiguous():
+            raise invalid("data_ptr", f"is the data_ptr of a tensor that is not contiguous (shape "
+                                      f"{tuple(owner.shape)}, stride {owner.stride()}): its bytes are "
+                                      "not one buffer; pass tensor.contiguous()'s")
+
+    def _resolve(self) -> int:
+        """``data_ptr`` as an address > 0 (called if it is a callable)."""
+        ptr = self.data_ptr() if callable(self.data_ptr) else self.data_ptr
+        if not _is_int(ptr) or ptr <= 0:
+            raise invalid("data_ptr", f"resolved to {ptr!r}, not an address > 0")
+        return ptr
 
     def __repr__(self) -> str:
         return f"KvBufferWrapper(data_ptr={self.data_ptr!r}, length={self.length})"

@@ -120,6 +120,17 @@ def test_kv_buffer_of_a_device_tensor_is_refused_not_read_as_host_memory():
     assert KvBufferWrapper(host.data_ptr, 64).locate() == (host.data_ptr(), "cpu")
 
 
+def test_kv_buffer_of_a_cpu_tensor_is_bounded_by_the_tensor():
+    import torch
+
+    t = torch.zeros(16)
+    assert KvBufferWrapper(t[:2].data_ptr, 8).locate() == (t.data_ptr(), "cpu")
+    with pytest.raises(ValueError, match="'length'.*64 exceeds the 8 bytes"):
+        KvBufferWrapper(t[:2].data_ptr, 64).locate()
+    with pytest.raises(ValueError, match="'data_ptr'.*not contiguous"):
+        KvBufferWrapper(t[::2].data_ptr, 8).locate()
+
+
 def test_kv_cache_on_a_device_this_build_cannot_move_is_refused():
     import torch
 

@@ -1,0 +1,47 @@
+"""Guarantees of the client API against a real pool daemon: buffers bounded by their
+tensors, keys that never alias, failed overwrites that leave no stale value, and waits
+that end."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ems_helpers import daemon_factory, ems_cc, ems_daemon, init_cc, kvcache  # noqa: F401
+
+from ems import CcKvOption, Ems, EmsException, KvBufferWrapper
+from ems.common.exception import EmsErrorCode
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _refused(fn, name: str) -> str:
+    with pytest.raises(EmsException) as ei:
+        fn()
+    assert ei.value.status_code() == EmsErrorCode.EMS_INVALID_ARGUMENT, ei.value
+    assert f"'{name}'" in ei.value.message(), ei.value.message()
+    return ei.value.message()
+
+
+def test_a_tensor_buffer_is_bounded_by_its_tensor(ems_cc):
+    """A bound ``data_ptr`` of a CPU tensor: a length over the tensor's bytes is refused
+    (a load would write past the tensor), and so is a tensor that is not contiguous."""
+    opt = CcKvOption(timeout=5000)
+    src = torch.arange(16, dtype=torch.float32) + 100
+    assert ems_cc.save(opt, ["k64"], [[KvBufferWrapper(src.data_ptr, 64)]]).success == 1
+    big = torch.zeros(16)
+    head = big[:2]  # 8 bytes, contiguous, with 56 more bytes of `big` after them
+    text = _refused(lambda: ems_cc.load(opt, ["k64"], [[KvBufferWrapper(head.data_ptr, 64)]]), "length")
+    assert "64" in text and "8 bytes" in text
+    assert torch.equal(big, torch.zeros(16))  # nothing written, inside or beyond
+    _refused(lambda: ems_cc.save(opt, ["k64b"], [[KvBufferWrapper(head.data_ptr, 64)]]), "length")
+    assert ems_cc.exists(key_list=["k64b"]).success == 0
+
+    strided = torch.arange(8, dtype=torch.float32)[::2]
+    _refused(lambda: ems_cc.save(opt, ["nc"], [[KvBufferWrapper(strided.data_ptr, 16)]]), "data_ptr")
+    assert ems_cc.exists(key_list=["nc"]).success == 0
+    out = torch.zeros(8)[::2]
+    _refused(lambda: ems_cc.load(opt, ["k64"], [[KvBufferWrapper(out.data_ptr, 16)]]), "data_ptr")
+    # Within bounds still works: the whole tensor, or its first bytes.
+    whole = torch.zeros(16)
+    assert ems_cc.load(opt, ["k64"], [[KvBufferWrapper(whole.data_ptr, 64)]]).success == 1
+    assert torch.equal(whole, src)
