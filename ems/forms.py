@@ -52,6 +52,10 @@ class Request:
 
 
 def _bind(op: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    if len(args) >= 2 and args[0] is None and _v0_keys(args[1]):
+        # (None, key_list, value_list): the V0 form, whose option the vendor says must not
+        # be None; read as the hash form, it would blame a slot_mapping it never had.
+        raise invalid("option", f"must be a CcKvOption in the V0 form {op}(option, key_list, value_list), got None")
     names = _V0_POS if args and isinstance(args[0], CcKvOption) else _V1_POS
     if len(args) > len(names):
         raise invalid("args", f"{op}() takes at most {len(names)} positional arguments, got {len(args)}")
@@ -63,6 +67,12 @@ def _bind(op: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, A
             raise invalid(name, f"{op}() got it both by position and by name")
         bound[name] = value
     return bound
+
+
+def _v0_keys(value: Any) -> bool:
+    """Whether ``value`` looks like a V0 ``key_list`` (a non-empty list of ``PrimaryKey``
+    or ``str``), which no hash form argument is."""
+    return isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], (PrimaryKey, str))
 
 
 def _option(value: Any) -> CcKvOption:

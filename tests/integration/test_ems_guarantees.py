@@ -45,3 +45,12 @@ def test_a_tensor_buffer_is_bounded_by_its_tensor(ems_cc):
     whole = torch.zeros(16)
     assert ems_cc.load(opt, ["k64"], [[KvBufferWrapper(whole.data_ptr, 64)]]).success == 1
     assert torch.equal(whole, src)
+
+
+def test_v0_option_none_is_refused_naming_option(ems_cc):
+    t = torch.ones(4)
+    text = _refused(lambda: ems_cc.save(None, ["a"], [[KvBufferWrapper(t.data_ptr, 16)]]), "option")
+    assert "None" in text
+    _refused(lambda: ems_cc.async_load(None, ["a"], [[KvBufferWrapper(t.data_ptr, 16)]]), "option")
+    assert ems_cc.exists(key_list=["a"]).success == 0
+

@@ -55,6 +55,14 @@ def test_hash_form_errors(layout):
     bad(layout, "hashes", [0, 1], [1], [2], hashes=[1])
 
 
+def test_v0_form_with_option_none_names_option(layout):
+    """The vendor: the V0 form's option must not be None (not read as a hash form call)."""
+    t = torch.zeros(4)
+    for args in ((None, ["a"], [[KvBufferWrapper(t.data_ptr, 16)]]), (None, [PrimaryKey("d", "a")], [])):
+        bad(layout, "option", *args)
+        bad(None, "option", *args)
+
+
 def test_forms_are_exclusive(layout):
     bad(layout, "hashes", slot_mapping=[0, 1], hashes=[1], offsets=[2], token_ids=[1, 2])
     bad(layout, "slot_mapping", hashes=[1], chunk_descs=[[(0, 4)], [(0, 4)]], slot_mapping=[0])
