@@ -200,7 +200,13 @@ class KvBufferWrapper:
 
     def _resolve(self) -> int:
         """``data_ptr`` as an address > 0 (called if it is a callable)."""
-        ptr = self.data_ptr() if callable(self.data_ptr) else self.data_ptr
+        if callable(self.data_ptr):
+            try:
+                ptr = self.data_ptr()
+            except Exception as exc:  # the caller's callable: its failure is a bad argument
+                raise invalid("data_ptr", f"raised {type(exc).__name__}: {exc}") from None
+        else:
+            ptr = self.data_ptr
         if not _is_int(ptr) or ptr <= 0:
             raise invalid("data_ptr", f"resolved to {ptr!r}, not an address > 0")
         return ptr

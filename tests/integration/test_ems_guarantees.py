@@ -47,6 +47,16 @@ def test_a_tensor_buffer_is_bounded_by_its_tensor(ems_cc):
     assert torch.equal(whole, src)
 
 
+def test_a_data_ptr_that_raises_is_an_invalid_argument(ems_cc):
+    def gone() -> int:
+        raise RuntimeError("freed")
+
+    text = _refused(lambda: ems_cc.save(CcKvOption(), ["a"], [[KvBufferWrapper(gone, 16)]]), "data_ptr")
+    assert "RuntimeError: freed" in text
+    _refused(lambda: ems_cc.load(CcKvOption(), ["a"], [[KvBufferWrapper(gone, 16)]]), "data_ptr")
+    assert ems_cc.exists(key_list=["a"]).success == 0
+
+
 def test_v0_option_none_is_refused_naming_option(ems_cc):
     t = torch.ones(4)
     text = _refused(lambda: ems_cc.save(None, ["a"], [[KvBufferWrapper(t.data_ptr, 16)]]), "option")

@@ -94,6 +94,8 @@ def test_buffer_and_primary_key():
     _bad(lambda: KvBufferWrapper(16, 0), "length")
     _bad(lambda: KvBufferWrapper("16", 4), "data_ptr")
     assert KvBufferWrapper(lambda: 64, 4).locate() == (64, "cpu")
+    with pytest.raises(ValueError, match="'data_ptr'.*raised KeyError"):
+        KvBufferWrapper(lambda: {}["gone"], 4).locate()
     _bad(lambda: PrimaryKey("", "a"), "distribute_key")
     _bad(lambda: PrimaryKey("d", "x" * 128), "attribute_key")
     _bad(lambda: PrimaryKey("d", 5), "attribute_key")
