@@ -90,22 +90,22 @@ class ContextCaching:
 
         Raises: EMS_INVALID_ARGUMENT, EMS_IO_TIMEOUT (deadline), EMS_IO_ERROR (pool down).
         """
-        req = self._parse("save", args, kwargs)
+        req = self._parse("save", "sync", args, kwargs)
         return self._run("save", "sync", req, self._deadline(req))
 
     def load(self, *args: Any, **kwargs: Any) -> CcResult:
         """Load values from the first key until the first miss; ``success`` = keys filled."""
-        req = self._parse("load", args, kwargs)
+        req = self._parse("load", "sync", args, kwargs)
         return self._run("load", "sync", req, self._deadline(req))
 
     def async_save(self, *args: Any, **kwargs: Any) -> CcFuture:
         """``save`` in the background; arguments are checked now (raising at once)."""
-        req = self._parse("async_save", args, kwargs)
+        req = self._parse("save", "async", args, kwargs)
         return self._submit("save", req)
 
     def async_load(self, *args: Any, **kwargs: Any) -> CcFuture:
         """``load`` in the background; the buffers must stay untouched until it is done."""
-        req = self._parse("async_load", args, kwargs)
+        req = self._parse("load", "async", args, kwargs)
         return self._submit("load", req)
 
     def exists(self, *args: Any, **kwargs: Any) -> CcResult:
@@ -115,7 +115,7 @@ class ContextCaching:
         try:
             keys, option = parse_exists(args, kwargs, self._ns, self._layout)
         except Exception as exc:
-            raise to_ems(exc) from None
+            raise self._refused("exists", "sync", exc, started) from None
         hits = 0
         error = None
         if len(keys):
@@ -142,11 +142,19 @@ class ContextCaching:
         return future.result()
 
     # -- machinery ----------------------------------------------------------------------
-    def _parse(self, op: str, args: Any, kwargs: Any) -> Request:
+    def _parse(self, op: str, mode: str, args: Any, kwargs: Any) -> Request:
+        started = time.perf_counter()
         try:
-            return parse_transfer(op, args, kwargs, self._ns, self._layout)
+            return parse_transfer(op if mode == "sync" else f"async_{op}", args, kwargs, self._ns, self._layout)
         except Exception as exc:
-            raise to_ems(exc) from None
+            raise self._refused(op, mode, exc, started) from None
+
+    def _refused(self, op: str, mode: str, exc: Exception, started: float) -> EmsException:
+        """The exception of a call refused before it reached the pool, its profiling
+        record written (one per call, refused ones too: form ``unknown``, no keys)."""
+        err = to_ems(exc)
+        self._profiler.record(op, mode, "unknown", 0, 0, 0, started, err.status_code().name)
+        return err
 
     @staticmethod
     def _deadline(req: Request) -> Optional[float]:

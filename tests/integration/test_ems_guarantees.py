@@ -64,3 +64,25 @@ def test_v0_option_none_is_refused_naming_option(ems_cc):
     _refused(lambda: ems_cc.async_load(None, ["a"], [[KvBufferWrapper(t.data_ptr, 16)]]), "option")
     assert ems_cc.exists(key_list=["a"]).success == 0
 
+
+def test_refused_calls_are_profiled_too(ems_daemon, tmp_path, monkeypatch):  # noqa: F811
+    """SPEC section 1: one profiling record per call; a refused one carries its error."""
+    monkeypatch.setenv("ENABLE_CC_PROFILING", "1")
+    monkeypatch.setenv("EMS_SDK_LOG", str(tmp_path / "log"))
+    cc = init_cc(ems_daemon.dir)
+    try:
+        t = torch.ones(4)
+        assert cc.save(CcKvOption(), ["ok"], [[KvBufferWrapper(t.data_ptr, 16)]]).success == 1
+        _refused(lambda: cc.save(None, ["a"], [[KvBufferWrapper(t.data_ptr, 16)]]), "option")
+        _refused(lambda: cc.async_load(slot_mapping=[0], hashes=[1], offsets=[1]), "kvcache")
+        _refused(lambda: cc.exists(None), "hashes")
+    finally:
+        Ems._shutdown()
+    import json
+
+    (log,) = (tmp_path / "log").glob("*.jsonl")
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["op"], r["mode"], r["error"]) for r in records] == [
+        ("save", "sync", None), ("save", "sync", "EMS_INVALID_ARGUMENT"),
+        ("load", "async", "EMS_INVALID_ARGUMENT"), ("exists", "sync", "EMS_INVALID_ARGUMENT")]
+    assert all(r["keys"] == 0 and r["form"] == "unknown" for r in records[1:])
