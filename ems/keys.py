@@ -23,11 +23,19 @@ HashId = Union[int, bytes]
 _CHAIN_SEED = b"ems-token-chain-v1"
 
 
+#: The letter that starts a hash's key text, by type: an int's hex and a bytes' hex never
+#: share a key (``0xb01`` and ``b"\x01"`` once were both ``hb01``).  Both differ from the
+#: ``h`` of that older encoding, so a value stored under it (on disk, in Redis) is never
+#: read as another type's value: it is not found, and ages out.
+INT_TAG, BYTES_TAG = "i", "y"
+
+
 def hash_text(h: HashId) -> str:
-    """A hash as key text: ints in hex, bytes as ``b`` + hex."""
+    """A hash as key text: ints as ``i`` + hex (``-`` first if negative), bytes as ``y`` +
+    hex; no int and bytes share a text."""
     if isinstance(h, bytes):
-        return "b" + h.hex()
-    return format(int(h), "x")
+        return BYTES_TAG + h.hex()
+    return INT_TAG + format(int(h), "x")
 
 
 def _escape(part: str) -> str:
@@ -46,17 +54,17 @@ class Namespace:
                       f"pp{layout.pp_world_size}.{layout.rank_in_pp_group}")
         # The key of an int hash as one %-format ("%x" is hash_text's hex): building a
         # call's keys is then one C call per key; "%" in the parts must not format.
-        self._int_key = (f"{self.dprefix}h".replace("%", "%%") + "%x\x00"
+        self._int_key = (f"{self.dprefix}{INT_TAG}".replace("%", "%%") + "%x\x00"
                          + self.apart.replace("%", "%%")).__mod__
         #: An int hash's key is ``prefix + format(h, "x") + suffix`` (UTF-8).
-        self.int_key_parts = (f"{self.dprefix}h".encode(), f"\x00{self.apart}".encode())
+        self.int_key_parts = (f"{self.dprefix}{INT_TAG}".encode(), f"\x00{self.apart}".encode())
 
     def hash_keys(self, hashes: Sequence[HashId]) -> List[str]:
         """Keys of the hash, token and chunk forms."""
         if set(map(type, hashes)) <= {int}:
             return list(map(self._int_key, hashes))
         d, a = self.dprefix, self.apart
-        return [f"{d}h{hash_text(h)}\x00{a}" for h in hashes]
+        return [f"{d}{hash_text(h)}\x00{a}" for h in hashes]
 
     def primary_key(self, distribute_key: str, attribute_key: str) -> str:
         """Key of a V0 ``PrimaryKey``."""

@@ -86,3 +86,20 @@ def test_refused_calls_are_profiled_too(ems_daemon, tmp_path, monkeypatch):  # n
         ("save", "sync", None), ("save", "sync", "EMS_INVALID_ARGUMENT"),
         ("load", "async", "EMS_INVALID_ARGUMENT"), ("exists", "sync", "EMS_INVALID_ARGUMENT")]
     assert all(r["keys"] == 0 and r["form"] == "unknown" for r in records[1:])
+
+
+def test_int_and_bytes_hashes_never_read_each_others_values(ems_cc):
+    """0xb01 and b"\\x01" (and 0x1 and b"\\x01\\x00"...) are distinct keys: one's value is
+    never found or loaded under the other."""
+    kv = kvcache(blocks=4)
+    ems_cc.register_kvcache(kv)
+    pairs = [(0xB01, b"\x01"), (0xB, b""), (0xBAB, b"\xab")]
+    saved_ints = [i for i, _ in pairs]
+    assert ems_cc.save(slot_mapping=list(range(12)), hashes=saved_ints, offsets=[4] * 3).success == 3
+    for i, b in pairs:
+        if b:
+            assert ems_cc.exists([b]).success == 0, b
+            assert ems_cc.load(slot_mapping=[12, 13, 14, 15], hashes=[b], offsets=[4]).success == 0, b
+    assert ems_cc.save(slot_mapping=[12, 13, 14, 15], hashes=[b"\x02"], offsets=[4]).success == 1
+    assert ems_cc.exists([0xB02]).success == 0
+    assert ems_cc.exists(saved_ints + [b"\x02"]).success == 4

@@ -113,6 +113,14 @@ def test_a_hash_repeated_in_one_call_is_refused(layout):
     assert parse(layout, slot_mapping=list(range(8)), hashes=[1, b"\x01"], offsets=[4, 4]).total == 2
 
 
+def test_int_and_bytes_hashes_have_distinct_keys():
+    ints = [0xB01, 0xB, 0xBAB, -1, 1]
+    blobs = [b"\x01", b"", b"\xab", b"-1", b"\x00\x01"]
+    keys = NS.hash_keys(ints + blobs)
+    assert len(set(keys)) == len(keys)
+    assert NS.hash_keys(ints) == keys[:len(ints)]  # the all-int path builds the same keys
+
+
 def test_token_hashes_are_chained_and_deterministic():
     a = token_chain_hashes(np.array([1, 2, 3, 4, 5, 6, 7, 8]), 4)
     b = token_chain_hashes(np.array([9, 2, 3, 4, 5, 6, 7, 8]), 4)
