@@ -3,8 +3,9 @@
 Rules the store keeps (SPEC section 2):
 
 * A key is visible only once COMMIT publishes a reservation its owner finished writing.
-* A value under a lease (a GET's pin) or being spilled is never freed or reused; saving
-  the key again publishes a new entry and the old one is freed when its last pin goes.
+* A value under a lease (a GET's pin) or being spilled is never freed or reused.  Saving
+  a key again hides its old value from new readers at RESERVE (a failed save is a miss,
+  never the old value); the old one is freed when its last pin goes.
 * Every value carries its checksum; a value a tier returns is checked before it becomes
   visible, and a mismatch is a miss that also removes the bad copy.
 
@@ -286,6 +287,7 @@ class Store:
         """Phase one: an arena offset per key, ``SKIPPED`` or ``NO_SPACE``."""
         out: List[int] = []
         refused = None  # the smallest size refused: larger ones need not search again
+        saved: List[str] = []  # keys whose older values are superseded
         with self._lock:
             for key, size in zip(keys, sizes):
                 if skip_existing:
@@ -296,6 +298,8 @@ class Store:
                         self.counters["skipped"] += 1
                         out.append(SKIPPED)
                         continue
+                self._supersede(ts, key)  # before allocating: its pages may serve the new value
+                saved.append(key)
                 n = round_to_pages(size, PAGE)
                 # Each search may scan every value (all pinned) under the lock: one per size.
                 off = None if refused is not None and n >= refused else self._allocate(ts, n)
@@ -309,7 +313,25 @@ class Store:
                 owner.reservations[(ts.name, off)] = Reservation(key, size, n)
                 self.counters["reserved"] += 1
                 out.append(off)
+        if self.remote is not None and saved:  # network I/O: without the lock
+            self.remote.retire_many(ts.name, saved)
         return out
+
+    def _supersede(self, ts: TenantSpace, key: str) -> None:
+        """A new value of ``key`` is being saved: its older value leaves the index now
+        (readers holding it keep it) and the disk tier (:meth:`Tier.retire`; the caller
+        retires the remote copy), so a save that then fails (no room, a checksum mismatch,
+        a reservation taken back or aborted) leaves a miss, never the older value: the
+        vendor's keys that fail to save are not read (seeds/003 section 8.2)."""
+        old = ts.index.get(key)
+        if old is not None:
+            self._unlink(old)
+        spilling = self._spilling.pop((ts.name, key), None)
+        if spilling is not None:  # its copy must not land on disk after this
+            spilling.superseded = True
+            self._published(ts, key)
+        if self.disk is not None:
+            self.disk.retire(ts.name, key)
 
     def _take_back_stale(self) -> bool:
         """Free every reservation older than :attr:`reserve_timeout` (their commits then

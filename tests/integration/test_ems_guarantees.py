@@ -103,3 +103,43 @@ def test_int_and_bytes_hashes_never_read_each_others_values(ems_cc):
     assert ems_cc.save(slot_mapping=[12, 13, 14, 15], hashes=[b"\x02"], offsets=[4]).success == 1
     assert ems_cc.exists([0xB02]).success == 0
     assert ems_cc.exists(saved_ints + [b"\x02"]).success == 4
+
+
+def _v0_save(cc, key: str, t: torch.Tensor) -> int:
+    return cc.save(CcKvOption(timeout=20000), [key], [[KvBufferWrapper(t.data_ptr, t.numel() * t.element_size())]]).success
+
+
+@pytest.mark.parametrize("tiers", ["memory", "disk"])
+def test_a_failed_overwrite_leaves_a_miss_not_the_old_value(daemon_factory, tmp_path, tiers):  # noqa: F811
+    """Vendor (seeds/003 section 8.2): a key that fails to save is not read later.  An 8 B
+    value, then one larger than the pool under the same key (refused: no room): the key
+    is a miss, in memory and (spilled at a restart) on disk."""
+    disk = dict(disk_dir=tmp_path / "disk") if tiers == "disk" else {}
+    d = daemon_factory(capacity="8M", **disk)
+    cc = init_cc(d.dir)
+    try:
+        old = torch.full((2,), 1.0)
+        assert _v0_save(cc, "ov", old) == 1
+        assert _v0_save(cc, "keep", old) == 1
+        if tiers == "disk":  # the old value only on disk now
+            Ems._shutdown()
+            d.stop()
+            d.start()
+            cc = init_cc(d.dir)
+            assert cc.exists(key_list=["ov"]).success == 1
+        huge = torch.full((4 << 20,), 2.0)  # 16 MiB > the 8 MiB pool
+        assert _v0_save(cc, "ov", huge) == 0
+        assert cc.exists(key_list=["ov"]).success == 0
+        out = torch.zeros(2)
+        assert cc.load(CcKvOption(), ["ov"], [[KvBufferWrapper(out.data_ptr, 8)]]).success == 0
+        assert torch.equal(out, torch.zeros(2))
+        assert cc.load(CcKvOption(), ["keep"], [[KvBufferWrapper(out.data_ptr, 8)]]).success == 1  # others stay
+        assert torch.equal(out, old)
+        new = torch.full((2,), 3.0)  # a later save that succeeds is read
+        assert _v0_save(cc, "ov", new) == 1
+        assert cc.load(CcKvOption(), ["ov"], [[KvBufferWrapper(out.data_ptr, 8)]]).success == 1
+        assert torch.equal(out, new)
+    finally:
+        Ems._shutdown()
+
+

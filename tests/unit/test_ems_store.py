@@ -265,3 +265,36 @@ def test_a_reservation_being_written_is_not_taken_back_as_stale():
         assert d == a and not owner.reservations
     finally:
         s.close(spill=False)
+
+
+def test_a_save_that_fails_leaves_a_miss_not_the_older_value(spilled):
+    """Vendor: a key that fails to save is not read later.  b (in memory) saved again and
+    aborted, a (on the disk tier) saved again with nothing vouching for its bytes: both
+    miss, their older values gone from every tier."""
+    s, disk, ts, owner = spilled
+    (off,) = s.reserve(owner, ts, ["b"], [PAGE], False)
+    s.abort(owner, ts, [off])
+    assert s.exists(ts, ["b"], False) == 0 and s.get(owner, ts, ["b"], False)[1] == []
+    (off,) = s.reserve(owner, ts, ["a"], [PAGE], False)
+    assert s.commit(owner, ts, ["a"], [off], [None], mapped=False) == [False]
+    assert ("t", "a") not in disk.data and s.exists(ts, ["a"], False) == 0
+    assert s.exists(ts, ["c"], False) == 1  # other keys stay
+    assert s.reserve(owner, ts, ["c"], [64 * PAGE], False) == [NO_SPACE]  # too large: refused
+    assert s.exists(ts, ["c"], False) == 0
+
+
+def test_a_key_saved_again_retires_its_remote_copy():
+    remote = FakeTier()
+    s = Store(4 * PAGE, arena_size=8 * PAGE, remote=remote)
+    try:
+        ts, owner = s.space("t"), s.new_owner()
+        put(s, owner, ts, "k", 1)
+        assert ("t", "k") in remote.data
+        s.close_owner(owner)
+        owner = s.new_owner()
+        (off,) = s.reserve(owner, ts, ["k"], [PAGE], False)
+        assert off >= 0 and ("t", "k") not in remote.data
+        s.close_owner(owner)  # the connection ends before its commit: the save failed
+        assert s.exists(ts, ["k"], False) == 0
+    finally:
+        s.close(spill=False)

@@ -4,7 +4,8 @@ Calls, in the order the store makes them, all from daemon worker threads without
 store's lock held (a tier does its own locking):
 
 1. ``store(ns, key, data, checksum)`` when a value is evicted to this tier (disk) or
-   written through (remote).
+   written through (remote); ``retire``/``retire_many`` when a new value of a key is
+   being saved (its older copy must never be filled back, even if that save fails).
 2. ``exists(ns, keys)`` for EXISTS requests that miss memory.
 3. ``load(ns, key, sink)`` when a GET misses memory: the tier finds the value, asks
    ``sink(size)`` for a destination (arena memory) and fills it; the store checks the
@@ -59,6 +60,11 @@ class Tier(ABC):
         tier, and this copy must never be filled back.  The default forgets it as
         :meth:`discard` does; a tier with its own locking overrides it."""
         self.discard(ns, key)
+
+    def retire_many(self, ns: str, keys: Sequence[str]) -> None:
+        """:meth:`retire` each of ``keys`` (a tier that can batch them overrides this)."""
+        for key in keys:
+            self.retire(ns, key)
 
     def contains(self, ns: str, key: str) -> bool:
         """Cheap membership test (defaults to ``exists``)."""

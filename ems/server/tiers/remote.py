@@ -58,7 +58,8 @@ class RedisTier(Tier):
         self.url = url
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
-        self.counters = {"stored": 0, "loaded": 0, "corrupt": 0, "errors": 0, "skipped": 0, "too_large": 0}
+        self.counters = {"stored": 0, "loaded": 0, "corrupt": 0, "errors": 0, "skipped": 0, "too_large": 0,
+                         "retired": 0}
         self._warned: set[str] = set()
         self._down_until = 0.0
 
@@ -169,6 +170,27 @@ class RedisTier(Tier):
         with self._lock:
             self.counters["loaded"] += 1
         return crc
+
+    def retire(self, ns: str, key: str) -> None:
+        self.retire_many(ns, [key])
+
+    def retire_many(self, ns: str, keys: Sequence[str]) -> None:
+        """Delete the copies of ``keys``, in one round trip: new values of them are being
+        saved, and an older one must never be filled back (if a save fails, its key is a
+        miss).  While the tier is down (or on a fault) a copy stays: a key whose save then
+        fails may read that older value from here."""
+        if not keys or self._down():
+            return
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.delete(redis_key(ns, k))
+            removed = sum(int(v) for v in pipe.execute())
+        except Exception as exc:  # redis raises many types; each is a failed retire
+            self._fault("retire", exc)
+            return
+        with self._lock:
+            self.counters["retired"] += removed
 
     def discard(self, ns: str, key: str) -> None:
         with self._lock:
