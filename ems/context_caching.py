@@ -7,7 +7,11 @@ twins, from any thread.
 A save is RESERVE (room in the arena, invisible) -> copy straight from the KV cache into
 the mapped arena -> checksum -> COMMIT (visible).  A load is GET (pins the leading present
 values under a lease) -> copy out of the arena -> verify -> RELEASE.  Every wait on the
-daemon carries the call's deadline (``option.timeout``).
+daemon carries the call's deadline (``option.timeout``; 0: ``NO_TIMEOUT_BOUND_MS``).
+
+At shutdown (process exit included) async calls not started are cancelled; running ones
+get until their deadline (those of ``timeout=0``: ``EXIT_GRACE_S``), then their
+connections are shut so that they fail at once; nothing waits without a bound.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from ._errors import EmsError, PoolDisconnected, to_ems
 from .client.conn import Connection
@@ -29,13 +33,17 @@ from .keys import Namespace
 from .kvcache import Copier, DeviceCopier, HostCopier, KvLayout
 from .pool import wire
 from .profiling import Profiler
-from .types import CcResult
+from .types import CcResult, call_deadline
 
 log = logging.getLogger("ems")
 
 __all__ = ["ContextCaching"]
 
 _HOST = HostCopier()
+
+#: Seconds shutdown waits for running async calls of ``timeout=0`` (others: until their
+#: own deadline), and then again for calls whose connections it shut.
+EXIT_GRACE_S = 5.0
 
 
 def _leading(flags: List[bool]) -> int:
@@ -62,6 +70,8 @@ class ContextCaching:
         self._lock = threading.Lock()
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._executor_pid = 0
+        #: Async calls not finished -> their deadline (None for ``timeout=0``), for shutdown.
+        self._calls: Dict["concurrent.futures.Future[CcResult]", Optional[float]] = {}
 
     # -- registration -------------------------------------------------------------------
     def register_kvcache(self, kvcache: Any, store_layer_group_desc: Optional[List[List[int]]] = None) -> None:
@@ -119,7 +129,7 @@ class ContextCaching:
         hits = 0
         error = None
         if len(keys):
-            deadline = time.monotonic() + option.timeout / 1000.0 if option.timeout else None
+            deadline = call_deadline(option.timeout)
             try:
                 hits = self._pool.exists(keys, option.read_local_only, deadline)
             except (EmsError, OSError) as exc:
@@ -157,8 +167,8 @@ class ContextCaching:
         return err
 
     @staticmethod
-    def _deadline(req: Request) -> Optional[float]:
-        return time.monotonic() + req.option.timeout / 1000.0 if req.option.timeout else None
+    def _deadline(req: Request) -> float:
+        return call_deadline(req.option.timeout)
 
     def _submit(self, op: str, req: Request) -> CcFuture:
         deadline = self._deadline(req)
@@ -169,7 +179,14 @@ class ContextCaching:
                     self._max_inflight, thread_name_prefix="ems-cc")
                 self._executor_pid = os.getpid()
             executor = self._executor
-        return CcFuture(executor.submit(self._run, op, "async", req, deadline))
+            fut = executor.submit(self._run, op, "async", req, deadline)
+            self._calls[fut] = deadline if req.option.timeout else None
+        fut.add_done_callback(self._finished)
+        return CcFuture(fut)
+
+    def _finished(self, fut: "concurrent.futures.Future[CcResult]") -> None:
+        with self._lock:
+            self._calls.pop(fut, None)
 
     def _run(self, op: str, mode: str, req: Request, deadline: Optional[float]) -> CcResult:
         started = time.perf_counter()
@@ -283,8 +300,25 @@ class ContextCaching:
                 conn.send(wire.Release(reply.lease), deadline)
         return n
 
-    def _close(self) -> None:
+    def _close(self) -> bool:
+        """Stop the async calls, within a bound: those not started are cancelled, running
+        ones get until their deadline (``timeout=0``: :data:`EXIT_GRACE_S`), then their
+        connections are shut and they get :data:`EXIT_GRACE_S` more to fail.  Whether
+        none is left running (only then may the arena be unmapped under them)."""
         with self._lock:
             executor, self._executor = self._executor, None
-        if executor is not None and self._executor_pid == os.getpid():
-            executor.shutdown(wait=True)
+            calls = dict(self._calls)
+        if executor is None or self._executor_pid != os.getpid():
+            return True
+        executor.shutdown(wait=False, cancel_futures=True)
+        now = time.monotonic()
+        until = max((now + EXIT_GRACE_S if d is None else d for d in calls.values()), default=now)
+        # Cancelled calls are done() but never "notified": wait() would wait on them.
+        running = [f for f in calls if not f.done()]
+        _, left = concurrent.futures.wait(running, timeout=max(0.0, until - now))
+        if left:
+            log.warning("%d async EMS call(s) still running at shutdown: their pool connections are shut",
+                        len(left))
+            self._pool.interrupt()
+            _, left = concurrent.futures.wait(left, timeout=EXIT_GRACE_S)
+        return not left

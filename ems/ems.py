@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401  (its exit hook first: ours must run before it)
 import copy
 import logging
 import threading
@@ -92,11 +93,17 @@ class Ems:
         with Ems._lock:
             cc, pool = Ems._cc, Ems._pool
             Ems._cc = Ems._pool = Ems._config = None
+        stopped = True
         if cc is not None:
-            cc._close()
+            stopped = cc._close()
             cc._profiler.close()
         if pool is not None:
-            pool.close()
+            pool.close(unmap=stopped)  # a call still running may copy through the arena
 
 
 atexit.register(Ems._shutdown)
+# Interpreter exit joins the async calls' threads (concurrent.futures' own hook, run after
+# ours) before atexit handlers run: shutting down here first bounds that join.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(Ems._shutdown)

@@ -1,15 +1,28 @@
 """Small value types of the client API: options, results, buffers, keys."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Union
 
 from ._errors import invalid, to_ems
 
-__all__ = ["CcKvOption", "CcResult", "KvBufferWrapper", "PrimaryKey", "MAX_KEY_CHARS"]
+__all__ = ["CcKvOption", "CcResult", "KvBufferWrapper", "PrimaryKey", "MAX_KEY_CHARS", "NO_TIMEOUT_BOUND_MS",
+           "call_deadline"]
 
 #: A key (a V0 ``str`` key, or either part of a ``PrimaryKey``) is shorter than this.
 MAX_KEY_CHARS = 128
+
+#: What ``option.timeout = 0`` (the vendor's "no timeout") allows a call, in ms: a bound
+#: far above any healthy call, so that a stalled daemon never holds a call, nor the
+#: process's exit, forever.
+NO_TIMEOUT_BOUND_MS = 10 * 60 * 1000
+
+
+def call_deadline(timeout_ms: int) -> float:
+    """When a call of ``option.timeout`` = ``timeout_ms`` must have ended
+    (``time.monotonic``); 0 allows :data:`NO_TIMEOUT_BOUND_MS`."""
+    return time.monotonic() + (timeout_ms or NO_TIMEOUT_BOUND_MS) / 1000.0
 
 
 def _is_int(value: object) -> bool:
@@ -22,7 +35,8 @@ class CcKvOption:
     Args:
         write_rcache: also keep a saved value in the node-local pool (default True).
         read_local_only: loads and exists consult only the node-local pool (default False).
-        timeout: deadline of the whole call in milliseconds, ``>= 0``; 0 means no deadline.
+        timeout: deadline of the whole call in milliseconds, ``>= 0``; 0 means none of the
+            caller's: the call is then bounded by :data:`NO_TIMEOUT_BOUND_MS` (10 minutes).
     Raises:
         EmsException(EMS_INVALID_ARGUMENT) naming the field.  Fields may be reassigned
         (the vendor's retry sample raises ``option.timeout``); they are checked again at use.

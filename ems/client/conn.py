@@ -159,6 +159,14 @@ class Connection:
             self.broken = True
             raise
 
+    def interrupt(self) -> None:
+        """Shut the socket both ways from another thread: a wait on it ends at once (a
+        ``close`` would not wake it); the thread using it then closes it."""
+        try:
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)  # the plain socket's, under TLS too
+        except OSError:  # already closed or never connected: nothing waits on it
+            pass
+
     @property
     def closed(self) -> bool:
         return self._closed

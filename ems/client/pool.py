@@ -17,7 +17,7 @@ import ssl
 import threading
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, List, Optional
+from typing import TYPE_CHECKING, Iterator, List, Optional, Set
 
 from datadist.engine.auth import Secret
 from datadist.engine.tls import TlsConfig
@@ -51,6 +51,7 @@ class PoolClient:
         self.max_idle = max_idle
         self._lock = threading.Lock()
         self._idle: List[Connection] = []
+        self._busy: Set[Connection] = set()  # handed out by connection(), for interrupt()
         self._arena: Optional[MappedArena] = None
         self._keys: Optional[KeySetView] = None
         self._pid = os.getpid()
@@ -150,10 +151,14 @@ class PoolClient:
         """A connection for one call; closed instead of reused if the call failed."""
         conn = self._get(deadline)
         ok = False
+        with self._lock:
+            self._busy.add(conn)
         try:
             yield conn
             ok = not conn.broken
         finally:
+            with self._lock:
+                self._busy.discard(conn)
             if ok:
                 self._put(conn)
             else:
@@ -190,12 +195,22 @@ class PoolClient:
         except Exception:  # any failure means unhealthy; check_health never raises
             return False
 
-    def close(self) -> None:
-        """Close every idle connection and drop the arena mapping (idempotent)."""
+    def interrupt(self) -> None:
+        """Shut the connections calls are using: a call waiting on the daemon fails at once
+        (shutdown, at process exit).  The calls close them."""
+        with self._lock:
+            busy = list(self._busy)
+        for conn in busy:
+            conn.interrupt()
+
+    def close(self, unmap: bool = True) -> None:
+        """Close every idle connection and (with ``unmap``; not while a call may still copy
+        through it) drop the arena mapping (idempotent)."""
         with self._lock:
             idle, self._idle = self._idle, []
-            arena, self._arena = self._arena, None
-            self._keys = None
+            arena, self._arena = (self._arena, None) if unmap else (None, self._arena)
+            if unmap:
+                self._keys = None
         for conn in idle:
             conn.close()
         if arena is not None:

@@ -143,3 +143,64 @@ def test_a_failed_overwrite_leaves_a_miss_not_the_old_value(daemon_factory, tmp_
         Ems._shutdown()
 
 
+
+STALLED_EXIT = """
+import sys, time
+import ems.types
+from ems import CcKvOption
+from ems_helpers import init_cc, kvcache
+from waiting import until
+bound = ems.types.NO_TIMEOUT_BOUND_MS
+ems.types.NO_TIMEOUT_BOUND_MS = 1500  # shortened for the sync call
+cc = init_cc({server!r})
+cc.register_kvcache(kvcache())
+t0 = time.monotonic()
+try:
+    cc.save(slot_mapping=[0, 1, 2, 3], hashes=[1], offsets=[4], option=CcKvOption(timeout=0))
+except Exception as exc:
+    print("sync", exc.status_code().name, round(time.monotonic() - t0, 1), flush=True)
+ems.types.NO_TIMEOUT_BOUND_MS = bound  # the async calls wait the SDK's own (10 minutes)
+fut = cc.async_save(slot_mapping=[0, 1, 2, 3], hashes=[2], offsets=[4], option=CcKvOption(timeout=0))
+queued = [cc.async_load(slot_mapping=[0, 1, 2, 3], hashes=[3], offsets=[4], option=CcKvOption(timeout=0))
+          for _ in range(40)]
+until(lambda: cc._pool._busy, 20, "an async call holds a pool connection")
+print("exiting", fut.done(), flush=True)
+"""
+
+
+def test_timeout_0_is_bounded_and_exit_does_not_wait_on_a_stalled_daemon(tmp_path):
+    """``timeout=0`` (the vendor's "no timeout") on a daemon that never answers: a call
+    ends at the SDK's bound (shortened here), and a process leaving with async calls of
+    ``timeout=0`` waiting on it (more than the worker threads) exits within a bound: the
+    queued ones are cancelled, the running ones' connections shut after a grace period."""
+    import subprocess
+    import sys
+    import time
+
+    from test_ems_daemon import _StallingServer
+
+    from ems_helpers import ENV
+
+    server = _StallingServer(str(tmp_path / "ems.sock"))
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_EXIT.format(server=str(tmp_path))], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    leaving = None
+    try:
+        out = []
+        for line in proc.stdout:  # ends when the process closes its output (at exit)
+            out.append(line)
+            if line.startswith("exiting"):
+                leaving = time.monotonic()
+        proc.wait(60)
+        took = time.monotonic() - (leaving or 0.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        server.close()
+    text = "".join(out)
+    assert proc.returncode == 0, text
+    assert "sync EMS_IO_TIMEOUT" in text and "exiting False" in text, text
+    assert 1.0 <= float(text.split("sync EMS_IO_TIMEOUT")[1].split()[0]) < 10, text
+    assert "connections are shut" in text, text
+    assert took < 30, f"the process took {took:.1f} s to exit:\n{text}"
