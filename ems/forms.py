@@ -149,17 +149,16 @@ def hash_list(name: str, value: Any, allow_empty: bool = False) -> List[HashId]:
     return out
 
 
-def _unique(hashes: List[HashId]) -> List[HashId]:
-    """``hashes`` when no hash repeats; otherwise the first repeat is refused, as the
-    vendor refuses a repeated key (one key cannot take two values in one call)."""
+def _unique(hashes: List[HashId]) -> None:
+    """Refuse the first repeated hash of a save, as the vendor refuses a repeated key (one
+    key cannot take two values in one call)."""
     if len(set(hashes)) == len(hashes):  # the common case, at C speed
-        return hashes
+        return
     first: Dict[HashId, int] = {}
     for i, h in enumerate(hashes):
         if h in first:
             raise invalid(f"hashes[{i}]", f"duplicate hash {h!r} (also hashes[{first[h]}])")
         first[h] = i
-    return hashes
 
 
 def _form(bound: Dict[str, Any]) -> str:
@@ -198,13 +197,14 @@ def parse_transfer(op: str, args: Tuple[Any, ...], kwargs: Dict[str, Any], ns: N
         return Request(form, option, keys, values, device)
     if layout is None:
         raise invalid("kvcache", f"call register_kvcache() before the {form} form of {op}()")
+    saving = op.endswith("save")  # a load may fill two places from one key
     if form == HASH:
-        hashes, spans = _hash_form(bound, layout)
+        hashes, spans = _hash_form(bound, layout, saving)
         return Request(form, option, ns.hash_keys(hashes), [layout.span_plan(s) for s in spans])
     if form == TOKEN:
         hashes, spans = _token_form(bound, layout)
         return Request(form, option, ns.hash_keys(hashes), [layout.span_plan(s) for s in spans])
-    hashes, descs = _chunk_form(bound, layout)
+    hashes, descs = _chunk_form(bound, layout, saving)
     return Request(form, option, ns.hash_keys(hashes), [layout.chunk_plan(d) for d in descs])
 
 
@@ -258,9 +258,11 @@ def _v0_value(name: str, bufs: Any, devices: Set[str]) -> ValuePlan:
     return buffers_plan(addrs, lens)
 
 
-def _hash_form(bound: Dict[str, Any], layout: KvLayout) -> Tuple[List[HashId], List[np.ndarray]]:
+def _hash_form(bound: Dict[str, Any], layout: KvLayout, unique: bool) -> Tuple[List[HashId], List[np.ndarray]]:
     slots = int_array("slot_mapping", bound["slot_mapping"])
-    hashes = _unique(hash_list("hashes", bound["hashes"]))
+    hashes = hash_list("hashes", bound["hashes"])
+    if unique:
+        _unique(hashes)
     offsets = int_array("offsets", bound["offsets"])
     if len(offsets) != len(hashes):
         raise invalid("offsets", f"has {len(offsets)} entries for {len(hashes)} hashes")
@@ -300,8 +302,11 @@ def _token_form(bound: Dict[str, Any], layout: KvLayout) -> Tuple[List[HashId], 
     return hashes, spans
 
 
-def _chunk_form(bound: Dict[str, Any], layout: KvLayout) -> Tuple[List[HashId], List[List[Tuple[int, int]]]]:
-    hashes = _unique(hash_list("hashes", bound["hashes"]))
+def _chunk_form(bound: Dict[str, Any], layout: KvLayout,
+                unique: bool) -> Tuple[List[HashId], List[List[Tuple[int, int]]]]:
+    hashes = hash_list("hashes", bound["hashes"])
+    if unique:
+        _unique(hashes)
     descs = bound["chunk_descs"]
     if not isinstance(descs, (list, tuple)):
         raise invalid("chunk_descs", "must be a list (layer groups) of lists of (start_slot, length)")

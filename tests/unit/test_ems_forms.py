@@ -100,17 +100,20 @@ def test_token_form_mask_of_bools_still_checked(layout):
     bad(layout, "mask", slot_mapping=list(range(8)), token_ids=list(range(8)), mask=[[True]] * 8)
 
 
-def test_a_hash_repeated_in_one_call_is_refused(layout):
+def test_a_hash_repeated_in_one_save_is_refused(layout):
     """As V0 refuses a repeated key: one key cannot take two values in one call."""
     for hashes in ([5, 5], [7, 5, 5], np.array([3, 3]), [b"\x01", 2, b"\x01"]):
         with pytest.raises(InvalidArgument) as ei:
             parse(layout, slot_mapping=list(range(4 * len(hashes))), hashes=hashes, offsets=[4] * len(hashes))
         i = len(hashes) - 1
         assert f"'hashes[{i}]'" in str(ei.value) and repr(list(np.asarray(hashes, dtype=object).tolist())[i]) in str(ei.value), str(ei.value)
+    descs = [[(0, 4), (4, 4)], [(8, 2), (10, 3)]]
     with pytest.raises(InvalidArgument, match=r"'hashes\[1\]'.*duplicate hash 9"):
-        parse_transfer("load", (), dict(hashes=[9, 9], chunk_descs=[[(0, 4), (4, 4)], [(8, 2), (10, 3)]]),
-                       NS, layout)
+        parse_transfer("async_save", (), dict(hashes=[9, 9], chunk_descs=descs), NS, layout)
     assert parse(layout, slot_mapping=list(range(8)), hashes=[1, b"\x01"], offsets=[4, 4]).total == 2
+    # A load may fill two places from one key.
+    assert parse_transfer("load", (), dict(hashes=[9, 9], chunk_descs=descs), NS, layout).total == 2
+    assert parse_transfer("async_load", (list(range(8)), [5, 5], [4, 4]), {}, NS, layout).total == 2
 
 
 def test_int_and_bytes_hashes_have_distinct_keys():
