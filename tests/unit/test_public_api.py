@@ -24,12 +24,22 @@ def _signature(obj: Any) -> str:
         return "<no signature>"
 
 
+def _own_and_inherited(cls: type) -> Dict[str, Any]:
+    """The members ``cls`` defines or inherits from a class of these packages (what its
+    users reach through it; builtins' members are not this API)."""
+    members: Dict[str, Any] = {}
+    for base in reversed(cls.__mro__):
+        if base is cls or base.__module__.split(".", 1)[0] in PACKAGES:
+            members.update(vars(base))
+    return members
+
+
 def _describe(obj: Any) -> Any:
     if isinstance(obj, type) and issubclass(obj, enum.Enum):
         return {"enum": {m.name: repr(m.value) for m in obj}}
     if isinstance(obj, type):
         members: Dict[str, Any] = {"__init__": _signature(obj)}
-        for name, member in sorted(vars(obj).items()):
+        for name, member in sorted(_own_and_inherited(obj).items()):
             if name.startswith("_"):
                 continue
             if isinstance(member, property):
