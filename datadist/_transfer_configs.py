@@ -50,14 +50,33 @@ def _row_with_key(key: PeerCacheKey, row: int) -> None:
 
 
 class _Config:
-    """``repr`` from ``_fields``; equality is identity (the configs are mutable)."""
+    """``repr`` from ``_fields``; equality is identity (the configs are mutable).  The two
+    layer ranges, each a checked range or None, that both configs have."""
 
-    __slots__ = ()
+    __slots__ = ("_src_layer_range", "_dst_layer_range")
     _fields: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         args = ", ".join(f"{f}={getattr(self, f)!r}" for f in self._fields)
         return f"{type(self).__name__}({args})"
+
+    @property
+    def src_layer_range(self) -> Optional[range]:
+        return self._src_layer_range
+
+    @src_layer_range.setter
+    def src_layer_range(self, value: Optional[range]) -> None:
+        self._src_layer_range = optional_range_arg("src_layer_range", value)
+
+    @property
+    def dst_layer_range(self) -> Optional[range]:
+        """The destination layers (a :class:`TransferConfig` keeps CANN's attribute, None
+        unless set, and does not use it: its addresses name the destination)."""
+        return self._dst_layer_range
+
+    @dst_layer_range.setter
+    def dst_layer_range(self, value: Optional[range]) -> None:
+        self._dst_layer_range = optional_range_arg("dst_layer_range", value)
 
 
 class TransferConfig(_Config):
@@ -76,7 +95,7 @@ class TransferConfig(_Config):
     for an out-of-domain value or range.
     """
 
-    __slots__ = ("_dst_cluster_id", "_dst_addrs", "_src_layer_range", "_src_batch_index", "_dst_layer_range")
+    __slots__ = ("_dst_cluster_id", "_dst_addrs", "_src_batch_index")
     _fields = ("dst_cluster_id", "dst_addrs", "src_layer_range", "src_batch_index")
 
     def __init__(self, dst_cluster_id: int, dst_addrs: Sequence[int], src_layer_range: Optional[range] = None,
@@ -85,7 +104,7 @@ class TransferConfig(_Config):
         self._dst_addrs = _dst_addrs_arg(dst_addrs)
         self._src_layer_range = optional_range_arg("src_layer_range", src_layer_range)
         self._src_batch_index = _int_in("src_batch_index", src_batch_index, 0, _UINT32_MAX)
-        self._dst_layer_range: Optional[range] = None
+        self._dst_layer_range = None
 
     @property
     def dst_cluster_id(self) -> int:
@@ -105,29 +124,12 @@ class TransferConfig(_Config):
         self._dst_addrs = _dst_addrs_arg(value)
 
     @property
-    def src_layer_range(self) -> Optional[range]:
-        return self._src_layer_range
-
-    @src_layer_range.setter
-    def src_layer_range(self, value: Optional[range]) -> None:
-        self._src_layer_range = optional_range_arg("src_layer_range", value)
-
-    @property
     def src_batch_index(self) -> int:
         return self._src_batch_index
 
     @src_batch_index.setter
     def src_batch_index(self, value: int) -> None:
         self._src_batch_index = _int_in("src_batch_index", value, 0, _UINT32_MAX)
-
-    @property
-    def dst_layer_range(self) -> Optional[range]:
-        """CANN's attribute (None unless set); kept, not used."""
-        return self._dst_layer_range
-
-    @dst_layer_range.setter
-    def dst_layer_range(self, value: Optional[range]) -> None:
-        self._dst_layer_range = optional_range_arg("dst_layer_range", value)
 
 
 class TransferWithCacheKeyConfig(_Config):
@@ -145,15 +147,15 @@ class TransferWithCacheKeyConfig(_Config):
     a ``BlocksCacheKey`` (unequal ranges set one by one: when a task starts).
     """
 
-    __slots__ = ("_cache_key", "_src_layer_range", "_dst_layer_range", "_src_batch_index")
+    __slots__ = ("_cache_key", "_src_batch_index")
     _fields = ("cache_key", "src_layer_range", "dst_layer_range", "src_batch_index")
 
     def __init__(self, cache_key: Union[BlocksCacheKey, CacheKeyByIdAndIndex], src_layer_range: range,
                  dst_layer_range: range, src_batch_index: int = 0):
         _check_type("cache_key", cache_key, (BlocksCacheKey, CacheKeyByIdAndIndex))
         self._cache_key = cache_key
-        self._src_layer_range: Optional[range] = range_arg("src_layer_range", src_layer_range)
-        self._dst_layer_range: Optional[range] = range_arg("dst_layer_range", dst_layer_range)
+        self._src_layer_range = range_arg("src_layer_range", src_layer_range)
+        self._dst_layer_range = range_arg("dst_layer_range", dst_layer_range)
         if src_layer_range != dst_layer_range:
             raise ParamInvalidError(f"a push needs the same layer range on both sides, got "
                                     f"src_layer_range={src_layer_range} and dst_layer_range={dst_layer_range}")
@@ -174,22 +176,6 @@ class TransferWithCacheKeyConfig(_Config):
     def dst_cluster_id(self) -> int:
         """The cluster the push goes to: ``cache_key.cluster_id`` (CANN's attribute)."""
         return self._cache_key.cluster_id
-
-    @property
-    def src_layer_range(self) -> Optional[range]:
-        return self._src_layer_range
-
-    @src_layer_range.setter
-    def src_layer_range(self, value: Optional[range]) -> None:
-        self._src_layer_range = optional_range_arg("src_layer_range", value)
-
-    @property
-    def dst_layer_range(self) -> Optional[range]:
-        return self._dst_layer_range
-
-    @dst_layer_range.setter
-    def dst_layer_range(self, value: Optional[range]) -> None:
-        self._dst_layer_range = optional_range_arg("dst_layer_range", value)
 
     @property
     def src_batch_index(self) -> int:
