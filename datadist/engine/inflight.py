@@ -46,7 +46,7 @@ class InFlight:
         self._epoch = epoch
         self._active: dict[Serving, int] = {}
         self._cond = threading.Condition(threading.Lock())
-        self._waiting = 0          # threads in release_after, or releases kept for later
+        self._waiting = 0          # threads in release_after
         self._later: list[tuple[int, Callable[[], None]]] = []
 
     def begin(self) -> Serving:
@@ -74,7 +74,7 @@ class InFlight:
     def end(self, serving: Serving) -> None:
         """``serving`` moved its last byte; releases it held back go now."""
         self._active.pop(serving, None)
-        if self._waiting:
+        if self._waiting or self._later:
             with self._cond:
                 self._cond.notify_all()
                 due = self._due_locked()
@@ -91,7 +91,6 @@ class InFlight:
         due = [release for epoch, release in self._later if not self._busy_locked(epoch, 0)]
         if due:
             self._later = [(epoch, release) for epoch, release in self._later if self._busy_locked(epoch, 0)]
-            self._waiting -= len(due)
         return due
 
     def release_after(self, epoch: int, release: Callable[[], None], deadline: float) -> bool:
@@ -107,7 +106,6 @@ class InFlight:
                     if left <= 0:
                         log.warning("memory freed while peers' transfers into it still run: given back when they end")
                         self._later.append((epoch, release))
-                        self._waiting += 1
                         return False
                     self._cond.wait(left)
             finally:
