@@ -25,7 +25,20 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["SplitConnector", "SchedulerHalf", "WorkerHalf"]
+__all__ = ["SplitConnector", "SchedulerHalf", "WorkerHalf", "extra_int"]
+
+
+def extra_int(connector: str, extra: Mapping[str, Any], key: str, default: int, low: int, high: int,
+              unit: str = "") -> int:
+    """``extra[key]`` of ``kv_connector_extra_config`` (``default`` when absent), an integer
+    ``low..high``; else ``ValueError`` naming ``connector`` at startup: a value the engine
+    would refuse mid-serving (inside vLLM's scheduler, ending the engine) is refused
+    before serving."""
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{connector}: kv_connector_extra_config {key}={value!r} must be an integer "
+                         f"{low}..{high}{unit}")
+    return value
 
 
 class WorkerHalf(Protocol):

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
-from .base import SplitConnector
+from .base import SplitConnector, extra_int
 from .params import RemoteParams, parse_remote
 from .stats import DATADIST_METRICS, ConnectorStats
 from .worker import DatadistWorker, Endpoint, RecvJob, Settings
@@ -94,16 +94,6 @@ def _positive(extra: dict[str, Any], key: str, default: float) -> float:
     return value
 
 
-def _bounded(extra: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
-    """``extra[key]`` (``default`` when absent), an integer ``low..high``; else ``ValueError``
-    at startup (a value the engine would refuse mid-serving is refused before serving)."""
-    value = extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"DatadistConnector: kv_connector_extra_config {key}={value!r} must be an integer "
-                         f"{low}..{high}")
-    return value
-
-
 def _flag(extra: dict[str, Any], key: str) -> bool:
     value = extra.get(key, False)
     if not isinstance(value, bool):
@@ -120,12 +110,12 @@ def _settings(vllm_config: "VllmConfig") -> Settings:
     if unknown:
         raise ValueError(f"DatadistConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
     return Settings(host=str(extra.get("host") or os.environ.get("DATADIST_VLLM_HOST") or "127.0.0.1"),
-                    port=_bounded(extra, "port", 0, 0, 65535),
+                    port=extra_int("DatadistConnector", extra, "port", 0, 0, 65535),
                     transfer_backend=str(extra.get("transfer_backend", "auto")),
-                    timeout_ms=_bounded(extra, "sync_kv_timeout_ms", 10000, 1, 3_600_000),
+                    timeout_ms=extra_int("DatadistConnector", extra, "sync_kv_timeout_ms", 10000, 1, 3_600_000),
                     lease_s=_positive(extra, "kv_lease_duration", 30.0),
-                    max_pulls=_bounded(extra, "max_concurrent_pulls", 4, 1, 64),
-                    idle_wait_ms=_bounded(extra, "idle_wait_ms", 10, 0, 1000),
+                    max_pulls=extra_int("DatadistConnector", extra, "max_concurrent_pulls", 4, 1, 64),
+                    idle_wait_ms=extra_int("DatadistConnector", extra, "idle_wait_ms", 10, 0, 1000),
                     link_secret_file=extra.get("link_secret_file"),
                     producer=bool(cfg.is_kv_producer), consumer=bool(cfg.is_kv_consumer),
                     engine_id=str(cfg.engine_id), transfer_checksum=_flag(extra, "transfer_checksum"))

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
-from datadist.integrations.vllm.base import SplitConnector
+from datadist.integrations.vllm.base import SplitConnector, extra_int
 from datadist.integrations.vllm.stats import EMS_METRICS, ConnectorStats
 
 from ... import CcKvOption
@@ -69,25 +69,19 @@ class EmsConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM's
     preempted: set[str] = field(default_factory=set)
 
 
-def _milliseconds(extra: dict[str, Any], key: str, default: int) -> int:
-    """``extra[key]`` (``default`` when absent): an integer from 1 ms to an hour, checked at
-    startup.  The pool client reads 0 as no deadline at all (a hung pool would hold the
-    engine loop) and refuses a negative one (in vLLM's scheduler, ending the engine)."""
-    value = extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 3_600_000:
-        raise ValueError(f"EmsConnector: kv_connector_extra_config {key}={value!r} must be an integer "
-                         "1..3600000 (milliseconds)")
-    return value
-
-
 def _settings(vllm_config: "VllmConfig") -> Settings:
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     known = {"server", "timeout_ms", "lookup_timeout_ms", "model_id"}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ValueError(f"EmsConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
-    return Settings(server=extra.get("server"), timeout_ms=_milliseconds(extra, "timeout_ms", 5000),
-                    lookup_timeout_ms=_milliseconds(extra, "lookup_timeout_ms", 1000), model_id=extra.get("model_id"))
+    # From 1 ms to an hour: the pool client reads 0 as no deadline at all (a hung pool would
+    # hold the engine loop) and refuses a negative one.
+    return Settings(server=extra.get("server"),
+                    timeout_ms=extra_int("EmsConnector", extra, "timeout_ms", 5000, 1, 3_600_000, " (milliseconds)"),
+                    lookup_timeout_ms=extra_int("EmsConnector", extra, "lookup_timeout_ms", 1000, 1, 3_600_000,
+                                                " (milliseconds)"),
+                    model_id=extra.get("model_id"))
 
 
 class EmsConnector(SplitConnector["_Scheduler", EmsWorker]):
