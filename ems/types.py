@@ -1,6 +1,7 @@
 """Small value types of the client API: options, results, buffers, keys."""
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Union
@@ -120,8 +121,6 @@ def _cuda_device_memory(addr: int) -> bool:
 def _is_tensor(value: object) -> bool:
     """Whether ``value`` is a ``torch.Tensor`` (never imports torch: a tensor exists only
     where torch was imported already)."""
-    import sys
-
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.Tensor)
 
