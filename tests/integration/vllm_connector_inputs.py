@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
-import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +28,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
 from vllm_pulls import BLOCKS, Half, caches
 from vllm_worker_halves import make_worker
+from waiting import PACED, until
 
 from datadist.integrations.vllm.connector import DatadistConnectorMetadata, _Scheduler, _settings
 from datadist.integrations.vllm.worker import RecvJob
@@ -116,13 +116,15 @@ def pulls() -> dict[str, Any]:
         done: set[str] = set()
         failed: set[str] = set()
         errors: set[int] = set()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and done != set(jobs):
+
+        def all_reported() -> bool:
             _, received, bad = decode.finished(set())
-            done |= received
-            failed |= bad
-            errors |= decode.take_load_errors()
-            time.sleep(0.02)
+            done.update(received)
+            failed.update(bad)
+            errors.update(decode.take_load_errors())
+            return done == set(jobs)
+
+        until(all_reported, 30, lambda: f"pulls reported: {sorted(done)} of {sorted(jobs)}", every=PACED)
         want = caches(3)
         exact = all(bool((mine[[6, 7]] == theirs[[4, 5]]).all()) for mine, theirs in zip(own, want))
         freed = sorted(prefill.call("freed", ["p-short", "p-str", "p-ok"])["freed"])

@@ -26,7 +26,6 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -38,6 +37,7 @@ from vllm import SamplingParams
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
+from waiting import PACED, until
 
 from ems.integrations.vllm.connector import EmsConnector, EmsConnectorMetadata
 from ems.integrations.vllm.worker import BlockJob
@@ -117,21 +117,15 @@ def run(pool: str) -> dict[str, Any]:
         os.kill(daemon, signal.SIGCONT)
     runner.join(60)
     worker.clear_connector_metadata()
-    deadline = time.monotonic() + 60
-    while "A" not in (worker.get_finished({"A"})[0] or set()) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    until(lambda: "A" in (worker.get_finished({"A"})[0] or set()), 60, "A's saves reported finished", every=PACED)
 
     # A later request loads A's keys into blocks 8..11.
     hashes = token_chain_hashes(prompt_a, BS)
     worker.bind_connector_metadata(EmsConnectorMetadata(loads={"check": BlockJob([8, 9, 10, 11], hashes)}))
     worker.start_load_kv(None)
     worker.clear_connector_metadata()
-    loaded = None
-    while loaded is None and time.monotonic() < deadline:
-        _, received = worker.get_finished(set())
-        if received and "check" in received:
-            loaded = worker.get_block_ids_with_load_errors()
-        time.sleep(0.01)
+    until(lambda: "check" in (worker.get_finished(set())[1] or set()), 60, "the check load finished", every=PACED)
+    loaded = worker.get_block_ids_with_load_errors()
     values = sorted({float(v) for cache in own for v in cache[8:12].unique()})
     worker.shutdown()
     return {"forward_waited": waited, "runner_done": not runner.is_alive(), "preempted": sorted(meta2.preempted)
